@@ -1,0 +1,235 @@
+"""The kill/resume proof, shared by both capstones.
+
+A reference run trains N steps in its own process. A second run with the same config is started
+in a subprocess, held right after step K (the ``TPULAB_HOLD_AFTER_STEP`` fixture, so the kill
+lands between checkpoints at a known step) and killed with SIGKILL: no handler runs, nothing is
+flushed or saved. A fresh process then resumes from the newest valid checkpoint and trains to N.
+The per-step losses of both segments are compared with the reference exactly (``==`` on the
+float32 values), and the overlay is plotted. Trainers only need to (1) log per-step ``loss`` to
+metrics.jsonl through ``MetricsLog`` with ``resumed_from`` in its start record and (2) call
+``hold_if_requested(step)`` after logging each step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tpulab.checkpoint.files import atomic_write_json
+from tpulab.errors import TpulabError
+from tpulab.evidence import metrics as M
+
+HOLD_ENV = "TPULAB_HOLD_AFTER_STEP"
+
+
+def hold_if_requested(step: int) -> None:
+    """Test fixture: block forever after ``step`` when TPULAB_HOLD_AFTER_STEP names it.
+
+    The process stays alive, mid-run, with whatever async work is in flight, until the proof
+    driver kills it. It never returns, so nothing after the held step is logged or saved.
+    """
+    target = os.environ.get(HOLD_ENV)
+    if target is not None and int(target) == step:
+        while True:
+            time.sleep(3600)
+
+
+def compare_curves(reference: dict[int, float], other: dict[int, float]) -> dict:
+    """Exact per-step comparison over the steps both curves have."""
+    steps = sorted(set(reference) & set(other))
+    diffs = [abs(reference[s] - other[s]) for s in steps]
+    first = next((s for s, d in zip(steps, diffs) if not d == 0.0 or math.isnan(d)), None)
+    return {
+        "identical": bool(steps) and first is None,
+        "max_abs_diff": max(diffs) if diffs else float("nan"),
+        "first_differing_step": first,
+        "steps_compared": len(steps),
+    }
+
+
+class Proc:
+    """A child in its own process group, killed with its whole group on exit, whatever happens."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict | None = None):
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.p = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+        self.p.wait()
+
+    def tail(self, n: int = 15) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
+        return "\n".join(lines)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+        self._log.close()
+
+
+def run_to_completion(argv: list[str], log_path: Path, env: dict, timeout_s: float, what: str) -> None:
+    with Proc(argv, log_path, env) as proc:
+        try:
+            rc = proc.p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TpulabError(f"{what} did not finish within {timeout_s:.0f}s (log: {log_path})") from None
+        if rc != 0:
+            raise TpulabError(f"{what} exited with {rc}: {proc.tail(1)} (log: {log_path})")
+
+
+def run_and_kill(argv: list[str], run_dir: Path, log_path: Path, env: dict, kill_at: int,
+                 timeout_s: float) -> int:
+    """Start a run held after ``kill_at``; SIGKILL it once that step is logged. Returns the last logged step."""
+    env = {**env, HOLD_ENV: str(kill_at)}
+    with Proc(argv, log_path, env) as proc:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            logged = M.curve(M.read_records(run_dir / M.METRICS))
+            if kill_at in logged:
+                break
+            if proc.p.poll() is not None:
+                raise TpulabError(f"run to be killed exited with {proc.p.returncode} before step {kill_at}: "
+                                  f"{proc.tail(1)} (log: {log_path})")
+            if time.monotonic() > deadline:
+                raise TpulabError(f"run to be killed did not reach step {kill_at} within {timeout_s:.0f}s")
+            time.sleep(0.05)
+        proc.kill(signal.SIGKILL)
+        if proc.p.returncode != -signal.SIGKILL:
+            raise TpulabError(f"killed run ended with {proc.p.returncode}, not SIGKILL")
+    return max(M.curve(M.read_records(run_dir / M.METRICS)))
+
+
+def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *, steps: int, kill_at: int,
+                 reference_dir: str | Path | None = None, env: dict | None = None, timeout_s: float = 900,
+                 title: str = "kill/resume proof", extra: dict | None = None) -> dict:
+    """Run the whole proof and write proof_dir/verdict.json and proof_dir/overlay.png.
+
+    ``command(run_dir)`` returns the argv of a trainer that trains ``steps`` steps in ``run_dir``,
+    resuming from its newest valid checkpoint when there is one. ``reference_dir`` reuses an
+    uninterrupted run that already finished (the capstone's main run) instead of training one.
+    """
+    proof_dir = Path(proof_dir)
+    if not 0 < kill_at < steps:
+        raise TpulabError(f"--kill-at {kill_at} must be between 1 and steps-1 ({steps - 1})")
+    proof_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **(env or {})}
+    env.pop(HOLD_ENV, None)
+    timings = {}
+
+    if reference_dir is None:
+        reference_dir = proof_dir / "reference"
+        if (reference_dir / M.METRICS).exists():
+            raise TpulabError(f"{reference_dir} already holds a run; use a fresh --run-dir")
+        reference_dir.mkdir(parents=True)
+        t0 = time.monotonic()
+        run_to_completion(command(reference_dir), proof_dir / "reference.log", env, timeout_s, "reference run")
+        timings["reference_s"] = time.monotonic() - t0
+    reference_dir = Path(reference_dir)
+
+    run_dir = proof_dir / "interrupted"
+    if (run_dir / M.METRICS).exists():
+        raise TpulabError(f"{run_dir} already holds a run; use a fresh --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    kill_step = run_and_kill(command(run_dir), run_dir, proof_dir / "killed.log", env, kill_at, timeout_s)
+    timings["killed_run_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    run_to_completion(command(run_dir), proof_dir / "resumed.log", env, timeout_s, "resumed run")
+    timings["resumed_run_s"] = time.monotonic() - t0
+
+    verdict = judge(reference_dir, run_dir, steps=steps, kill_step=kill_step)
+    verdict.update(timings=timings, reference_dir=str(reference_dir), run_dir=str(run_dir), **(extra or {}))
+    atomic_write_json(proof_dir / "verdict.json", verdict)
+    plot_proof(reference_dir, run_dir, verdict, proof_dir / "overlay.png", title=title)
+    return verdict
+
+
+def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> dict:
+    ref = M.curve(M.read_records(reference_dir))
+    recs = M.read_records(run_dir)
+    segs = M.starts(recs)
+    if len(segs) < 2:
+        raise TpulabError(f"{run_dir} holds {len(segs)} run segment(s); expected a killed and a resumed one")
+    resumed_from = segs[-1].get("resumed_from")
+    if resumed_from is None:
+        raise TpulabError(f"the resumed process in {run_dir} did not resume from a checkpoint")
+    killed = M.curve(recs, segment=segs[0]["segment"])
+    resumed = M.curve(recs, segment=segs[-1]["segment"])
+    before = compare_curves(ref, killed)
+    after = compare_curves(ref, resumed)
+    whole = compare_curves(ref, {**killed, **resumed})
+    missing = [s for s in range(1, steps + 1) if s not in ref or s not in {**killed, **resumed}]
+    return {
+        "identical": before["identical"] and after["identical"] and not missing,
+        "max_abs_diff": max(before["max_abs_diff"], after["max_abs_diff"]),
+        "first_differing_step": after["first_differing_step"] or before["first_differing_step"],
+        "steps_compared": whole["steps_compared"],
+        "steps_compared_after_resume": after["steps_compared"],
+        "steps_redone": max(0, kill_step - resumed_from),
+        "missing_steps": missing[:10],
+        "kill_step": kill_step,
+        "resumed_from_step": resumed_from,
+        "signal": "SIGKILL",
+        "steps": steps,
+    }
+
+
+def plot_proof(reference_dir: Path, run_dir: Path, verdict: dict, path: Path, title: str) -> None:
+    recs = M.read_records(run_dir)
+    segs = M.starts(recs)
+    plot_overlay(M.curve(M.read_records(reference_dir)), M.curve(recs, segment=segs[0]["segment"]),
+                 M.curve(recs, segment=segs[-1]["segment"]), verdict, path, title)
+
+
+def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Path, title: str) -> None:
+    """Two panels: the three curves overlaid (checkpoint and kill marked), and |resumed - reference|."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    rs = sorted(ref)
+    ax.plot(rs, [ref[s] for s in rs], color="0.55", lw=4.0, alpha=0.6, label="reference (uninterrupted)")
+    ks = sorted(killed)
+    ax.plot(ks, [killed[s] for s in ks], color="tab:blue", lw=1.3, label=f"killed run (SIGKILL after step {verdict['kill_step']})")
+    us = sorted(resumed)
+    ax.plot(us, [resumed[s] for s in us], color="tab:red", lw=1.3, ls="--", label=f"fresh process, resumed from step {verdict['resumed_from_step']}")
+    for a in (ax, ax_d):
+        a.axvline(verdict["resumed_from_step"], color="tab:green", ls=":", lw=1.2)
+        a.axvline(verdict["kill_step"], color="k", ls=":", lw=1.2)
+    ax.text(verdict["resumed_from_step"], ax.get_ylim()[1], " checkpoint", color="tab:green", va="top", fontsize=8)
+    ax.text(verdict["kill_step"], ax.get_ylim()[1], " kill", color="k", va="top", fontsize=8)
+    ax.set_ylabel("train loss")
+    state = "bitwise identical" if verdict["identical"] else f"NOT identical (max |diff| {verdict['max_abs_diff']:.3g})"
+    ax.set_title(f"{title}: {state} over {verdict['steps_compared']} steps")
+    ax.legend(fontsize=8)
+    diff_steps = [s for s in rs if s in killed or s in resumed]
+    both = {**killed, **resumed}
+    ax_d.plot(diff_steps, [abs(both[s] - ref[s]) for s in diff_steps], color="tab:purple", marker=".", ms=3, lw=0.8)
+    ax_d.set_yscale("symlog", linthresh=1e-8)
+    ax_d.set_ylabel("|run - reference|")
+    ax_d.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def python_module_argv(module: str, *args: str) -> list[str]:
+    """argv that runs ``python -m module args`` with this interpreter (children use the same venv)."""
+    return [sys.executable, "-m", module, *args]

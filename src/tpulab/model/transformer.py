@@ -1,0 +1,153 @@
+"""A byte-level decoder-only Transformer in Flax NNX.
+
+Pre-norm blocks with RoPE causal self-attention and a GELU MLP. Attention is split into
+``project_qkv`` (projections + RoPE) and ``attend`` (scores, mask, softmax, values) so that the
+training forward and the KV-cache decode path (``tpulab.inference``) share one implementation.
+Norms, softmax and logits run in the accumulation dtype (fp32) whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tpulab.model.config import ModelConfig, PrecisionConfig
+
+_INIT_STD = 0.02
+
+
+def rope_tables(positions_bt: jax.Array, head_dim: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [B, T, head_dim/2] for integer positions (fp32)."""
+    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles_bth), jnp.sin(angles_bth)
+
+
+def apply_rope(x_bthd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax.Array:
+    """Rotate channel pairs (first half, second half) of each head by the position angle."""
+    x = x_bthd.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos, sin = cos_bth[:, :, None, :], sin_bth[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x_bthd.dtype)
+
+
+def causal_mask(q_len: int, k_len: int, q_offset: int | jax.Array = 0) -> jax.Array:
+    """[q_len, k_len] bool: query i (at absolute position q_offset + i) sees keys 0..q_offset + i."""
+    q_pos = jnp.arange(q_len)[:, None] + q_offset
+    return jnp.arange(k_len)[None, :] <= q_pos
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, prec: PrecisionConfig, *, rngs: nnx.Rngs):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype=prec.param_dtype))
+        self.prec = prec
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(self.prec.accum_dtype)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
+        return (y * self.scale[...].astype(self.prec.accum_dtype)).astype(self.prec.compute_dtype)
+
+
+def _linear(d_in: int, d_out: int, prec: PrecisionConfig, rngs: nnx.Rngs, std: float = _INIT_STD) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=prec.compute_dtype, param_dtype=prec.param_dtype,
+                      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, prec: PrecisionConfig, *, rngs: nnx.Rngs):
+        self.cfg, self.prec = cfg, prec
+        self.qkv = _linear(cfg.d_model, 3 * cfg.d_model, prec, rngs)
+        self.out = _linear(cfg.d_model, cfg.d_model, prec, rngs, std=_INIT_STD / math.sqrt(2 * cfg.n_layers))
+        self.attn_dropout = nnx.Dropout(cfg.dropout)
+
+    def project_qkv(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v as [B, T, H, Dh]; RoPE already applied to q and k."""
+        b, t, _ = x_btd.shape
+        qkv = self.qkv(x_btd).reshape(b, t, 3, self.cfg.n_heads, self.cfg.head_dim)
+        q_bthd, k_bthd, v_bthd = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        cos, sin = rope_tables(positions_bt, self.cfg.head_dim, self.cfg.rope_base)
+        return apply_rope(q_bthd, cos, sin), apply_rope(k_bthd, cos, sin), v_bthd
+
+    def attend(self, q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array, *,
+               deterministic: bool, rngs: nnx.Rngs | None) -> jax.Array:
+        """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s. Returns [B, T, D]."""
+        acc = self.prec.accum_dtype
+        scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        scores_bhts = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc) * scale
+        scores_bhts = jnp.where(mask_bts[:, None, :, :], scores_bhts, jnp.finfo(acc).min)
+        probs_bhts = jax.nn.softmax(scores_bhts, axis=-1)
+        probs_bhts = self.attn_dropout(probs_bhts, deterministic=deterministic, rngs=rngs)
+        out_bthd = jnp.einsum("bhts,bshd->bthd", probs_bhts.astype(v_bshd.dtype), v_bshd,
+                              preferred_element_type=acc).astype(self.prec.compute_dtype)
+        b, t = out_bthd.shape[:2]
+        return self.out(out_bthd.reshape(b, t, self.cfg.d_model))
+
+    def __call__(self, x_btd, positions_bt, *, deterministic: bool, rngs: nnx.Rngs | None):
+        q, k, v = self.project_qkv(x_btd, positions_bt)
+        t = x_btd.shape[1]
+        mask_bts = jnp.broadcast_to(causal_mask(t, t), (x_btd.shape[0], t, t))
+        return self.attend(q, k, v, mask_bts, deterministic=deterministic, rngs=rngs)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, prec: PrecisionConfig, *, rngs: nnx.Rngs):
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.up = _linear(cfg.d_model, hidden, prec, rngs)
+        self.down = _linear(hidden, cfg.d_model, prec, rngs, std=_INIT_STD / math.sqrt(2 * cfg.n_layers))
+
+    def __call__(self, x_btd):
+        return self.down(jax.nn.gelu(self.up(x_btd)))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, prec: PrecisionConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, prec, rngs=rngs)
+        self.attn = Attention(cfg, prec, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, prec, rngs=rngs)
+        self.mlp = MLP(cfg, prec, rngs=rngs)
+        self.resid_dropout = nnx.Dropout(cfg.dropout)
+
+    def residual(self, x_btd, branch_btd, *, deterministic, rngs):
+        return x_btd + self.resid_dropout(branch_btd, deterministic=deterministic, rngs=rngs)
+
+    def __call__(self, x_btd, positions_bt, *, deterministic: bool, rngs: nnx.Rngs | None):
+        h = self.attn(self.attn_norm(x_btd), positions_bt, deterministic=deterministic, rngs=rngs)
+        x_btd = self.residual(x_btd, h, deterministic=deterministic, rngs=rngs)
+        return self.residual(x_btd, self.mlp(self.mlp_norm(x_btd)), deterministic=deterministic, rngs=rngs)
+
+
+class Transformer(nnx.Module):
+    """tokens [B, T] int32 -> logits [B, T, V] in the accumulation dtype."""
+
+    def __init__(self, cfg: ModelConfig, prec: PrecisionConfig, *, rngs: nnx.Rngs):
+        self.cfg, self.prec = cfg, prec
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=prec.compute_dtype, param_dtype=prec.param_dtype,
+                               embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, prec, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, prec, rngs=rngs)
+        self.head = None if cfg.tie_embeddings else _linear(cfg.d_model, cfg.vocab_size, prec, rngs)
+
+    def logits(self, x_btd: jax.Array) -> jax.Array:
+        """Final norm and output head; logits in the accumulation dtype."""
+        h_btd = self.final_norm(x_btd)
+        if self.head is None:
+            table = self.embed.embedding[...].astype(self.prec.compute_dtype)
+            return jnp.einsum("btd,vd->btv", h_btd, table, preferred_element_type=self.prec.accum_dtype)
+        return self.head(h_btd).astype(self.prec.accum_dtype)
+
+    def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None, *,
+                 deterministic: bool = True, rngs: nnx.Rngs | None = None) -> jax.Array:
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        x_btd = self.embed(tokens_bt)
+        for block in self.blocks:
+            x_btd = block(x_btd, positions_bt, deterministic=deterministic, rngs=rngs)
+        return self.logits(x_btd)
+
+
+def param_count(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
