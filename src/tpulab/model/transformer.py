@@ -114,10 +114,22 @@ class Block(nnx.Module):
     def residual(self, x_btd, branch_btd, *, deterministic, rngs):
         return x_btd + self.resid_dropout(branch_btd, deterministic=deterministic, rngs=rngs)
 
-    def __call__(self, x_btd, positions_bt, *, deterministic: bool, rngs: nnx.Rngs | None):
-        h = self.attn(self.attn_norm(x_btd), positions_bt, deterministic=deterministic, rngs=rngs)
+    def apply(self, x_btd, attn_fn, *, deterministic: bool, rngs: nnx.Rngs | None):
+        """The block around any attention: ``attn_fn(normed x) -> (out [B, T, D], aux)``; returns (x, aux).
+
+        Training passes full causal attention; the KV-cache path passes attention that also writes
+        its cache (returned as ``aux``), so both share this one block structure.
+        """
+        h, aux = attn_fn(self.attn_norm(x_btd))
         x_btd = self.residual(x_btd, h, deterministic=deterministic, rngs=rngs)
-        return self.residual(x_btd, self.mlp(self.mlp_norm(x_btd)), deterministic=deterministic, rngs=rngs)
+        x_btd = self.residual(x_btd, self.mlp(self.mlp_norm(x_btd)), deterministic=deterministic, rngs=rngs)
+        return x_btd, aux
+
+    def __call__(self, x_btd, positions_bt, *, deterministic: bool, rngs: nnx.Rngs | None):
+        def attn_fn(h_btd):
+            return self.attn(h_btd, positions_bt, deterministic=deterministic, rngs=rngs), None
+
+        return self.apply(x_btd, attn_fn, deterministic=deterministic, rngs=rngs)[0]
 
 
 class Transformer(nnx.Module):

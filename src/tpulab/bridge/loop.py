@@ -1,0 +1,107 @@
+"""The bridge trainer: the same seed, data and MLP on any backend, with full-state checkpoints.
+
+Data: x ~ N(0, 1) of shape (n, d) from a torch.Generator seeded with ``seed``; y = x.sum(1,
+keepdim=True). Every step trains on the whole fixed set; with ``augment`` > 0 it trains on
+x + augment * noise, the noise drawn each step from a second generator (``seed + 1``). That
+generator, torch's global CPU generator (dropout on the torch backend) and the device generator
+(torchax's jax key, XLA's seed) are all saved in every checkpoint and restored on resume; the
+hidden ``restore_rng=False`` negative control leaves them out, so a resumed run redraws from the
+seeds and its curve must differ from the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tpulab.bridge import checkpoint as C
+from tpulab.bridge.backends import build_model, make_runner, torch_xla_problem
+from tpulab.bridge.config import DTYPE, BridgeConfig, check_backend_method
+from tpulab.config import to_dict
+from tpulab.errors import TpulabError
+from tpulab.evidence.metrics import MetricsLog
+from tpulab.evidence.proof import hold_if_requested
+
+
+def make_data(cfg: BridgeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed)
+    x_nd = torch.randn(cfg.n, cfg.d, generator=g, dtype=torch.float32)
+    return x_nd, x_nd.sum(dim=1, keepdim=True)
+
+
+def versions() -> dict:
+    out = {}
+    for name in ("torch", "torchax", "jax", "jaxlib", "optax", "torch_xla"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def train(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, force: bool = False,
+          restore_rng: bool = True) -> dict:
+    """Train ``cfg.steps`` steps in ``run_dir``, resuming from its newest checkpoint. Returns a summary.
+
+    Every check that can refuse the run (backend, method, torch_xla, checkpoint integrity and
+    identity) happens before anything is written to ``run_dir``.
+    """
+    check_backend_method(backend, method)
+    if backend == "torch_xla" and (problem := torch_xla_problem()):
+        raise TpulabError(problem)
+    run_dir = Path(run_dir)
+    state, resumed_from, forced = None, None, []
+    ckpt = C.latest(run_dir) if run_dir.is_dir() else None
+    if ckpt is not None:
+        meta = C.read_meta(ckpt)
+        forced = C.check_identity(meta, ckpt, backend, method, cfg, force)
+        state = C.load_state(ckpt)
+        resumed_from = int(state["step"])
+
+    x_nd, y_n1 = make_data(cfg)
+    aug = torch.Generator().manual_seed(cfg.seed + 1)
+    model = build_model(cfg)  # always rebuilt from scratch; the checkpoint then overwrites its weights
+    runner = make_runner(backend, method, cfg, model, y_n1, state)
+    if state is not None and "rng" in state:
+        torch.set_rng_state(state["rng"]["torch_cpu"])
+        aug.set_state(state["rng"]["augment"])
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = runner.describe()
+    info = {"backend": backend, "method": method, "config": to_dict(cfg), "dtype": DTYPE,
+            "device": device, "versions": versions(), "restore_rng": restore_rng}
+    if backend == "torchax":
+        from tpulab.bridge import torchax_compat
+
+        info["torchax_workarounds"] = list(torchax_compat.APPLIED)
+    log = MetricsLog(run_dir, resumed_from=resumed_from, forced=forced or None, **info)
+    meta = {"format": 1, "backend": backend, "method": method, "config": to_dict(cfg), "dtype": DTYPE,
+            "versions": info["versions"], "rng_saved": restore_rng}
+    start = resumed_from or 0
+    last_ckpt = ckpt
+    times = []
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            x_step = x_nd + cfg.augment * torch.randn(x_nd.shape, generator=aug) if cfg.augment else x_nd
+            t0 = time.perf_counter()
+            loss = runner.step(x_step)
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            if not math.isfinite(loss):
+                raise TpulabError(f"loss is {loss} at step {step}; last good checkpoint: {last_ckpt}")
+            log.log(step, loss=loss, step_time_s=dt)
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                full = runner.state(with_rng=restore_rng)
+                if restore_rng:
+                    full["rng"] = {"torch_cpu": torch.get_rng_state(), "augment": aug.get_state()}
+                last_ckpt = C.save(run_dir, step, full, meta)
+            hold_if_requested(step)
+        log.event("done", step=cfg.steps)
+    finally:
+        log.close()
+    return {"run_dir": str(run_dir), "resumed_from": resumed_from, "steps": cfg.steps,
+            "last_checkpoint": str(last_ckpt) if last_ckpt else None, "step_times_s": times}

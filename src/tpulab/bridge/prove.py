@@ -1,0 +1,57 @@
+"""`tpulab bridge prove-resume`: the shared kill/resume proof (tpulab.evidence.proof) on a bridge trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from tpulab.bridge.config import BridgeConfig, check_backend_method
+from tpulab.config import to_dict
+from tpulab.errors import TpulabError
+from tpulab.evidence.proof import prove_resume, python_module_argv
+
+_FLAGS = {"n": "--n", "d": "--d", "hidden": "--hidden", "lr": "--lr", "seed": "--seed", "dropout": "--dropout",
+          "augment": "--augment", "steps": "--steps", "checkpoint_every": "--checkpoint-every"}
+
+
+def train_argv(cfg: BridgeConfig, backend: str, method: str, run_dir: Path, *, restore_rng: bool = True) -> list[str]:
+    """argv of a child that trains (or resumes) ``cfg`` in ``run_dir``: `python -m tpulab.cli bridge train ...`."""
+    args = ["bridge", "train", "--backend", backend, "--method", method, "--run-dir", str(run_dir)]
+    for f in dataclasses.fields(cfg):
+        args += [_FLAGS[f.name], repr(getattr(cfg, f.name))]
+    if not restore_rng:
+        args.append("--no-restore-rng")
+    return python_module_argv("tpulab.cli", *args)
+
+
+def default_kill_at(cfg: BridgeConfig) -> int:
+    """A step past the middle that is not a checkpoint step, so the resume has steps to redo."""
+    k = cfg.steps // 2 + max(1, cfg.checkpoint_every // 2)
+    if k % cfg.checkpoint_every == 0:
+        k += 1
+    return min(k, cfg.steps - 1)
+
+
+def prove(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, kill_at: int | None = None,
+          restore_rng: bool = True, timeout_s: float = 600) -> dict:
+    """Run the proof into run_dir/proof (verdict.json, overlay.png, report.md); return the verdict."""
+    from tpulab.bridge.backends import torch_xla_problem
+    from tpulab.bridge.report import write_proof_report
+
+    check_backend_method(backend, method)
+    if backend == "torch_xla" and (problem := torch_xla_problem()):
+        raise TpulabError(problem)
+    if cfg.steps < 2:
+        raise TpulabError(f"--steps {cfg.steps} is too few for a kill/resume proof (need >= 2)")
+    kill_at = default_kill_at(cfg) if kill_at is None else kill_at
+    proof_dir = Path(run_dir) / "proof"
+    if (proof_dir / "verdict.json").exists():
+        raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
+    label = f"{backend}/{method}" + ("" if restore_rng else ", generator state left out (negative control)")
+    verdict = prove_resume(lambda d: train_argv(cfg, backend, method, d, restore_rng=restore_rng), proof_dir,
+                           steps=cfg.steps, kill_at=kill_at, timeout_s=timeout_s,
+                           title=f"bridge {label}",
+                           extra={"backend": backend, "method": method, "config": to_dict(cfg),
+                                  "restore_rng": restore_rng, "negative_control": not restore_rng})
+    write_proof_report(proof_dir, verdict)
+    return verdict

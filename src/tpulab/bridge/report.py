@@ -1,0 +1,72 @@
+"""Half-page provenance reports: what ran where (as the backend reported it), and what the proof found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tpulab.evidence import metrics as M
+from tpulab.evidence.provenance import describe_hardware, git_commit
+
+METHOD_NOTES = {
+    ("torch", "eager"): "plain PyTorch on the CPU (the reference): torch autograd, torch.optim.Adam",
+    ("torchax", "eager"): "torch autograd and torch.optim.Adam, tensors on torchax's \"jax\" device, op by op",
+    ("torchax", "jit"): ("torchax.train.make_train_step (jax.value_and_grad of the torch loss) with optax.adam, "
+                         "one jax.jit per step; optimizer state checkpointed as optax leaves by tree path"),
+    ("torch_xla", "eager"): "torch autograd and torch.optim.Adam on the XLA device",
+}
+
+
+def device_line(device: dict) -> str:
+    """The device as the backend reported it; TPU only when JAX/XLA said tpu."""
+    if device.get("backend") == "torch-cpu":
+        return f"CPU ({device.get('device_kind')}) via torch, {device.get('torch_threads')} threads, not a TPU"
+    return describe_hardware(device)
+
+
+def start_record(run_dir: Path) -> dict:
+    starts = M.starts(M.read_records(run_dir))
+    return starts[0] if starts else {}
+
+
+def shapes(cfg: dict) -> str:
+    n, d, h = cfg["n"], cfg["d"], cfg["hidden"]
+    drop = f", Dropout({cfg['dropout']})" if cfg.get("dropout") else ""
+    return f"x ({n}, {d}), y ({n}, 1); MLP Linear({d}, {h}), ReLU{drop}, Linear({h}, 1)"
+
+
+def write_proof_report(proof_dir: Path, verdict: dict) -> str:
+    rec = start_record(Path(verdict["reference_dir"]))
+    cfg, dev, ver = rec.get("config", {}), rec.get("device", {}), rec.get("versions", {})
+    backend, method = verdict["backend"], verdict["method"]
+    state = ("**bitwise identical**" if verdict["identical"]
+             else f"**NOT identical** (first differing step {verdict['first_differing_step']}, "
+                  f"max |diff| {verdict['max_abs_diff']:.3g})")
+    control = ""
+    if verdict.get("negative_control"):
+        control = ("\nNegative control: the checkpoints leave the generator state out, so the resumed run "
+                   "redraws augmentation noise (and dropout masks) from the seeds. The proof must say NOT "
+                   f"identical; it says {'NOT identical: caught' if not verdict['identical'] else 'identical: NOT caught'}.\n")
+    workarounds = rec.get("torchax_workarounds")
+    lines = [
+        f"# Bridge kill/resume proof: {backend} / {method}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| device | {device_line(dev)} |",
+        f"| dtype | {rec.get('dtype', '?')} |",
+        f"| shapes | {shapes(cfg) if cfg else '?'} |",
+        f"| data | full batch, seed {cfg.get('seed')}, augment sigma {cfg.get('augment')}, dropout {cfg.get('dropout')} |",
+        f"| optimizer | Adam, lr {cfg.get('lr')}, {cfg.get('steps')} steps, checkpoint every {cfg.get('checkpoint_every')} |",
+        f"| bridge / method | {backend} / {method}: {METHOD_NOTES.get((backend, method), '')} |",
+        f"| versions | torch {ver.get('torch')}, torchax {ver.get('torchax')}, jax {ver.get('jax')}, jaxlib {ver.get('jaxlib')} |",
+        f"| torchax workarounds | {', '.join(workarounds) if workarounds else 'none' if backend == 'torchax' else 'n/a'} |",
+        f"| commit | {git_commit() or 'unknown'} |",
+        f"| verdict | {state} over {verdict['steps_compared']} steps; SIGKILL after step {verdict['kill_step']}, "
+        f"fresh process resumed from step {verdict['resumed_from_step']} ({verdict['steps_redone']} steps redone) |",
+        control,
+        "![reference, killed and resumed curves](overlay.png)",
+        "",
+    ]
+    text = "\n".join(lines)
+    (proof_dir / "report.md").write_text(text)
+    return text

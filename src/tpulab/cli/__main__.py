@@ -1,0 +1,5 @@
+import sys
+
+from tpulab.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,96 @@
+"""`tpulab bridge ...`: the small MLP through a PyTorch-to-XLA bridge (train, prove-resume, compare)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+BACKEND_HELP = "torch (plain PyTorch on CPU, the reference), torchax (torch on JAX), torch_xla (TPU VMs only)"
+METHOD_HELP = "eager (torch autograd + torch.optim.Adam) or jit (torchax only: functional jitted step, optax.adam)"
+
+
+def _config_args(p: argparse.ArgumentParser, steps_default: int | None = None) -> None:
+    from tpulab.bridge.config import BridgeConfig
+    import dataclasses
+
+    g = p.add_argument_group("run config (defaults in brackets)")
+    flags = {"n": "--n", "d": "--d", "hidden": "--hidden", "lr": "--lr", "seed": "--seed",
+             "dropout": "--dropout", "augment": "--augment", "steps": "--steps",
+             "checkpoint_every": "--checkpoint-every"}
+    for f in dataclasses.fields(BridgeConfig):
+        default = steps_default if (f.name == "steps" and steps_default) else f.default
+        g.add_argument(flags[f.name], dest=f"cfg_{f.name}", type=type(f.default), default=None,
+                       metavar=f.name.upper(), help=f"{f.metadata['doc']} [{default}]")
+    p.set_defaults(_steps_default=steps_default)
+
+
+def _config(args):
+    from tpulab.bridge.config import BridgeConfig
+    from tpulab.config import from_dict
+
+    values = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
+    if args._steps_default and "steps" not in values:
+        values["steps"] = args._steps_default
+    return from_dict(BridgeConfig, values)
+
+
+def register(sub) -> None:
+    bridge = sub.add_parser("bridge", help="the small MLP trained through a PyTorch-to-XLA bridge",
+                            description=__doc__.splitlines()[0])
+    bsub = bridge.add_subparsers(dest="bridge_command", required=True, metavar="SUBCOMMAND")
+
+    p = bsub.add_parser("train", help="train (or resume) one run in --run-dir")
+    p.add_argument("--backend", required=True, help=BACKEND_HELP)
+    p.add_argument("--method", default="eager", help=METHOD_HELP + " [eager]")
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--force", action="store_true",
+                   help="load a checkpoint from another backend/method/config anyway")
+    p.add_argument("--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS)
+    _config_args(p)
+    p.set_defaults(handler=_train)
+
+    p = bsub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, exact comparison")
+    p.add_argument("--backend", required=True, help=BACKEND_HELP)
+    p.add_argument("--method", default="eager", help=METHOD_HELP + " [eager]")
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--kill-at", type=int, default=None,
+                   help="SIGKILL the run right after this step [between two checkpoints, past the middle]")
+    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per child process [600]")
+    p.add_argument("--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS)
+    _config_args(p)
+    p.set_defaults(handler=_prove)
+
+    p = bsub.add_parser("compare", help="train the same seed and shapes on every available backend and method")
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per child process [600]")
+    _config_args(p)
+    p.set_defaults(handler=_compare)
+
+
+def _train(args) -> int:
+    from tpulab.bridge.loop import train
+
+    out = train(_config(args), args.backend, args.method, args.run_dir, force=args.force,
+                restore_rng=args.restore_rng)
+    how = f"resumed from step {out['resumed_from']}" if out["resumed_from"] is not None else "from scratch"
+    print(f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); run dir {out['run_dir']}")
+    return 0
+
+
+def _prove(args) -> int:
+    from tpulab.bridge.prove import prove
+
+    verdict = prove(_config(args), args.backend, args.method, args.run_dir, kill_at=args.kill_at,
+                    restore_rng=args.restore_rng, timeout_s=args.timeout)
+    state = "bitwise identical" if verdict["identical"] else f"NOT identical (first differing step {verdict['first_differing_step']})"
+    print(f"{args.backend}/{args.method}: {state}; killed after step {verdict['kill_step']}, resumed from "
+          f"{verdict['resumed_from_step']}; see {args.run_dir / 'proof'}")
+    return 0 if verdict["identical"] == args.restore_rng else 1
+
+
+def _compare(args) -> int:
+    from tpulab.bridge.compare import compare
+
+    result = compare(_config(args), args.run_dir, timeout_s=args.timeout)
+    print(result["markdown"])
+    return 0

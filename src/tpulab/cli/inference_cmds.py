@@ -1,0 +1,5 @@
+"""Subcommands of this concern (filled in by its issue)."""
+
+
+def register(sub) -> None:
+    pass

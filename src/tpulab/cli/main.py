@@ -1,0 +1,39 @@
+"""`tpulab` command line: parse arguments, call one library function, turn TpulabError into one line.
+
+Each concern registers its own subcommands (``register(subparsers)``) so this file stays a thin
+dispatcher. Heavy imports (jax, torch) happen inside the handlers, so ``--help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tpulab.errors import TpulabError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tpulab.cli import bridge_cmds, inference_cmds, train_cmds
+
+    parser = argparse.ArgumentParser(prog="tpulab", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (train_cmds, bridge_cmds, inference_cmds):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except TpulabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

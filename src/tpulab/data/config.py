@@ -1,0 +1,25 @@
+"""Data pipeline settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tpulab.config import check, field
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Corpus, split and batching. The corpus identity (a content hash) is checked on resume, not the path."""
+
+    path: str | None = field(None, "text file or directory of *.txt; null = the shipped Shakespeare corpus",
+                             resume_mutable=True)
+    seq_len: int = field(128, "tokens per training sequence (inputs); windows hold seq_len + 1 tokens")
+    batch_size: int = field(16, "sequences per step (global, across processes)")
+    val_fraction: float = field(0.1, "fraction of whole documents held out for validation (at least one)")
+    split_seed: int = field(0, "seed of the document-level train/validation split")
+    shuffle_seed: int = field(0, "seed of the Grain window shuffle (reshuffled every epoch)")
+
+    def __post_init__(self):
+        check(self.seq_len > 0, f"data.seq_len={self.seq_len} must be positive")
+        check(self.batch_size > 0, f"data.batch_size={self.batch_size} must be positive")
+        check(0.0 < self.val_fraction < 1.0, f"data.val_fraction={self.val_fraction} must be in (0, 1)")

@@ -1,0 +1,83 @@
+"""The Transformer run's config tree. Shipped configs live in configs/*.yaml."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tpulab.config import check, field, nested
+from tpulab.data.config import DataConfig
+from tpulab.model.config import ModelConfig, PrecisionConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+    lr: float = field(3e-3, "peak learning rate")
+    warmup_steps: int = field(50, "linear warmup from 0 to lr")
+    schedule_steps: int = field(300, "cosine decay horizon (steps); lr stays at its floor afterwards")
+    min_lr_ratio: float = field(0.1, "floor of the cosine decay, as a fraction of lr")
+    b1: float = field(0.9, "Adam first-moment decay")
+    b2: float = field(0.99, "Adam second-moment decay")
+    eps: float = field(1e-8, "Adam epsilon")
+    weight_decay: float = field(0.1, "decoupled weight decay on matrices (not on norms)")
+    clip_norm: float = field(1.0, "global gradient-norm clip; 0 disables")
+
+    def __post_init__(self):
+        check(self.lr > 0, f"optim.lr={self.lr} must be positive")
+        check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        check(self.schedule_steps > self.warmup_steps,
+              f"optim.schedule_steps={self.schedule_steps} must exceed optim.warmup_steps={self.warmup_steps}")
+        check(0.0 <= self.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0, f"optim.b1/b2 ({self.b1}, {self.b2}) must be in [0, 1)")
+        check(self.eps > 0, f"optim.eps={self.eps} must be positive")
+        check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        check(self.clip_norm >= 0, f"optim.clip_norm={self.clip_norm} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """How long to train and what to log. None of these change the math, so they may change on resume."""
+
+    steps: int = field(300, "train until this step", resume_mutable=True)
+    log_every: int = field(10, "progress-bar refresh interval (metrics.jsonl gets every step)", resume_mutable=True)
+    eval_every: int = field(50, "validation loss interval (and at the last step)", resume_mutable=True)
+    eval_batches: int = field(8, "fixed validation batches per evaluation", resume_mutable=True)
+    crash_on_nan: bool = field(True, "stop with an error on a non-finite loss", resume_mutable=True)
+
+    def __post_init__(self):
+        check(self.steps > 0, f"train.steps={self.steps} must be positive")
+        check(self.log_every > 0, f"train.log_every={self.log_every} must be positive")
+        check(self.eval_every > 0, f"train.eval_every={self.eval_every} must be positive")
+        check(self.eval_batches > 0, f"train.eval_batches={self.eval_batches} must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpointing: cadence and retention (may change on resume)."""
+
+    save_every: int = field(50, "save a checkpoint every this many steps (and at the end)", resume_mutable=True)
+    keep: int = field(3, "keep the newest N checkpoints", resume_mutable=True)
+    async_save: bool = field(True, "write checkpoints in the background while training continues",
+                             resume_mutable=True)
+
+    def __post_init__(self):
+        check(self.save_every > 0, f"checkpoint.save_every={self.save_every} must be positive")
+        check(self.keep >= 2, f"checkpoint.keep={self.keep} must be >= 2 (a corrupt newest one needs a fallback)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a Transformer training run."""
+
+    seed: int = field(0, "parameter init and dropout RNG seed")
+    model: ModelConfig = nested(ModelConfig)
+    precision: PrecisionConfig = nested(PrecisionConfig)
+    data: DataConfig = nested(DataConfig)
+    optim: OptimConfig = nested(OptimConfig)
+    train: TrainConfig = nested(TrainConfig)
+    checkpoint: CheckpointConfig = nested(CheckpointConfig)
+
+    def __post_init__(self):
+        check(self.data.seq_len <= self.model.max_seq_len,
+              f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
