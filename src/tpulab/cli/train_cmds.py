@@ -31,9 +31,10 @@ def load_run_config(args):
 
 
 def cmd_train(args) -> int:
+    config = load_run_config(args)  # before the heavy imports: a bad config fails fast
     from tpulab.train.loop import train
 
-    summary = train(load_run_config(args), args.run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
+    summary = train(config, args.run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
                     progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache)
     verb = "preempted at" if summary["preempted"] else "trained to"
     print(f"{verb} step {summary['final_step']}: loss {summary['final_loss']:.4f}"
@@ -71,9 +72,10 @@ def cmd_prove_resume(args) -> int:
 
 
 def cmd_check(args) -> int:
+    config = load_run_config(args)
     from tpulab.evidence.checks import print_table, run_checks
 
-    results = run_checks(load_run_config(args), run_dir=args.run_dir)
+    results = run_checks(config, run_dir=args.run_dir)
     print_table(results)
     return 0 if all(r["passed"] for r in results) else 1
 

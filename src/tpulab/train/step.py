@@ -109,7 +109,7 @@ def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
         (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, dropout_key)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step), "tokens": count}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), "tokens": count}
         return TrainState(state.step + 1, params, opt_state, rng), metrics
 
     def eval_step(params, batch):
