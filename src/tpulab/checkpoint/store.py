@@ -12,6 +12,7 @@ earlier valid step is used.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from typing import Any
 import grain
 import orbax.checkpoint as ocp
 
-from tpulab.checkpoint.files import manifest_digest, verify_manifest, write_manifest
+from tpulab.checkpoint.files import MANIFEST, manifest_digest, verify_manifest, write_manifest
 from tpulab.errors import CheckpointError
 
 FORMAT = "tpulab-transformer-checkpoint-v1"
@@ -42,22 +43,28 @@ def step_dirs(directory: Path) -> dict[int, Path]:
         if directory.is_dir() else {}
 
 
-def validate(directory: Path, reject_dir: Path) -> int | None:
-    """Newest verified step; invalid newer steps are moved to ``reject_dir`` with a warning."""
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    step: int
+    path: Path
+    reason: str
+    incomplete: bool  # no marker (a save cut short) rather than a mismatch (corruption)
+
+
+def scan(directory: Path) -> tuple[int | None, list[Rejected]]:
+    """(newest verified step, newer steps that failed verification). Reads only; moves nothing."""
+    rejected = []
     for step, path in sorted(step_dirs(directory).items(), reverse=True):
         try:
             verify_manifest(path)
-            meta = json.loads((path / "meta" / "metadata").read_text()) if (path / "meta" / "metadata").exists() \
-                else None
+            meta_path = path / "meta" / "metadata"
+            meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
             if not meta or meta.get("format") != FORMAT:
                 raise CheckpointError(f"{path} is not a {FORMAT} checkpoint")
-            return step
+            return step, rejected
         except CheckpointError as e:
-            reject_dir.mkdir(parents=True, exist_ok=True)
-            dest = reject_dir / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
-            shutil.move(str(path), dest)
-            _warn(f"refusing checkpoint step {step}: {e}; moved to {dest}")
-    return None
+            rejected.append(Rejected(step, path, str(e), not (path / MANIFEST).exists()))
+    return None, rejected
 
 
 class CheckpointStore:
@@ -67,7 +74,9 @@ class CheckpointStore:
         self.directory = Path(directory).absolute()
         self.reject_dir = self.directory.parent / "rejected_checkpoints"
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.latest = validate(self.directory, self.reject_dir)
+        self.latest, self.rejected = scan(self.directory)
+        for r in self.rejected:
+            _warn(f"refusing checkpoint step {r.step}: {r.reason}")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(
@@ -86,6 +95,16 @@ class CheckpointStore:
     def _commit_loop(self) -> None:
         while not self._stop.wait(0.02):
             self.commit_finished()
+
+    def quarantine(self) -> None:
+        """Move refused steps out of Orbax's way (so their step numbers can be saved again); never delete."""
+        for r in self.rejected:
+            self.reject_dir.mkdir(parents=True, exist_ok=True)
+            dest = self.reject_dir / f"{r.step}-{time.strftime('%Y%m%dT%H%M%S')}"
+            shutil.move(str(r.path), dest)
+            _warn(f"moved refused checkpoint step {r.step} to {dest}")
+        self.rejected = []
+        self.manager.reload()
 
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)

@@ -114,6 +114,12 @@ def run_and_kill(argv: list[str], run_dir: Path, log_path: Path, env: dict, kill
     return max(M.curve(M.read_records(run_dir / M.METRICS)))
 
 
+def checkpoint_listing(run_dir: Path) -> list[str]:
+    """What the checkpoint dir held at the moment of the kill (evidence of saves cut short)."""
+    ckpt = run_dir / "checkpoints"
+    return sorted(os.listdir(ckpt)) if ckpt.is_dir() else []
+
+
 def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *, steps: int, kill_at: int,
                  reference_dir: str | Path | None = None, env: dict | None = None, timeout_s: float = 900,
                  title: str = "kill/resume proof", extra: dict | None = None) -> dict:
@@ -147,13 +153,15 @@ def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *,
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     kill_step = run_and_kill(command(run_dir), run_dir, proof_dir / "killed.log", env, kill_at, timeout_s)
+    at_kill = checkpoint_listing(run_dir)
     timings["killed_run_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     run_to_completion(command(run_dir), proof_dir / "resumed.log", env, timeout_s, "resumed run")
     timings["resumed_run_s"] = time.monotonic() - t0
 
     verdict = judge(reference_dir, run_dir, steps=steps, kill_step=kill_step)
-    verdict.update(timings=timings, reference_dir=str(reference_dir), run_dir=str(run_dir), **(extra or {}))
+    verdict.update(timings=timings, reference_dir=str(reference_dir), run_dir=str(run_dir),
+                   checkpoints_at_kill=at_kill, **(extra or {}))
     atomic_write_json(proof_dir / "verdict.json", verdict)
     plot_proof(reference_dir, run_dir, verdict, proof_dir / "overlay.png", title=title)
     return verdict

@@ -129,6 +129,11 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
 
     t_start = time.monotonic()
     resume = None
+    if store.rejected:
+        if store.latest is None and not force and not all(r.incomplete for r in store.rejected):
+            raise CheckpointError(f"no checkpoint in {store.directory} passes verification; refusing to start over "
+                                  "(use --force to train from scratch; refused checkpoints are kept)")
+        store.quarantine()
     if store.latest is not None:
         check_resume_identity(store.read_meta(store.latest), config, splits.corpus.identity, force)
         target = steps.abstract_state()
