@@ -64,7 +64,8 @@ def child_train_argv(args, run_dir: Path, extra: list[str] = ()) -> list[str]:
 def cmd_prove_resume(args) -> int:
     from tpulab.train.proof import prove_transformer_resume
 
-    verdict = prove_transformer_resume(args, Path(args.run_dir))
+    verdict = prove_transformer_resume(args, Path(args.run_dir), kill_at=args.kill_at,
+                                       skip_restore=tuple(args.skip_restore))
     print(f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['steps_compared']} steps compared, "
           f"max |diff| {verdict['max_abs_diff']:.3g}, killed (SIGKILL) after step {verdict['kill_step']}, "
           f"resumed from step {verdict['resumed_from_step']} -> {Path(args.run_dir) / 'proof'}")

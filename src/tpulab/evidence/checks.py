@@ -46,7 +46,7 @@ def check_causal(model, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
         present_ok &= bool(np.array_equal(out[:, :t], base[:, :t])) and bool(np.any(out[:, t:] != base[:, t:]))
     return [
         _result("causal: future tokens do not change earlier logits", future_ok,
-                f"max |diff| at positions <= t: {worst:.3g} (must be exactly 0) over 4 cut points"),
+                f"max abs diff at positions <= t: {worst:.3g} (must be exactly 0) over 4 cut points"),
         _result("causal: token t changes logits at >= t only", present_ok,
                 "logits before t bitwise unchanged, some logit at or after t changed"),
     ]
@@ -83,7 +83,7 @@ def check_loss(model, windows: np.ndarray) -> list[dict]:
         _result("loss: jitted mean NLL over valid tokens equals NumPy reference", rel < 1e-5,
                 f"jax {ours:.7f} vs numpy(float64) {ref:.7f}, rel diff {rel:.2e} (tol 1e-5), {n_pad} padded targets"),
         _result("loss: padded positions contribute zero gradient", pad_grad == 0.0 and valid_grad > 0 and same,
-                f"max |dL/dlogits| at padding {pad_grad:g} (must be 0), at valid tokens {valid_grad:.3g}; "
+                f"max abs dL/dlogits at padding {pad_grad:g} (must be 0), at valid tokens {valid_grad:.3g}; "
                 f"padded targets changed -> loss {'unchanged' if same else 'CHANGED'}"),
     ]
 

@@ -19,13 +19,15 @@ def default_kill_step(steps: int, save_every: int) -> int:
     return k
 
 
-def prove_transformer_resume(args, run_dir: Path, reference_dir: Path | None = None) -> dict:
+def prove_transformer_resume(args, run_dir: Path, *, reference_dir: Path | None = None, kill_at: int | None = None,
+                             skip_restore: tuple[str, ...] = ()) -> dict:
+    """``args`` carries the config flags (--config, --set, --steps, --data, --compile-cache) the children get."""
     from tpulab.cli.train_cmds import child_train_argv, load_run_config
 
     config = load_run_config(args)
     steps = config.train.steps
-    kill_at = args.kill_at or default_kill_step(steps, config.checkpoint.save_every)
-    extra = [a for part in args.skip_restore for a in ("--skip-restore", part)]
+    kill_at = kill_at or default_kill_step(steps, config.checkpoint.save_every)
+    extra = [a for part in skip_restore for a in ("--skip-restore", part)]
     return prove_resume(lambda d: child_train_argv(args, d, extra), run_dir / "proof", steps=steps, kill_at=kill_at,
                         reference_dir=reference_dir, title="Transformer kill/resume",
-                        extra={"skip_restore": list(args.skip_restore)})
+                        extra={"skip_restore": list(skip_restore)})

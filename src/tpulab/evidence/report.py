@@ -1,0 +1,90 @@
+"""Markdown for the capstone report: provenance, the run, the proof, the checks."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from tpulab.evidence import metrics as M
+from tpulab.evidence.checks import table_markdown
+from tpulab.evidence.provenance import describe_hardware
+
+
+def steady_tokens_per_s(run_dir: Path, tokens_per_step: int, skip: int = 5) -> float | None:
+    """Median over steps of tokens / wall-clock delta, first ``skip`` steps (compile, warm-up) left out."""
+    recs = [r for r in M.read_records(run_dir) if "loss" in r and r.get("segment") == 0]
+    deltas = [b["wall_s"] - a["wall_s"] for a, b in zip(recs, recs[1:]) if a["step"] >= skip and b["step"] == a["step"] + 1]
+    deltas = [d for d in deltas if d > 0]
+    return tokens_per_step / statistics.median(deltas) if deltas else None
+
+
+def provenance_section(env: dict) -> str:
+    pk = env.get("packages", {})
+    versions = ", ".join(f"{k} {v}" for k, v in pk.items() if v)
+    return "\n".join([
+        "## What this ran on",
+        "",
+        f"- Hardware: **{describe_hardware(env)}** (as JAX reported it: backend `{env.get('backend')}`, "
+        f"device kind `{env.get('device_kind')}`, {env.get('device_count')} device(s), "
+        f"{env.get('process_count')} process(es))",
+        f"- Python {env.get('python')} on {env.get('platform')}",
+        f"- Versions: {versions}",
+        f"- Commit: `{env.get('git_commit') or 'not a git checkout'}`",
+        f"- Date (UTC): {env.get('time_utc')}",
+    ])
+
+
+def run_section(run_dir: Path) -> str:
+    env = json.loads((run_dir / "env.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    docs = json.loads((run_dir / "documents.json").read_text())
+    prec, shapes = env["precision"], env["shapes"]
+    tps = steady_tokens_per_s(run_dir, shapes["batch"] * shapes["seq_len"])
+    manifest = run_dir / "checkpoints" / str(summary["latest_checkpoint"]) / "tpulab_manifest.json"
+    from tpulab.checkpoint.files import sha256_file
+
+    return "\n".join([
+        "## The training run",
+        "",
+        "| what | value |",
+        "|---|---|",
+        f"| precision policy | params {prec['param_dtype']}, compute {prec['compute_dtype']}, "
+        f"accumulation {prec['accum_dtype']} |",
+        f"| shapes | batch {shapes['batch']} × sequence {shapes['seq_len']}; d_model {shapes['d_model']}, "
+        f"{shapes['n_layers']} layers, {shapes['n_heads']} heads, vocab {shapes['vocab']} (bytes + BOS + PAD) |",
+        f"| parameters | {env['param_count']:,} |",
+        f"| steps | {summary['final_step']} |",
+        f"| final train loss | {summary['final_loss']:.4f} |",
+        f"| final validation loss | {summary['final_val_loss']:.4f} (held-out whole documents) |",
+        f"| steady-state throughput | {tps:,.0f} tokens/s (median over steps, compile and warm-up excluded) |"
+        if tps else "| steady-state throughput | n/a |",
+        f"| time to first step (incl. compile) | {summary['time_to_first_step_s']:.1f} s |",
+        f"| corpus | {docs['source']}: {len(docs['train_documents'])} train / "
+        f"{len(docs['validation_documents'])} validation documents, identity `{docs['identity'][:16]}…` |",
+        f"| final checkpoint | step {summary['latest_checkpoint']}, manifest sha256 `{sha256_file(manifest)[:16]}…` |"
+        if manifest.exists() else "| final checkpoint | missing |",
+    ])
+
+
+def proof_section(proof_dir: Path, rel: str) -> str:
+    v = json.loads((proof_dir / "verdict.json").read_text())
+    verdict = "**bitwise identical**" if v["identical"] else f"**NOT identical** (first differing step {v['first_differing_step']})"
+    return "\n".join([
+        "## Kill/resume proof",
+        "",
+        f"A second run with the same config was killed with **{v['signal']}** right after step {v['kill_step']} "
+        f"(a real process; no handler ran). A fresh process resumed from the newest valid checkpoint, step "
+        f"{v['resumed_from_step']}, redid {v['steps_redone']} steps and trained to step {v['steps']}.",
+        "",
+        f"Verdict: {verdict} against the uninterrupted run over {v['steps_compared']} steps; "
+        f"max |diff| = {v['max_abs_diff']:g}. Checkpoint dir at the kill: {', '.join(v.get('checkpoints_at_kill', [])) or 'n/a'}.",
+        "",
+        f"![overlay]({rel}/overlay.png)",
+        "",
+        f"Evidence: `{rel}/verdict.json`, per-step losses in each run's `metrics.jsonl`.",
+    ])
+
+
+def checks_section(results: list[dict]) -> str:
+    return "## Independent checks\n\n" + table_markdown(results)
