@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/tpulab capstone --out runs/demo
+	$(BIN)/tpulab capstone --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: setup
 	$(BIN)/python -m pytest -q
