@@ -13,7 +13,7 @@ from tpulab.evidence import metrics as M
 from tpulab.evidence.proof import run_to_completion
 
 
-def compare(cfg: BridgeConfig, run_dir: str | Path, *, timeout_s: float = 600) -> dict:
+def compare(cfg: BridgeConfig, run_dir: str | Path, *, timeout_s: float = 600, env: dict | None = None) -> dict:
     """Train each (backend, method) in run_dir/runs/B-M; write compare.json, compare.md and compare.png."""
     from tpulab.bridge.prove import train_argv
     from tpulab.bridge.report import device_line, start_record
@@ -29,7 +29,7 @@ def compare(cfg: BridgeConfig, run_dir: str | Path, *, timeout_s: float = 600) -
             raise TpulabError(f"{d} already holds a run; use a fresh --run-dir")
         d.mkdir(parents=True)
         run_to_completion(train_argv(cfg, backend, method, d), run_dir / f"{backend}-{method}.log",
-                          dict(os.environ), timeout_s, f"{backend}/{method} run")
+                          {**os.environ, **(env or {})}, timeout_s, f"{backend}/{method} run")
         curves[(backend, method)] = M.curve(M.read_records(d))
         devices[(backend, method)] = device_line(start_record(d).get("device", {}))
     ref = curves[("torch", "eager")]

@@ -28,7 +28,7 @@ class BridgeConfig:
 
     n: int = field(256, "number of fixed training examples (full-batch training)")
     d: int = field(8, "input width")
-    hidden: int = field(32, "hidden width of the MLP")
+    hidden: int = field(64, "hidden width of the MLP")
     lr: float = field(1e-2, "Adam learning rate")
     seed: int = field(0, "seed of the model init, the data and the augmentation generator")
     dropout: float = field(0.0, "dropout probability after the ReLU (0 = no dropout)")

@@ -33,7 +33,7 @@ def default_kill_at(cfg: BridgeConfig) -> int:
 
 
 def prove(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, kill_at: int | None = None,
-          restore_rng: bool = True, timeout_s: float = 600) -> dict:
+          restore_rng: bool = True, timeout_s: float = 600, env: dict | None = None) -> dict:
     """Run the proof into run_dir/proof (verdict.json, overlay.png, report.md); return the verdict."""
     from tpulab.bridge.backends import torch_xla_problem
     from tpulab.bridge.report import write_proof_report
@@ -49,7 +49,7 @@ def prove(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, 
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
     label = f"{backend}/{method}" + ("" if restore_rng else ", generator state left out (negative control)")
     verdict = prove_resume(lambda d: train_argv(cfg, backend, method, d, restore_rng=restore_rng), proof_dir,
-                           steps=cfg.steps, kill_at=kill_at, timeout_s=timeout_s,
+                           steps=cfg.steps, kill_at=kill_at, timeout_s=timeout_s, env=env,
                            title=f"bridge {label}",
                            extra={"backend": backend, "method": method, "config": to_dict(cfg),
                                   "restore_rng": restore_rng, "negative_control": not restore_rng})

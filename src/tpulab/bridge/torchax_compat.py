@@ -97,6 +97,11 @@ def enable_eager_autograd(env) -> None:
 
 def to_cpu(tree):
     """A copy of ``tree`` with every tensor (torchax or not) as a CPU torch tensor, for torch.save."""
+    import contextlib
+
     from torch.utils import _pytree as pytree
 
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu"), tree)
+    # torchax tensors only move (or do anything) inside the torchax environment
+    ctx = sys.modules["torchax"].default_env() if "torchax" in sys.modules else contextlib.nullcontext()
+    with ctx:
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu"), tree)

@@ -1,0 +1,26 @@
+"""KV-cache prefill/decode, cache precisions, jax.export endpoints, generation and serving.
+
+Public names are imported lazily so ``import tpulab.inference`` stays cheap for the CLI.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "KVCache": "cache", "POLICIES": "cache",
+    "Decoder": "decode", "ModelFns": "decode",
+    "SamplingConfig": "generate", "generate_text": "generate",
+    "KVEvalConfig": "cache_eval", "write_kvcache_report": "cache_eval",
+    "export_artifacts": "export", "open_artifacts": "export", "verify_export": "export",
+    "decode_speed": "speed",
+    "capstone_stage": "capstone",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"tpulab.inference.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'tpulab.inference' has no attribute {name!r}")

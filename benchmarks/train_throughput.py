@@ -1,0 +1,364 @@
+"""Steady-state training tokens/s of tpulab's train step against plain eager PyTorch, plus resume start-up.
+
+Part 1 (throughput, one process): tpulab's jitted, donated train step (``make_steps``) and an eager
+PyTorch implementation of the identical model and optimizer train side by side on the same numpy
+batches from the Grain pipeline, starting from the same parameters (tpulab's init, copied into
+torch). Compile and warm-up steps are excluded; every timed step is synchronized
+(``block_until_ready`` / ``loss.item()``); the two are timed in interleaved rounds, so a change in
+host load hits both, and the median over at least 20 steps is reported. Agreement is checked on
+the same run: the first-step loss (same parameters, same batch) must match to ~1e-5 relative.
+
+Part 2 (resume start-up, subprocesses): a run trains to step 12 (checkpoints at 10 and 12); copies
+of it are resumed to step 14 through the real CLI, with an empty compilation cache (cold) or the
+cache the first run filled (warm). The time is wall clock from ``Popen`` to the first resumed
+step's line in metrics.jsonl (interpreter start, imports, restore, compile, one step), polled
+from the parent.
+
+    .venv/bin/python benchmarks/train_throughput.py [--steps 30] [--resume-repeats 3]
+
+Writes benchmarks/results/train_throughput.{md,json}; scratch runs go to runs/bench-train-throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.config import load, to_dict
+from tpulab.data.corpus import load_corpus
+from tpulab.data.pipeline import build_splits, train_dataset
+from tpulab.evidence import metrics as M
+from tpulab.evidence.proof import python_module_argv
+from tpulab.model.config import ModelConfig
+from tpulab.perf.timing import benchmark_environment, summarize, time_steps
+from tpulab.train.config import RunConfig
+from tpulab.train.step import lr_schedule, make_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "default.yaml"
+OVERRIDES = ["model.dropout=0"]  # the benchmark measures the deterministic step
+
+
+# --- the PyTorch eager baseline: the same architecture as tpulab.model.transformer -----------------
+
+class TorchBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.attn_norm = nn.Parameter(torch.ones(d))
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.out = nn.Linear(d, d, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(d))
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x_btd, cos_td, sin_td):
+        b, t, d = x_btd.shape
+        h_btd = F.rms_norm(x_btd, (d,), self.attn_norm, eps=1e-6)
+        qkv = self.qkv(h_btd).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q_bhtd, k_bhtd, v_bhtd = rope(qkv[0], cos_td, sin_td), rope(qkv[1], cos_td, sin_td), qkv[2]
+        a_bhtd = F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, is_causal=True)  # scale 1/sqrt(Dh)
+        x_btd = x_btd + self.out(a_bhtd.transpose(1, 2).reshape(b, t, d))
+        h_btd = F.rms_norm(x_btd, (d,), self.mlp_norm, eps=1e-6)
+        # jax.nn.gelu defaults to approximate=True, the tanh form.
+        return x_btd + self.down(F.gelu(self.up(h_btd), approximate="tanh"))
+
+
+def rope(x_bhtd, cos_td, sin_td):
+    """Rotate (first half, second half) channel pairs, as tpulab's apply_rope."""
+    x1, x2 = x_bhtd.chunk(2, dim=-1)
+    return torch.cat([x1 * cos_td - x2 * sin_td, x1 * sin_td + x2 * cos_td], dim=-1)
+
+
+class TorchTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, seq_len: int):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(TorchBlock(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = nn.Parameter(torch.ones(cfg.d_model))
+        inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        angles_td = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq
+        self.register_buffer("cos_td", angles_td.cos(), persistent=False)
+        self.register_buffer("sin_td", angles_td.sin(), persistent=False)
+
+    def forward(self, tokens_bt):
+        x_btd = self.embed(tokens_bt)
+        for block in self.blocks:
+            x_btd = block(x_btd, self.cos_td, self.sin_td)
+        h_btd = F.rms_norm(x_btd, (x_btd.shape[-1],), self.final_norm, eps=1e-6)
+        return h_btd @ self.embed.weight.T  # tied head
+
+    @torch.no_grad()
+    def load_tpulab(self, params) -> None:
+        """Copy tpulab parameters (nnx.State as numpy) in; Linear kernels are [in, out], torch's [out, in]."""
+        self.embed.weight.copy_(torch.from_numpy(np.asarray(params["embed"]["embedding"])))
+        self.final_norm.copy_(torch.from_numpy(np.asarray(params["final_norm"]["scale"])))
+        for i, blk in enumerate(self.blocks):
+            p = params["blocks"][i]
+            blk.attn_norm.copy_(torch.from_numpy(np.asarray(p["attn_norm"]["scale"])))
+            blk.mlp_norm.copy_(torch.from_numpy(np.asarray(p["mlp_norm"]["scale"])))
+            for lin, src in ((blk.qkv, p["attn"]["qkv"]), (blk.out, p["attn"]["out"]),
+                             (blk.up, p["mlp"]["up"]), (blk.down, p["mlp"]["down"])):
+                lin.weight.copy_(torch.from_numpy(np.asarray(src["kernel"])).T)
+
+
+def masked_xent(logits_btv, targets_bt, mask_bt):
+    nll_bt = F.cross_entropy(logits_btv.flatten(0, 1), targets_bt.flatten(), reduction="none").view_as(mask_bt)
+    return (nll_bt * mask_bt).sum() / mask_bt.sum().clamp(min=1.0)
+
+
+class TorchTrainer:
+    """AdamW (decay on >= 2-D params only), the config's warmup-cosine schedule, global-norm clipping."""
+
+    def __init__(self, config: RunConfig, params, lrs: np.ndarray):
+        o = config.optim
+        self.model = TorchTransformer(config.model, config.data.seq_len)
+        self.model.load_tpulab(params)
+        ps = list(self.model.parameters())
+        groups = [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}]
+        # fused=True: the fastest AdamW torch offers on CPU (one kernel over all params).
+        self.opt = torch.optim.AdamW(groups, lr=float(lrs[0]), betas=(o.b1, o.b2), eps=o.eps, fused=True)
+        self.clip, self.lrs, self.k = o.clip_norm, lrs, 0
+
+    def step(self, batch):
+        for g in self.opt.param_groups:  # what LambdaLR does, with optax's exact values
+            g["lr"] = float(self.lrs[self.k])
+        self.k += 1
+        logits = self.model(torch.from_numpy(batch["inputs"]).long())
+        loss = masked_xent(logits, torch.from_numpy(batch["targets"]).long(), torch.from_numpy(batch["mask"]))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        return loss.detach()
+
+
+# --- part 1: throughput ------------------------------------------------------------------------------
+
+def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dict:
+    splits = build_splits(load_corpus(config.data.path), config.data)
+    total = warmup + n_steps
+    batches = list(itertools.islice(iter(train_dataset(splits.train_windows, config.data)), total))
+    lrs = np.asarray(jax.vmap(lr_schedule(config.optim))(jnp.arange(total)))
+
+    steps = make_steps(config)
+    state = steps.init()
+    init_params = jax.device_get(state.params.to_pure_dict())  # before the first (donating) step
+    trainer = TorchTrainer(config, init_params, lrs)
+
+    jax_out, torch_out = [], []
+    jit_batches, torch_batches = iter(batches), iter(batches)
+
+    def jax_step():
+        nonlocal state
+        state, metrics = steps.train(state, steps.put_batch(next(jit_batches)))
+        jax_out.append(metrics)
+        return state, metrics
+
+    def torch_step():
+        loss = trainer.step(next(torch_batches))
+        torch_out.append(loss)
+        return loss
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax_step())  # compile (and the first step)
+    compile_and_first_s = time.perf_counter() - t0
+    time_steps(jax_step, jax.block_until_ready, warmup - 1)
+    time_steps(torch_step, torch.Tensor.item, warmup)
+    per_round = -(-n_steps // rounds)
+    jt, tt = [], []
+    for r in range(rounds):
+        n = min(per_round, n_steps - r * per_round)
+        jt += time_steps(jax_step, jax.block_until_ready, n)
+        tt += time_steps(torch_step, torch.Tensor.item, n)
+
+    tokens = config.data.batch_size * config.data.seq_len
+    jl = np.array([float(m["loss"]) for m in jax_out])
+    tl = np.array([float(x) for x in torch_out])
+    rel = np.abs(jl - tl) / np.abs(jl)
+    js, ts = summarize(jt), summarize(tt)
+    return {
+        "tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": n_steps, "rounds": rounds,
+        "tpulab": {**js, "tokens_per_s": tokens / js["median_s"], "compile_and_first_step_s": compile_and_first_s},
+        "torch_eager": {**ts, "tokens_per_s": tokens / ts["median_s"]},
+        "speedup": ts["median_s"] / js["median_s"],
+        "agreement": {"first_step_loss_tpulab": float(jl[0]), "first_step_loss_torch": float(tl[0]),
+                      "first_step_rel_diff": float(rel[0]), "max_rel_loss_diff_all_steps": float(rel.max()),
+                      "last_step_loss_tpulab": float(jl[-1]), "last_step_loss_torch": float(tl[-1]),
+                      "steps_compared": len(jl)},
+    }
+
+
+# --- part 2: time from process start to the first resumed step ----------------------------------------
+
+def train_argv(run_dir: Path, cache: Path, steps: int) -> list[str]:
+    argv = python_module_argv("tpulab.cli", "train", "--run-dir", str(run_dir), "--config", str(CONFIG),
+                              "--steps", str(steps), "--compile-cache", str(cache), "--no-progress",
+                              "--set", "checkpoint.save_every=10")
+    for o in OVERRIDES:
+        argv += ["--set", o]
+    return argv
+
+
+def run_logged(argv: list[str], log: Path, timeout: float = 300) -> None:
+    with open(log, "w") as f:
+        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    if rc != 0:
+        sys.exit(f"error: {' '.join(argv)} exited {rc}; see {log}")
+
+
+def timed_resume(base: Path, run_dir: Path, cache: Path, first_step: int, last_step: int) -> dict:
+    """Copy ``base``, resume it in a fresh process; seconds from spawn to ``first_step``'s metrics line."""
+    shutil.copytree(base, run_dir)
+    segment = len(M.starts(M.read_records(run_dir)))
+    log = run_dir.with_suffix(".log")
+    with open(log, "w") as f:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(train_argv(run_dir, cache, last_step), stdout=f, stderr=subprocess.STDOUT)
+        t_first, size = None, -1
+        while t_first is None and proc.poll() is None:
+            time.sleep(0.01)
+            new_size = (run_dir / M.METRICS).stat().st_size
+            if new_size != size:
+                size = new_size
+                if any(r.get("step") == first_step and r.get("segment") == segment
+                       for r in M.read_records(run_dir)):
+                    t_first = time.monotonic() - t0
+        rc = proc.wait(timeout=300)
+        t_exit = time.monotonic() - t0
+    if rc != 0 or t_first is None:
+        sys.exit(f"error: resume in {run_dir} exited {rc} before step {first_step} was logged; see {log}")
+    start = M.starts(M.read_records(run_dir))[segment]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"spawn_to_first_step_s": t_first, "in_process_to_first_step_s": summary["time_to_first_step_s"],
+            "process_wall_s": t_exit, "resumed_from": start["resumed_from"]}
+
+
+def resume_startup(work: Path, repeats: int, base_steps: int = 12, resume_to: int = 14) -> dict:
+    base, warm_cache = work / "base", work / "cache-warm"
+    run_logged(train_argv(base, warm_cache, base_steps), work / "base.log")
+    trials = {"cold": [], "warm": []}
+    for i in range(repeats):  # interleaved, so host-load drift hits both
+        trials["cold"].append(timed_resume(base, work / f"cold-{i}", work / f"cache-cold-{i}", base_steps + 1,
+                                           resume_to))
+        trials["warm"].append(timed_resume(base, work / f"warm-{i}", warm_cache, base_steps + 1, resume_to))
+    out = {"base_steps": base_steps, "resume_to": resume_to, "repeats": repeats, "trials": trials}
+    for kind, rows in trials.items():
+        if any(r["resumed_from"] != base_steps for r in rows):
+            sys.exit(f"error: a {kind} resume did not start from checkpoint {base_steps}: {rows}")
+        out[kind] = {k: statistics.median(r[k] for r in rows)
+                     for k in ("spawn_to_first_step_s", "in_process_to_first_step_s", "process_wall_s")}
+    return out
+
+
+# --- report ---------------------------------------------------------------------------------------------
+
+def markdown(result: dict) -> str:
+    t, env, c = result["throughput"], result["environment"], result["config"]
+    a = t["agreement"]
+    m, d = c["model"], c["data"]
+    lines = [
+        f"Shapes: {m['n_layers']} layers, {m['n_heads']} heads, d_model {m['d_model']}, seq {d['seq_len']}, "
+        f"batch {d['batch_size']}, vocab {m['vocab_size']} (bytes), fp32, AdamW + warmup-cosine + clip "
+        f"{c['optim']['clip_norm']}, dropout {m['dropout']}. Median of {t['timed_steps']} synchronized steps each "
+        f"({t['rounds']} interleaved rounds) after {t['warmup_steps']} warm-up steps; compile excluded.",
+        "",
+        "| implementation | median step (ms) | p10-p90 (ms) | tokens/s | vs torch eager |",
+        "|---|---|---|---|---|",
+    ]
+    for name, key in (("tpulab (jit, donated)", "tpulab"), ("PyTorch eager", "torch_eager")):
+        r = t[key]
+        lines.append(f"| {name} | {1e3 * r['median_s']:.1f} | {1e3 * r['p10_s']:.1f}-{1e3 * r['p90_s']:.1f} "
+                     f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / t['torch_eager']['tokens_per_s']:.2f}x |")
+    lines += [
+        "",
+        f"Agreement (same init, same batches): first-step loss tpulab {a['first_step_loss_tpulab']:.7f}, "
+        f"torch {a['first_step_loss_torch']:.7f}, relative difference {a['first_step_rel_diff']:.1e}; "
+        f"max over all {a['steps_compared']} steps {a['max_rel_loss_diff_all_steps']:.1e}.",
+        f"tpulab compile + first step: {t['tpulab']['compile_and_first_step_s']:.1f} s (not in the table).",
+    ]
+    if "resume" in result:
+        r = result["resume"]
+        lines += [
+            "",
+            f"Resume start-up (run trained to step {r['base_steps']}, resumed to {r['resume_to']} by `tpulab train` "
+            f"in a fresh process; median of {r['repeats']}):",
+            "",
+            "| compilation cache | spawn to first resumed step (s) | in-process train() to first step (s) "
+            "| whole process (s) |",
+            "|---|---|---|---|",
+        ]
+        for kind in ("cold", "warm"):
+            x = r[kind]
+            lines.append(f"| {kind} ({'empty dir' if kind == 'cold' else 'filled by an earlier run'}) | "
+                         f"{x['spawn_to_first_step_s']:.2f} | {x['in_process_to_first_step_s']:.2f} | "
+                         f"{x['process_wall_s']:.2f} |")
+    pk = env["packages"]
+    lines += [
+        "",
+        f"Provenance: backend `{env['backend']}`, device kind `{env['device_kind']}` x{env['device_count']}, "
+        f"{env['cpu_count']} CPU cores, torch threads {result['torch_threads']}, load average at start "
+        f"{env['load_avg_1m_5m_15m']}; " + ", ".join(f"{k} {v}" for k, v in pk.items() if v)
+        + f"; commit `{env['git_commit']}`; {env['time_utc']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per implementation (>= 20)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (tpulab's include the compile)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    ap.add_argument("--resume-repeats", type=int, default=3, help="cold and warm resumes each (0 skips part 2)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-train-throughput")
+    args = ap.parse_args(argv)
+    if args.steps < 20 or args.warmup < 1:
+        ap.error("--steps must be >= 20 and --warmup >= 1")
+
+    config = load(RunConfig, CONFIG, OVERRIDES)
+    torch.set_num_threads(os.cpu_count())
+    env = benchmark_environment(("torch",))
+    result = {"config": to_dict(config), "overrides": OVERRIDES, "torch_threads": torch.get_num_threads(),
+              "environment": env, "dtype": config.precision.compute_dtype,
+              "shapes": {"batch": config.data.batch_size, "seq": config.data.seq_len,
+                         "d_model": config.model.d_model, "n_layers": config.model.n_layers,
+                         "n_heads": config.model.n_heads, "vocab": config.model.vocab_size},
+              "throughput": throughput(config, args.steps, args.warmup, args.rounds)}
+    if args.resume_repeats > 0:
+        if args.work.exists():
+            shutil.rmtree(args.work)
+        args.work.mkdir(parents=True)
+        result["resume"] = resume_startup(args.work, args.resume_repeats)
+    env["load_avg_1m_5m_15m_end"] = [round(x, 2) for x in os.getloadavg()]
+
+    md = markdown(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out / "train_throughput.json", result)
+    atomic_write_bytes(args.out / "train_throughput.md", ("# Training throughput\n\n" + md).encode())
+    print(md, end="")
+    print(f"written to {args.out / 'train_throughput.md'} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""End to end, with real subprocesses: kill/resume proofs on every bridge this machine runs, the
+negative control, and the cross-runtime comparison. Small sizes; still run in CI (`make test`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tpulab.bridge import checkpoint as C
+from tpulab.bridge.backends import torch_xla_problem
+from tpulab.bridge.config import BridgeConfig
+from tpulab.errors import TpulabError
+
+# augment and dropout on: the resume is exact only if every generator state is restored
+PROOF = BridgeConfig(n=64, steps=16, checkpoint_every=5, augment=0.1, dropout=0.1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_jax_cache(tmp_path_factory):
+    """Children of this module's tests share one JAX compilation cache (the proof's env is os.environ)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "jax-cache"))
+        mp.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        yield
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, method", [("torch", "eager"), ("torchax", "eager"), ("torchax", "jit")])
+def test_prove_resume_bitwise(tmp_path, backend, method):
+    from tpulab.bridge.prove import prove
+
+    v = prove(PROOF, backend, method, tmp_path, timeout_s=180)
+    assert v["identical"], v
+    assert v["kill_step"] == 11 and v["resumed_from_step"] == 10 and v["steps_compared"] == 16
+    on_disk = json.loads((tmp_path / "proof" / "verdict.json").read_text())
+    assert on_disk["identical"] and on_disk["signal"] == "SIGKILL"
+    assert (tmp_path / "proof" / "overlay.png").stat().st_size > 10_000
+    report = (tmp_path / "proof" / "report.md").read_text()
+    assert "bitwise identical" in report and "overlay.png" in report and "not a TPU" in report
+    # the checkpoint carries the generator states
+    state = C.load_state(C.latest(tmp_path / "proof" / "interrupted"))
+    assert set(state["rng"]) == {"torch_cpu", "augment"}
+    assert ("device_rng" in state) == (backend == "torchax")
+
+
+@pytest.mark.slow
+def test_negative_control_is_caught(tmp_path):
+    from tpulab.bridge.prove import prove
+
+    v = prove(PROOF, "torch", "eager", tmp_path, restore_rng=False, timeout_s=180)
+    assert v["identical"] is False
+    assert v["first_differing_step"] == v["resumed_from_step"] + 1
+    assert "NOT identical: caught" in (tmp_path / "proof" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_compare_torchax_agrees_with_torch_at_step_200(tmp_path):
+    from tpulab.bridge.compare import compare
+
+    cfg = BridgeConfig()  # the defaults: 200 steps
+    assert cfg.steps == 200
+    out = compare(cfg, tmp_path, timeout_s=300)
+    rows = {(r["backend"], r["method"]): r for r in json.loads((tmp_path / "compare.json").read_text())["rows"]}
+    assert {("torch", "eager"), ("torchax", "eager"), ("torchax", "jit")} <= set(rows)
+    for r in rows.values():
+        assert set(r) >= {"backend", "method", "final_loss", "max_abs_diff_vs_torch", "rel_diff_final"}
+        assert r["rel_diff_final"] < 1e-4, r
+    assert rows[("torch", "eager")]["max_abs_diff_vs_torch"] == 0.0
+    assert "| torchax | jit |" in (tmp_path / "compare.md").read_text() and "| torchax | jit |" in out["markdown"]
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    with pytest.raises(TpulabError, match="already holds a comparison"):
+        compare(cfg, tmp_path)
+
+
+@pytest.mark.skipif(torch_xla_problem() is not None, reason=str(torch_xla_problem()))
+@pytest.mark.tpu
+def test_prove_resume_torch_xla(tmp_path):
+    from tpulab.bridge.prove import prove
+
+    assert prove(PROOF, "torch_xla", "eager", tmp_path, timeout_s=600)["identical"]
