@@ -14,7 +14,7 @@ cache the first run filled (warm). The time is wall clock from ``Popen`` to the 
 step's line in metrics.jsonl (interpreter start, imports, restore, compile, one step), polled
 from the parent.
 
-    .venv/bin/python benchmarks/train_throughput.py [--steps 30] [--resume-repeats 3]
+    .venv/bin/python benchmarks/train_throughput.py [--steps 21] [--resume-repeats 2]
 
 Writes benchmarks/results/train_throughput.{md,json}; scratch runs go to runs/bench-train-throughput.
 """
@@ -108,15 +108,15 @@ class TorchTransformer(nn.Module):
     @torch.no_grad()
     def load_tpulab(self, params) -> None:
         """Copy tpulab parameters (nnx.State as numpy) in; Linear kernels are [in, out], torch's [out, in]."""
-        self.embed.weight.copy_(torch.from_numpy(np.asarray(params["embed"]["embedding"])))
-        self.final_norm.copy_(torch.from_numpy(np.asarray(params["final_norm"]["scale"])))
+        self.embed.weight.copy_(torch.tensor(np.asarray(params["embed"]["embedding"])))
+        self.final_norm.copy_(torch.tensor(np.asarray(params["final_norm"]["scale"])))
         for i, blk in enumerate(self.blocks):
             p = params["blocks"][i]
-            blk.attn_norm.copy_(torch.from_numpy(np.asarray(p["attn_norm"]["scale"])))
-            blk.mlp_norm.copy_(torch.from_numpy(np.asarray(p["mlp_norm"]["scale"])))
+            blk.attn_norm.copy_(torch.tensor(np.asarray(p["attn_norm"]["scale"])))
+            blk.mlp_norm.copy_(torch.tensor(np.asarray(p["mlp_norm"]["scale"])))
             for lin, src in ((blk.qkv, p["attn"]["qkv"]), (blk.out, p["attn"]["out"]),
                              (blk.up, p["mlp"]["up"]), (blk.down, p["mlp"]["down"])):
-                lin.weight.copy_(torch.from_numpy(np.asarray(src["kernel"])).T)
+                lin.weight.copy_(torch.tensor(np.asarray(src["kernel"])).T)
 
 
 def masked_xent(logits_btv, targets_bt, mask_bt):
@@ -163,49 +163,63 @@ def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dic
     steps = make_steps(config)
     state = steps.init()
     init_params = jax.device_get(state.params.to_pure_dict())  # before the first (donating) step
-    trainer = TorchTrainer(config, init_params, lrs)
-
-    jax_out, torch_out = [], []
-    jit_batches, torch_batches = iter(batches), iter(batches)
+    cores = os.cpu_count()
+    # Torch at the core count (the baseline) and at 1 thread: on a loaded host OpenMP's spinning
+    # workers can make the multi-threaded run many times slower, which would flatter tpulab.
+    torch_runs = {"torch_eager": cores, "torch_eager_1thread": 1} if cores > 1 else {"torch_eager": 1}
+    out = {"tpulab": []} | {k: [] for k in torch_runs}
+    runners = {}
+    jit_batches = iter(batches)
 
     def jax_step():
         nonlocal state
         state, metrics = steps.train(state, steps.put_batch(next(jit_batches)))
-        jax_out.append(metrics)
+        out["tpulab"].append(metrics)
         return state, metrics
 
-    def torch_step():
-        loss = trainer.step(next(torch_batches))
-        torch_out.append(loss)
-        return loss
+    runners["tpulab"] = (jax_step, jax.block_until_ready, lambda: None)
+    for name, threads in torch_runs.items():
+        trainer, it = TorchTrainer(config, init_params, lrs), iter(batches)
+
+        def torch_step(trainer=trainer, it=it, name=name):
+            loss = trainer.step(next(it))
+            out[name].append(loss)
+            return loss
+
+        runners[name] = (torch_step, torch.Tensor.item, lambda threads=threads: torch.set_num_threads(threads))
 
     t0 = time.perf_counter()
     jax.block_until_ready(jax_step())  # compile (and the first step)
     compile_and_first_s = time.perf_counter() - t0
-    time_steps(jax_step, jax.block_until_ready, warmup - 1)
-    time_steps(torch_step, torch.Tensor.item, warmup)
+    for name, (step, sync, setup) in runners.items():
+        setup()
+        time_steps(step, sync, warmup - (name == "tpulab"))
     per_round = -(-n_steps // rounds)
-    jt, tt = [], []
-    for r in range(rounds):
+    times = {name: [] for name in runners}
+    for r in range(rounds):  # interleaved: host-load drift hits every implementation alike
         n = min(per_round, n_steps - r * per_round)
-        jt += time_steps(jax_step, jax.block_until_ready, n)
-        tt += time_steps(torch_step, torch.Tensor.item, n)
+        for name, (step, sync, setup) in runners.items():
+            setup()
+            times[name] += time_steps(step, sync, n)
+    torch.set_num_threads(cores)
 
     tokens = config.data.batch_size * config.data.seq_len
-    jl = np.array([float(m["loss"]) for m in jax_out])
-    tl = np.array([float(x) for x in torch_out])
+    jl = np.array([float(m["loss"]) for m in out["tpulab"]])
+    tl = np.array([float(x) for x in out["torch_eager"]])
     rel = np.abs(jl - tl) / np.abs(jl)
-    js, ts = summarize(jt), summarize(tt)
-    return {
-        "tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": n_steps, "rounds": rounds,
-        "tpulab": {**js, "tokens_per_s": tokens / js["median_s"], "compile_and_first_step_s": compile_and_first_s},
-        "torch_eager": {**ts, "tokens_per_s": tokens / ts["median_s"]},
-        "speedup": ts["median_s"] / js["median_s"],
-        "agreement": {"first_step_loss_tpulab": float(jl[0]), "first_step_loss_torch": float(tl[0]),
-                      "first_step_rel_diff": float(rel[0]), "max_rel_loss_diff_all_steps": float(rel.max()),
-                      "last_step_loss_tpulab": float(jl[-1]), "last_step_loss_torch": float(tl[-1]),
-                      "steps_compared": len(jl)},
-    }
+    res = {"tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": n_steps, "rounds": rounds,
+           "torch_threads": torch_runs}
+    for name, ts in times.items():
+        s = summarize(ts)
+        res[name] = {**s, "tokens_per_s": tokens / s["median_s"], "samples_s": ts}
+    res["tpulab"]["compile_and_first_step_s"] = compile_and_first_s
+    res["speedup"] = res["torch_eager"]["median_s"] / res["tpulab"]["median_s"]
+    res["speedup_vs_fastest_torch"] = min(res[k]["median_s"] for k in torch_runs) / res["tpulab"]["median_s"]
+    res["agreement"] = {"first_step_loss_tpulab": float(jl[0]), "first_step_loss_torch": float(tl[0]),
+                        "first_step_rel_diff": float(rel[0]), "max_rel_loss_diff_all_steps": float(rel.max()),
+                        "last_step_loss_tpulab": float(jl[-1]), "last_step_loss_torch": float(tl[-1]),
+                        "steps_compared": len(jl)}
+    return res
 
 
 # --- part 2: time from process start to the first resumed step ----------------------------------------
@@ -279,13 +293,19 @@ def markdown(result: dict) -> str:
     lines = [
         f"Shapes: {m['n_layers']} layers, {m['n_heads']} heads, d_model {m['d_model']}, seq {d['seq_len']}, "
         f"batch {d['batch_size']}, vocab {m['vocab_size']} (bytes), fp32, AdamW + warmup-cosine + clip "
-        f"{c['optim']['clip_norm']}, dropout {m['dropout']}. Median of {t['timed_steps']} synchronized steps each "
+        f"{c['optim']['clip_norm']}, dropout {m['dropout']}, same batches and same initial parameters. "
+        f"Median of {t['timed_steps']} synchronized steps each "
         f"({t['rounds']} interleaved rounds) after {t['warmup_steps']} warm-up steps; compile excluded.",
         "",
         "| implementation | median step (ms) | p10-p90 (ms) | tokens/s | vs torch eager |",
         "|---|---|---|---|---|",
     ]
-    for name, key in (("tpulab (jit, donated)", "tpulab"), ("PyTorch eager", "torch_eager")):
+    names = {"tpulab": "tpulab (jit, donated)",
+             "torch_eager": f"PyTorch eager, {t['torch_threads']['torch_eager']} threads (baseline)",
+             "torch_eager_1thread": "PyTorch eager, 1 thread (sensitivity)"}
+    for key, name in names.items():
+        if key not in t:
+            continue
         r = t[key]
         lines.append(f"| {name} | {1e3 * r['median_s']:.1f} | {1e3 * r['p10_s']:.1f}-{1e3 * r['p90_s']:.1f} "
                      f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / t['torch_eager']['tokens_per_s']:.2f}x |")
@@ -294,6 +314,8 @@ def markdown(result: dict) -> str:
         f"Agreement (same init, same batches): first-step loss tpulab {a['first_step_loss_tpulab']:.7f}, "
         f"torch {a['first_step_loss_torch']:.7f}, relative difference {a['first_step_rel_diff']:.1e}; "
         f"max over all {a['steps_compared']} steps {a['max_rel_loss_diff_all_steps']:.1e}.",
+        f"tpulab / torch baseline: **{t['speedup']:.2f}x**; against the faster torch setting: "
+        f"{t['speedup_vs_fastest_torch']:.2f}x.",
         f"tpulab compile + first step: {t['tpulab']['compile_and_first_step_s']:.1f} s (not in the table).",
     ]
     if "resume" in result:
@@ -316,7 +338,8 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         f"Provenance: backend `{env['backend']}`, device kind `{env['device_kind']}` x{env['device_count']}, "
-        f"{env['cpu_count']} CPU cores, torch threads {result['torch_threads']}, load average at start "
+        f"{env['cpu_count']} CPU cores, torch threads {result['torch_threads']} (baseline) and 1 (sensitivity row), "
+        "load average at start "
         f"{env['load_avg_1m_5m_15m']}; " + ", ".join(f"{k} {v}" for k, v in pk.items() if v)
         + f"; commit `{env['git_commit']}`; {env['time_utc']}.",
     ]
@@ -325,10 +348,10 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30, help="timed steps per implementation (>= 20)")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (tpulab's include the compile)")
+    ap.add_argument("--steps", type=int, default=21, help="timed steps per implementation (>= 20)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (tpulab's include the compile)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    ap.add_argument("--resume-repeats", type=int, default=3, help="cold and warm resumes each (0 skips part 2)")
+    ap.add_argument("--resume-repeats", type=int, default=2, help="cold and warm resumes each (0 skips part 2)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-train-throughput")
     args = ap.parse_args(argv)
@@ -338,7 +361,7 @@ def main(argv=None) -> int:
     config = load(RunConfig, CONFIG, OVERRIDES)
     torch.set_num_threads(os.cpu_count())
     env = benchmark_environment(("torch",))
-    result = {"config": to_dict(config), "overrides": OVERRIDES, "torch_threads": torch.get_num_threads(),
+    result = {"config": to_dict(config), "overrides": OVERRIDES, "torch_threads": os.cpu_count(),
               "environment": env, "dtype": config.precision.compute_dtype,
               "shapes": {"batch": config.data.batch_size, "seq": config.data.seq_len,
                          "d_model": config.model.d_model, "n_layers": config.model.n_layers,

@@ -46,6 +46,11 @@ class BridgeConfig:
         check(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
 
 
+def cli_flag(name: str) -> str:
+    """The command-line flag of a BridgeConfig field (checkpoint_every -> --checkpoint-every)."""
+    return "--" + name.replace("_", "-")
+
+
 def check_backend_method(backend: str, method: str) -> None:
     """One-line errors for an unknown backend, an unknown method, or a method the backend lacks."""
     if backend not in METHODS:

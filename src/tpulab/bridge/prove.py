@@ -5,20 +5,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tpulab.bridge.config import BridgeConfig, check_backend_method
+from tpulab.bridge.config import BridgeConfig, check_backend_method, cli_flag
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
 from tpulab.evidence.proof import prove_resume, python_module_argv
-
-_FLAGS = {"n": "--n", "d": "--d", "hidden": "--hidden", "lr": "--lr", "seed": "--seed", "dropout": "--dropout",
-          "augment": "--augment", "steps": "--steps", "checkpoint_every": "--checkpoint-every"}
 
 
 def train_argv(cfg: BridgeConfig, backend: str, method: str, run_dir: Path, *, restore_rng: bool = True) -> list[str]:
     """argv of a child that trains (or resumes) ``cfg`` in ``run_dir``: `python -m tpulab.cli bridge train ...`."""
     args = ["bridge", "train", "--backend", backend, "--method", method, "--run-dir", str(run_dir)]
     for f in dataclasses.fields(cfg):
-        args += [_FLAGS[f.name], repr(getattr(cfg, f.name))]
+        args += [cli_flag(f.name), repr(getattr(cfg, f.name))]
     if not restore_rng:
         args.append("--no-restore-rng")
     return python_module_argv("tpulab.cli", *args)

@@ -10,16 +10,14 @@ METHOD_HELP = "eager (torch autograd + torch.optim.Adam) or jit (torchax only: f
 
 
 def _config_args(p: argparse.ArgumentParser, steps_default: int | None = None) -> None:
-    from tpulab.bridge.config import BridgeConfig
     import dataclasses
 
+    from tpulab.bridge.config import BridgeConfig, cli_flag
+
     g = p.add_argument_group("run config (defaults in brackets)")
-    flags = {"n": "--n", "d": "--d", "hidden": "--hidden", "lr": "--lr", "seed": "--seed",
-             "dropout": "--dropout", "augment": "--augment", "steps": "--steps",
-             "checkpoint_every": "--checkpoint-every"}
     for f in dataclasses.fields(BridgeConfig):
         default = steps_default if (f.name == "steps" and steps_default) else f.default
-        g.add_argument(flags[f.name], dest=f"cfg_{f.name}", type=type(f.default), default=None,
+        g.add_argument(cli_flag(f.name), dest=f"cfg_{f.name}", type=type(f.default), default=None,
                        metavar=f.name.upper(), help=f"{f.metadata['doc']} [{default}]")
     p.set_defaults(_steps_default=steps_default)
 
@@ -85,7 +83,7 @@ def _prove(args) -> int:
     state = "bitwise identical" if verdict["identical"] else f"NOT identical (first differing step {verdict['first_differing_step']})"
     print(f"{args.backend}/{args.method}: {state}; killed after step {verdict['kill_step']}, resumed from "
           f"{verdict['resumed_from_step']}; see {args.run_dir / 'proof'}")
-    return 0 if verdict["identical"] == args.restore_rng else 1
+    return 0 if verdict["identical"] else 1  # as `tpulab prove-resume`: exit 1 whenever not identical
 
 
 def _compare(args) -> int:

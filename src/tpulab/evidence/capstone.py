@@ -79,7 +79,7 @@ def run_capstone(args, out: Path) -> Path:
     if not getattr(args, "skip_bridge", False):
         from tpulab.bridge import capstone_stage as bridge_stage
 
-        stage("bridge", lambda: bridge_stage(out / "bridge"))
+        stage("bridge", lambda: bridge_stage(out))
 
     header = ["# tpulab capstone report", "",
               "Every number below was measured by this run and carries its provenance; the raw evidence sits "

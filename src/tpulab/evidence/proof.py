@@ -221,16 +221,21 @@ def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Pa
     for a in (ax, ax_d):
         a.axvline(verdict["resumed_from_step"], color="tab:green", ls=":", lw=1.2)
         a.axvline(verdict["kill_step"], color="k", ls=":", lw=1.2)
-    ax.text(verdict["resumed_from_step"], ax.get_ylim()[1], " checkpoint", color="tab:green", va="top", fontsize=8)
-    ax.text(verdict["kill_step"], ax.get_ylim()[1], " kill", color="k", va="top", fontsize=8)
+    ax.annotate(" checkpoint", (verdict["resumed_from_step"], 0.98), xycoords=("data", "axes fraction"),
+                color="tab:green", va="top", ha="right", fontsize=8)
+    ax.annotate(" kill", (verdict["kill_step"], 0.98), xycoords=("data", "axes fraction"), va="top", fontsize=8)
     ax.set_ylabel("train loss")
     state = "bitwise identical" if verdict["identical"] else f"NOT identical (max |diff| {verdict['max_abs_diff']:.3g})"
     ax.set_title(f"{title}: {state} over {verdict['steps_compared']} steps")
     ax.legend(fontsize=8)
-    diff_steps = [s for s in rs if s in killed or s in resumed]
-    both = {**killed, **resumed}
-    ax_d.plot(diff_steps, [abs(both[s] - ref[s]) for s in diff_steps], color="tab:purple", marker=".", ms=3, lw=0.8)
+    both = {**killed, **resumed}  # where both ran a step, the resumed value is the one that matters
+    diff_steps = [s for s in rs if s in both]
+    diffs = [abs(both[s] - ref[s]) for s in diff_steps]
+    ax_d.plot(diff_steps, diffs, color="tab:purple", marker=".", ms=3, lw=0.8)
     ax_d.set_yscale("symlog", linthresh=1e-8)
+    ax_d.set_ylim(0, max(1e-6, 10 * max(diffs, default=0.0)))
+    if diffs and max(diffs) == 0.0:
+        ax_d.text(0.5, 0.5, "every step: difference exactly 0", transform=ax_d.transAxes, ha="center", fontsize=9)
     ax_d.set_ylabel("|run - reference|")
     ax_d.set_xlabel("step")
     fig.tight_layout()

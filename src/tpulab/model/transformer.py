@@ -52,8 +52,21 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(self.prec.accum_dtype)).astype(self.prec.compute_dtype)
 
 
-def _linear(d_in: int, d_out: int, prec: PrecisionConfig, rngs: nnx.Rngs, std: float = _INIT_STD) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=prec.compute_dtype, param_dtype=prec.param_dtype,
+class Dense(nnx.Linear):
+    """``nnx.Linear`` applied to rows ``[N, D]`` (leading axes flattened, then restored).
+
+    Same parameters and math; but on XLA:CPU the weight gradient of a ``[B, T, D]`` input lowers to a
+    transposed copy plus a dot over two contracting axes, while ``[N, D]`` gives one plain GEMM
+    (measured: about 15% of a default-config train step).
+    """
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lead = x.shape[:-1]
+        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
+
+
+def _linear(d_in: int, d_out: int, prec: PrecisionConfig, rngs: nnx.Rngs, std: float = _INIT_STD) -> Dense:
+    return Dense(d_in, d_out, use_bias=False, dtype=prec.compute_dtype, param_dtype=prec.param_dtype,
                       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
