@@ -132,3 +132,9 @@ def test_metrics_hold_every_step_and_validation(trained_run):
     assert losses[-1] < losses[0] - 1.0  # it learns
     env = json.loads((trained_run / "env.json").read_text())
     assert env["backend"] == "cpu" and env["is_tpu"] is False and env["packages"]["jax"]
+
+
+def test_non_finite_loss_stops_the_run_naming_step_and_checkpoint(tmp_path):
+    with pytest.raises(TpulabError, match=r"loss is (nan|inf) at step \d+; last good checkpoint") as info:
+        train(tiny_config("optim.lr=1e30", "optim.clip_norm=0", "train.steps=30"), tmp_path / "run", progress=False)
+    assert info.value.exit_code == 3

@@ -87,6 +87,7 @@ def plot(curves: dict, path: Path, cfg: BridgeConfig) -> None:
     ax.set_title(f"same seed and data on every bridge: n={cfg.n}, d={cfg.d}, hidden={cfg.hidden}, float32")
     ax.legend(fontsize=8)
     ax_d.set_yscale("symlog", linthresh=1e-9)
+    ax_d.set_ylim(bottom=0)  # absolute differences: no negative half of the symlog axis
     ax_d.set_ylabel("|loss - torch loss|")
     ax_d.set_xlabel("step")
     ax_d.legend(fontsize=8)

@@ -19,7 +19,7 @@ METHOD_NOTES = {
 def device_line(device: dict) -> str:
     """The device as the backend reported it; TPU only when JAX/XLA said tpu."""
     if device.get("backend") == "torch-cpu":
-        return f"CPU ({device.get('device_kind')}) via torch, {device.get('torch_threads')} threads, not a TPU"
+        return f"CPU ({device.get('device_kind')}) via torch, {device.get('torch_threads')} thread(s), not a TPU"
     return describe_hardware(device)
 
 

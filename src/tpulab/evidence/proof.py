@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -226,7 +227,7 @@ def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Pa
     ax.annotate(" kill", (verdict["kill_step"], 0.98), xycoords=("data", "axes fraction"), va="top", fontsize=8)
     ax.set_ylabel("train loss")
     state = "bitwise identical" if verdict["identical"] else f"NOT identical (max |diff| {verdict['max_abs_diff']:.3g})"
-    ax.set_title(f"{title}: {state} over {verdict['steps_compared']} steps")
+    ax.set_title("\n".join(textwrap.wrap(f"{title}: {state} over {verdict['steps_compared']} steps", 90)), fontsize=10)
     ax.legend(fontsize=8)
     both = {**killed, **resumed}  # where both ran a step, the resumed value is the one that matters
     diff_steps = [s for s in rs if s in both]

@@ -1,0 +1,23 @@
+"""`tpulab capstone` end to end at the CI size (the bridge and inference stages have their own tests)."""
+
+import json
+
+import pytest
+
+from conftest import TINY, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_capstone_writes_report_overlay_and_verdict(tmp_path):
+    out = tmp_path / "cap"
+    result = run_cli("capstone", "--out", str(out), "--config", str(TINY), "--skip-bridge", "--skip-inference")
+    assert result.returncode == 0, result.stderr
+    report = (out / "report.md").read_text()
+    assert "Status: **PASS**" in report and "bitwise identical" in report and "not a TPU" in report
+    assert json.loads((out / "proof" / "verdict.json").read_text())["identical"] is True
+    assert (out / "proof" / "overlay.png").stat().st_size > 10_000
+    assert all(r["passed"] for r in json.loads((out / "checks.json").read_text())["rows"])
+    again = run_cli("capstone", "--out", str(out), "--config", str(TINY), "--skip-bridge", "--skip-inference")
+    assert again.returncode != 0 and "already exists and is not empty" in again.stderr
+    assert (out / "report.md").read_text() == report  # nothing overwritten
