@@ -11,7 +11,6 @@ median of the rest is reported, with the provenance each run recorded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

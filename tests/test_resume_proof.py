@@ -3,13 +3,12 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import REPO, TINY, run_cli
+from conftest import TINY, run_cli
 from tpulab.checkpoint.store import WITHHOLD_COMMIT_ENV
 from tpulab.evidence.metrics import curve, read_records
 from tpulab.evidence.proof import Proc, prove_resume

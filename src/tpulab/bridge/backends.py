@@ -165,7 +165,7 @@ class JitRunner:
 
         from tpulab.bridge import torchax_compat
 
-        torchax = torchax_compat.import_torchax()
+        torchax_compat.import_torchax()  # applies the import shim first, when needed
         import torchax.interop
         import torchax.train
 

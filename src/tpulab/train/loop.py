@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import yaml
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
@@ -35,7 +34,7 @@ from tpulab.evidence.provenance import write_environment
 from tpulab.model.transformer import param_count
 from tpulab.perf import compile_cache
 from tpulab.train.config import RunConfig
-from tpulab.train.step import Steps, TrainState, make_steps
+from tpulab.train.step import Steps, make_steps
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
