@@ -7,7 +7,7 @@ import numpy as np
 from conftest import tiny_config
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits
-from tpulab.evidence.checks import check_causal, check_disjoint, check_loss, numpy_masked_nll
+from tpulab.proofs.checks import check_causal, check_loss, numpy_masked_nll
 from tpulab.train.step import make_steps, masked_xent
 
 
@@ -45,12 +45,6 @@ def test_masked_xent_reference_on_random_logits():
     ours, count = jax.jit(masked_xent)(logits, targets, mask)
     assert int(count) == 8
     np.testing.assert_allclose(float(ours), numpy_masked_nll(logits, targets, mask), rtol=1e-6)
-
-
-def test_disjoint_data_checks_pass_on_the_default_split():
-    cfg = tiny_config()
-    splits = build_splits(load_corpus(None), cfg.data)
-    assert all(r["passed"] for r in check_disjoint(splits, cfg))
 
 
 def test_bf16_compute_keeps_fp32_logits_and_params():

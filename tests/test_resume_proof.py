@@ -9,9 +9,9 @@ import time
 import pytest
 
 from conftest import TINY, run_cli
-from tpulab.checkpoint.store import WITHHOLD_COMMIT_ENV
+from conftest import REPO
 from tpulab.evidence.metrics import curve, read_records
-from tpulab.evidence.proof import Proc, prove_resume
+from tpulab.proofs.driver import Proc, prove_resume
 
 pytestmark = pytest.mark.slow
 VERDICT_KEYS = {"identical", "max_abs_diff", "steps_compared", "kill_step", "resumed_from_step", "signal"}
@@ -23,6 +23,8 @@ def test_prove_resume_is_bitwise_identical(tmp_path):
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert VERDICT_KEYS <= set(verdict)
     assert verdict["identical"] is True and verdict["max_abs_diff"] == 0.0 and verdict["signal"] == "SIGKILL"
+    assert verdict["curves_identical"] is True and verdict["final_state_identical"] is True
+    assert verdict["first_differing_leaf"] is None and verdict["leaves_compared"] > 20
     assert verdict["steps_compared"] == 40 and verdict["kill_step"] == 24
     assert verdict["resumed_from_step"] in (10, 20) and verdict["steps_redone"] > 0  # killed between checkpoints
     assert (tmp_path / "proof" / "overlay.png").stat().st_size > 10_000
@@ -38,17 +40,29 @@ def test_negative_control_resume_without_part_is_caught(tmp_path, part):
     assert verdict["first_differing_step"] == verdict["resumed_from_step"] + 1
 
 
+def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
+    """Negative control for the whole-state verdict: with dropout off, a resume that drops the dropout key
+    logs exactly the reference losses (the key is never used), so the curves match; only the final-state
+    comparison sees the different key, and the verdict must say NOT identical, naming the rng leaf."""
+    result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--set", "model.dropout=0.0",
+                     "--skip-restore", "rng")
+    assert result.returncode == 1, result.stderr
+    verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
+    assert verdict["curves_identical"] is True and verdict["max_abs_diff"] == 0.0
+    assert verdict["final_state_identical"] is False and verdict["identical"] is False
+    assert "rng" in verdict["first_differing_leaf"]
+
+
 def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(tmp_path):
     """Step 30's save is issued but its completion marker is never written (as if the process died
     while the async save was in flight); the kill lands after step 31. Depending on timing, Orbax's
     own write of step 30 is still in its temporary dir or finished but unmarked; either way the
     resume must not use it, must keep an unmarked one aside, and must match the reference bitwise."""
-    from tpulab.cli.main import build_parser
-    from tpulab.cli.train_cmds import child_train_argv
+    from tpulab.proofs.state import final_state_verdict
 
-    args = build_parser().parse_args(["train", "--run-dir", "x", "--config", str(TINY)])
-    verdict = prove_resume(lambda d: child_train_argv(args, d), tmp_path / "proof", steps=40, kill_at=31,
-                           env={WITHHOLD_COMMIT_ENV: "30"})
+    hooked = lambda d: [sys.executable, str(REPO / "tests" / "hooked_train.py"), "--config", str(TINY),  # noqa: E731
+                        "--run-dir", str(d), "--withhold-commit", "30"]
+    verdict = prove_resume(hooked, tmp_path / "proof", steps=40, kill_at=31, compare_state=final_state_verdict)
     assert verdict["identical"] is True
     assert verdict["resumed_from_step"] == 20 and verdict["kill_step"] == 31
     at_kill = verdict["checkpoints_at_kill"]

@@ -22,7 +22,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from tpulab.bridge.config import BridgeConfig
+from tpulab.bridge.config import BACKENDS, METHODS, BridgeConfig
 from tpulab.errors import CheckpointError, TpulabError
 
 
@@ -269,3 +269,11 @@ def make_runner(backend: str, method: str, cfg: BridgeConfig, model, y, state: d
     if method == "jit":
         return JitRunner(cfg, model, y, state, backend)
     return EagerRunner(cfg, model, y, state, backend)
+
+
+def runnable() -> list[tuple[str, str]]:
+    """Every (backend, method) this machine can run; torch_xla only where it imports."""
+    out = [(b, m) for b in BACKENDS for m in METHODS[b] if b != "torch_xla"]
+    if torch_xla_problem() is None:
+        out.append(("torch_xla", "eager"))
+    return out

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tpulab.bridge.config import BridgeConfig, runnable
+from tpulab.bridge.backends import runnable
+from tpulab.bridge.config import BridgeConfig
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
-from tpulab.evidence.proof import run_to_completion
+from tpulab.proofs.driver import run_to_completion
 
 
 def compare(cfg: BridgeConfig, run_dir: str | Path, *, timeout_s: float = 600, env: dict | None = None) -> dict:

@@ -57,13 +57,3 @@ def check_backend_method(backend: str, method: str) -> None:
         raise TpulabError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
     if method not in METHODS[backend]:
         raise TpulabError(f"backend '{backend}' has no method '{method}' (it has: {', '.join(METHODS[backend])})")
-
-
-def runnable() -> list[tuple[str, str]]:
-    """Every (backend, method) this machine can run; torch_xla only where it imports."""
-    from tpulab.bridge.backends import torch_xla_problem
-
-    out = [(b, m) for b in BACKENDS for m in METHODS[b] if b != "torch_xla"]
-    if torch_xla_problem() is None:
-        out.append(("torch_xla", "eager"))
-    return out

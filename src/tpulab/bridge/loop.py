@@ -11,7 +11,6 @@ seeds and its curve must differ from the reference.
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ from tpulab.bridge.config import DTYPE, BridgeConfig, check_backend_method
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import MetricsLog
-from tpulab.evidence.proof import hold_if_requested
+from tpulab.evidence.provenance import package_versions
+from tpulab.train.hooks import HookList, Hooks
 
 
 def make_data(cfg: BridgeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,18 +34,13 @@ def make_data(cfg: BridgeConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def versions() -> dict:
-    out = {}
-    for name in ("torch", "torchax", "jax", "jaxlib", "optax", "torch_xla"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return package_versions(("torch", "torchax", "jax", "jaxlib", "optax", "torch_xla"))
 
 
 def train(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, force: bool = False,
-          restore_rng: bool = True) -> dict:
+          restore_rng: bool = True, hooks: list[Hooks] | tuple[Hooks, ...] = ()) -> dict:
     """Train ``cfg.steps`` steps in ``run_dir``, resuming from its newest checkpoint. Returns a summary.
+    ``hooks`` get ``on_metrics`` after each logged step (the proof's hold, trackers).
 
     Every check that can refuse the run (backend, method, torch_xla, checkpoint integrity and
     identity) happens before anything is written to ``run_dir``.
@@ -53,6 +48,7 @@ def train(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, 
     check_backend_method(backend, method)
     if backend == "torch_xla" and (problem := torch_xla_problem()):
         raise TpulabError(problem)
+    hooks = HookList(hooks)
     run_dir = Path(run_dir)
     # The MLP is tiny: a second intra-op thread only adds synchronisation (20x slower per step on a
     # busy 2-core machine). One thread also keeps CPU reductions in one fixed order.
@@ -97,12 +93,13 @@ def train(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, 
             if not math.isfinite(loss):
                 raise TpulabError(f"loss is {loss} at step {step}; last good checkpoint: {last_ckpt}")
             log.log(step, loss=loss, step_time_s=dt)
+            record = {"loss": loss, "step_time_s": dt}
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 full = runner.state(with_rng=restore_rng)
                 if restore_rng:
                     full["rng"] = {"torch_cpu": torch.get_rng_state(), "augment": aug.get_state()}
                 last_ckpt = C.save(run_dir, step, full, meta)
-            hold_if_requested(step)
+            hooks.on_metrics(step, record)
         log.event("done", step=cfg.steps)
     finally:
         log.close()

@@ -1,4 +1,4 @@
-"""`tpulab bridge prove-resume`: the shared kill/resume proof (tpulab.evidence.proof) on a bridge trainer."""
+"""`tpulab bridge prove-resume`: the shared kill/resume proof (tpulab.proofs.driver) on a bridge trainer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from tpulab.bridge.config import BridgeConfig, check_backend_method, cli_flag
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
-from tpulab.evidence.proof import prove_resume, python_module_argv
+from tpulab.proofs.driver import prove_resume, tpulab_argv
 
 
 def train_argv(cfg: BridgeConfig, backend: str, method: str, run_dir: Path, *, restore_rng: bool = True) -> list[str]:
@@ -18,7 +18,7 @@ def train_argv(cfg: BridgeConfig, backend: str, method: str, run_dir: Path, *, r
         args += [cli_flag(f.name), repr(getattr(cfg, f.name))]
     if not restore_rng:
         args.append("--no-restore-rng")
-    return python_module_argv("tpulab.cli", *args)
+    return tpulab_argv(*args)
 
 
 def default_kill_at(cfg: BridgeConfig) -> int:

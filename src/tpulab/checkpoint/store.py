@@ -5,21 +5,24 @@ moments and count, step, dropout key), ``data`` (the Grain iterator state, one f
 and ``meta`` (config, corpus identity, tokenizer, format). Orbax writes each step into a temporary
 dir and renames it when complete; after that, and only after that, tpulab hashes every file into
 ``tpulab_manifest.json``. "Latest checkpoint" means the newest step whose manifest exists and
-verifies. A step without one (a save cut short by a kill) or with a mismatch (corruption) is moved
-aside to ``rejected_checkpoints/`` (kept, never deleted) with a one-line warning, and the newest
-earlier valid step is used.
+verifies. Only the newest step may lack its manifest (a save cut short by a kill); an older one
+without it, or any step with a mismatch, is corruption. Refused steps are moved aside to
+``rejected_checkpoints/`` (kept, never deleted) with a one-line warning once the caller accepted the
+resume, and the newest earlier valid step is used. Orbax temporary dirs of killed saves are removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import sys
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -29,9 +32,7 @@ from tpulab.checkpoint.files import MANIFEST, manifest_digest, verify_manifest, 
 from tpulab.errors import CheckpointError
 
 FORMAT = "tpulab-transformer-checkpoint-v1"
-# Test fixture: never write the completion marker of this step, as if the process died while its
-# async save was still in flight (see tests/test_resume_proof.py).
-WITHHOLD_COMMIT_ENV = "TPULAB_WITHHOLD_COMMIT_STEP"
+TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax writes step N into "N.orbax-checkpoint-tmp-<id>", then renames it
 
 
 def _warn(msg: str) -> None:
@@ -43,102 +44,187 @@ def step_dirs(directory: Path) -> dict[int, Path]:
         if directory.is_dir() else {}
 
 
+def tmp_dirs(directory: Path) -> list[Path]:
+    """Orbax temporary dirs: saves a kill cut short before Orbax renamed them. Never a checkpoint."""
+    return sorted(p for p in directory.iterdir() if TMP_MARK in p.name) if directory.is_dir() else []
+
+
 @dataclasses.dataclass(frozen=True)
 class Rejected:
     step: int
     path: Path
     reason: str
-    incomplete: bool  # no marker (a save cut short) rather than a mismatch (corruption)
+    incomplete: bool  # the newest step without a marker (a save cut short), not corruption
 
 
-def scan(directory: Path) -> tuple[int | None, list[Rejected]]:
-    """(newest verified step, newer steps that failed verification). Reads only; moves nothing."""
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """What a checkpoint dir holds, read without changing anything."""
+
+    directory: Path
+    latest: int | None  # newest step whose manifest verifies
+    rejected: list[Rejected]  # steps newer than ``latest`` that failed verification
+    temporary: list[Path]  # Orbax temporary dirs left by a kill
+
+    @property
+    def usable(self) -> bool:
+        """A verified step exists, or nothing was ever committed (only a save cut short, or nothing)."""
+        return self.latest is not None or all(r.incomplete for r in self.rejected)
+
+    def refusal(self) -> str:
+        return (f"no checkpoint in {self.directory} passes verification ({self.rejected[0].reason}); refusing to "
+                "start over (use --force to train from scratch; refused checkpoints are kept)")
+
+
+def scan(directory: str | Path) -> Scan:
+    """Read-only. Only the newest step may lack its marker (an interrupted save): saves are committed in
+    order, each before the next starts, so an older step without one is corruption, not an interruption."""
+    directory = Path(directory).absolute()
     rejected = []
-    for step, path in sorted(step_dirs(directory).items(), reverse=True):
+    steps = sorted(step_dirs(directory).items(), reverse=True)
+    for i, (step, path) in enumerate(steps):
         try:
             verify_manifest(path)
             meta_path = path / "meta" / "metadata"
             meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
             if not meta or meta.get("format") != FORMAT:
                 raise CheckpointError(f"{path} is not a {FORMAT} checkpoint")
-            return step, rejected
+            return Scan(directory, step, rejected, tmp_dirs(directory))
         except CheckpointError as e:
-            rejected.append(Rejected(step, path, str(e), not (path / MANIFEST).exists()))
-    return None, rejected
+            unmarked = not (path / MANIFEST).exists()
+            reason = str(e) if not unmarked or i == 0 else \
+                f"{path} has no {MANIFEST} but is not the newest step (corrupt, not an interrupted save)"
+            rejected.append(Rejected(step, path, reason, unmarked and i == 0))
+    return Scan(directory, None, rejected, tmp_dirs(directory))
+
+
+def read_meta(step_dir: Path) -> dict:
+    return json.loads((Path(step_dir) / "meta" / "metadata").read_text())
+
+
+def _root_cause(e: BaseException) -> str:
+    """The first OS-level reason in an exception chain (ENOSPC inside Orbax's wrappers), else the first line."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        text = str(seen)
+        for marker in ("No space left on device", "Disk quota exceeded", "Read-only file system",
+                       "Permission denied"):
+            if marker in text:
+                return marker
+        seen = seen.__cause__ or seen.__context__
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
 class CheckpointStore:
-    """Async Orbax saves, manifests committed once each save has finished, verified restores."""
+    """Async Orbax saves, manifests committed once each save has finished, verified restores.
 
-    def __init__(self, directory: str | Path, *, keep: int, async_save: bool):
+    Open it only after the caller accepted ``scan(directory)`` (identity checked, refusals raised):
+    opening moves refused steps aside and removes Orbax temporary dirs, so a refused resume must never
+    get this far. ``allow_commit(step)`` may withhold a marker (a test's save cut short);
+    ``on_commit(step)`` is told when a marker is written.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int, async_save: bool,
+                 allow_commit: Callable[[int], bool] | None = None, on_commit: Callable[[int], None] | None = None):
         self.directory = Path(directory).absolute()
         self.reject_dir = self.directory.parent / "rejected_checkpoints"
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.latest, self.rejected = scan(self.directory)
-        for r in self.rejected:
-            _warn(f"refusing checkpoint step {r.step}: {r.reason}")
+        found = scan(self.directory)
+        self.latest = found.latest
+        self._quarantine(found)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
+        self._allow_commit = allow_commit or (lambda step: True)
+        self._on_commit = on_commit or (lambda step: None)
         self._uncommitted: list[int] = []
+        self._failure: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        withheld = os.environ.get(WITHHOLD_COMMIT_ENV)
-        self._withheld = int(withheld) if withheld else None
         # Commits markers soon after Orbax finishes, so a kill between saves loses as little as possible.
         self._committer = threading.Thread(target=self._commit_loop, name="tpulab-ckpt-commit", daemon=True)
         self._committer.start()
 
     def _commit_loop(self) -> None:
         while not self._stop.wait(0.02):
-            self.commit_finished()
+            try:
+                self.commit_finished()
+            except CheckpointError:
+                return  # recorded in self._failure; the training thread raises it at its next save or wait
 
-    def quarantine(self) -> None:
-        """Move refused steps out of Orbax's way (so their step numbers can be saved again); never delete."""
-        for r in self.rejected:
+    def _quarantine(self, found: Scan) -> None:
+        """Move refused steps out of Orbax's way (their step numbers are saved again); never delete them.
+        Orbax temporary dirs are half-written saves, never checkpoints: removed, with a warning."""
+        for r in found.rejected:
+            _warn(f"refusing checkpoint step {r.step}: {r.reason}")
             self.reject_dir.mkdir(parents=True, exist_ok=True)
-            dest = self.reject_dir / f"{r.step}-{time.strftime('%Y%m%dT%H%M%S')}"
+            dest = self.reject_dir / f"{r.step}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
             shutil.move(str(r.path), dest)
             _warn(f"moved refused checkpoint step {r.step} to {dest}")
-        self.rejected = []
-        self.manager.reload()
+        for tmp in found.temporary:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _warn(f"removed {tmp.name}: a save that a kill cut short before Orbax finished it")
 
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
+    def _fail(self, what: str, e: BaseException) -> CheckpointError:
+        last = f"step {self.latest} in {self.directory}" if self.latest is not None else "none"
+        self._failure = f"{what} in {self.directory.parent} failed: {_root_cause(e)}; last valid checkpoint: {last}"
+        return CheckpointError(self._failure, exit_code=4)
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise CheckpointError(self._failure, exit_code=4)
+
     def save(self, step: int, state: Any, data_iter: Any, meta: dict) -> None:
         # Orbax would wait for the previous save inside save() anyway; waiting here lets its marker go first.
-        self.manager.wait_until_finished()
-        self.commit_finished()
-        self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(data_iter),
-            meta=ocp.args.JsonSave({**meta, "format": FORMAT, "step": step})))
+        self.wait()
+        try:
+            self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=grain.checkpoint.CheckpointSave(data_iter),
+                meta=ocp.args.JsonSave({**meta, "format": FORMAT, "step": step})))
+        except Exception as e:  # noqa: BLE001 - any failure to write is reported as one line
+            raise self._fail(f"saving checkpoint step {step}", e) from None
         with self._lock:
             self._uncommitted.append(step)
 
     def commit_finished(self) -> None:
         """Write manifests for saves that Orbax has finalized (non-blocking; called from both threads)."""
         with self._lock:
-            if not self._uncommitted or self.manager.is_saving_in_progress():
+            if not self._uncommitted or self._failure is not None or self.manager.is_saving_in_progress():
                 return
             for step in self._uncommitted:
-                if step == self._withheld:
+                if not self._allow_commit(step):
                     continue
                 if self.step_dir(step).is_dir():  # may already be garbage-collected by keep-N
-                    write_manifest(self.step_dir(step), {"step": step})
+                    try:
+                        write_manifest(self.step_dir(step), {"step": step})
+                    except OSError as e:
+                        raise self._fail(f"committing checkpoint step {step}", e) from None
                     self.latest = max(self.latest or 0, step)
+                    self._on_commit(step)
             self._uncommitted.clear()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until in-flight saves are finished and committed; raise one line if any failed."""
+        self._raise_failure()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            steps = ", ".join(map(str, self._uncommitted)) or "?"
+            raise self._fail(f"saving checkpoint step {steps}", e) from None
         self.commit_finished()
+        self._raise_failure()
 
     def read_meta(self, step: int) -> dict:
-        return json.loads((self.step_dir(step) / "meta" / "metadata").read_text())
+        return read_meta(self.step_dir(step))
 
     def digest(self, step: int) -> str:
         return manifest_digest(self.step_dir(step))
@@ -146,6 +232,7 @@ class CheckpointStore:
     def restore(self, step: int, abstract_state: Any, data_iter: Any | None) -> Any:
         """Verify again (it may have changed since the scan), then restore into the abstract target."""
         verify_manifest(self.step_dir(step))
+        check_fits(self.step_dir(step), abstract_state)
         args = {"state": ocp.args.StandardRestore(abstract_state)}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
@@ -156,7 +243,63 @@ class CheckpointStore:
         return restored["state"]
 
     def close(self) -> None:
-        self.wait()
-        self._stop.set()
-        self._committer.join()
-        self.manager.close()
+        """Finish and commit in-flight saves, stop the committer, shut Orbax down. Safe on every error path:
+        the manager is closed even when the wait failed, so no background thread outlives the error."""
+        try:
+            self.wait()
+        finally:
+            self._stop.set()
+            self._committer.join()
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 - a save that already failed was reported by wait()
+                if self._failure is None:
+                    raise
+
+
+def _flat_shapes(tree: Any) -> dict[tuple[str, ...], tuple]:
+    """path -> (shape, dtype) with each path component as a plain string, so a restore target (NamedTuples,
+    nnx.State) and Orbax's stored metadata (nested dicts) name the same leaf the same way."""
+    import jax
+
+    def part(k):
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+
+    return {tuple(part(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_fits(step_dir: Path, abstract_state: Any) -> None:
+    """Compare the stored shapes and dtypes with the restore target before restoring, so a checkpoint of
+    another model is refused in one line instead of failing inside Orbax's background restore threads."""
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # Orbax warns that its optional _CHECKPOINT_METADATA file is absent
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            meta = ckptr.metadata(Path(step_dir).absolute() / "state")
+    finally:
+        absl.setLevel(level)
+    stored = _flat_shapes(getattr(meta, "item_metadata", meta))
+    wanted = _flat_shapes(abstract_state)
+    for path in sorted(set(stored) | set(wanted)):
+        if stored.get(path) != wanted.get(path):
+            have = "absent" if path not in stored else f"{stored[path][0]} {stored[path][1]}"
+            need = "absent" if path not in wanted else f"{wanted[path][0]} {wanted[path][1]}"
+            raise CheckpointError(f"checkpoint {step_dir} does not fit this model: {'/'.join(path)} is {have} in the "
+                                  f"checkpoint, {need} in the model")
+
+
+def read_state(step_dir: str | Path, abstract_state: Any) -> Any:
+    """Restore only the ``state`` item of a verified step, read-only (no manager, nothing moved or written)."""
+    step_dir = Path(step_dir)
+    verify_manifest(step_dir)
+    check_fits(step_dir, abstract_state)
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            return ckptr.restore(step_dir.absolute() / "state", abstract_state)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{step_dir} does not fit this model: {str(e).splitlines()[0]}") from None

@@ -44,6 +44,7 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="load a checkpoint from another backend/method/config anyway")
     p.add_argument("--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS)
+    p.add_argument("--hold-after-step", type=int, help=argparse.SUPPRESS)  # the proof driver's fixed kill point
     _config_args(p)
     p.set_defaults(handler=_train)
 
@@ -67,9 +68,11 @@ def register(sub) -> None:
 
 def _train(args) -> int:
     from tpulab.bridge.loop import train
+    from tpulab.train.hooks import HoldAfter
 
     out = train(_config(args), args.backend, args.method, args.run_dir, force=args.force,
-                restore_rng=args.restore_rng)
+                restore_rng=args.restore_rng,
+                hooks=[HoldAfter(args.hold_after_step)] if args.hold_after_step else [])
     how = f"resumed from step {out['resumed_from']}" if out["resumed_from"] is not None else "from scratch"
     print(f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); run dir {out['run_dir']}")
     return 0

@@ -31,50 +31,51 @@ def load_run_config(args):
 
 
 def cmd_train(args) -> int:
+    from tpulab.train.preemption import Preemption
+
+    preemption = Preemption()  # first: a SIGTERM from now until exit is a preemption notice, never a kill
     config = load_run_config(args)  # before the heavy imports: a bad config fails fast
+    from tpulab.train.hooks import HoldAfter
     from tpulab.train.loop import train
 
+    hooks = [HoldAfter(args.hold_after_step)] if args.hold_after_step else []
     summary = train(config, args.run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
-                    progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache)
+                    progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache,
+                    hooks=hooks, preemption=preemption)
     verb = "preempted at" if summary["preempted"] else "trained to"
     print(f"{verb} step {summary['final_step']}: loss {summary['final_loss']:.4f}"
           + (f", val loss {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else "")
-          + f" (checkpoint step {summary['latest_checkpoint']} in {args.run_dir})")
+          + f" (checkpoint step {summary['latest_checkpoint']} in {args.run_dir})", flush=True)
     return 0
 
 
-def child_train_argv(args, run_dir: Path, extra: list[str] = ()) -> list[str]:
-    """The `tpulab train` argv a proof runs in a subprocess (same interpreter, same config)."""
-    from tpulab.evidence.proof import python_module_argv
-
-    argv = python_module_argv("tpulab.cli", "train", "--run-dir", str(run_dir), "--no-progress")
-    if args.config:
-        argv += ["--config", str(args.config)]
-    for o in args.overrides:
-        argv += ["--set", o]
-    if args.steps is not None:
-        argv += ["--steps", str(args.steps)]
-    if args.data is not None:
-        argv += ["--data", args.data]
-    if args.compile_cache is not None:
-        argv += ["--compile-cache", str(args.compile_cache)]
-    return argv + list(extra)
-
-
 def cmd_prove_resume(args) -> int:
-    from tpulab.train.proof import prove_transformer_resume
+    config = load_run_config(args)
+    from tpulab.proofs.driver import verdict_text
+    from tpulab.proofs.transformer import prove_transformer_resume
 
-    verdict = prove_transformer_resume(args, Path(args.run_dir), kill_at=args.kill_at,
-                                       skip_restore=tuple(args.skip_restore))
-    print(f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['steps_compared']} steps compared, "
-          f"max |diff| {verdict['max_abs_diff']:.3g}, killed (SIGKILL) after step {verdict['kill_step']}, "
-          f"resumed from step {verdict['resumed_from_step']} -> {Path(args.run_dir) / 'proof'}")
+    verdict = prove_transformer_resume(config, Path(args.run_dir), kill_at=args.kill_at,
+                                       skip_restore=tuple(args.skip_restore), compile_cache=args.compile_cache)
+    print(f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; killed (SIGKILL) "
+          f"after step {verdict['kill_step']}, resumed from step {verdict['resumed_from_step']} -> "
+          f"{Path(args.run_dir) / 'proof'}")
+    return 0 if verdict["identical"] else 1
+
+
+def cmd_chaos(args) -> int:
+    config = load_run_config(args)
+    from tpulab.proofs.chaos import run_chaos
+
+    verdict = run_chaos(config, Path(args.run_dir), kills=args.kills, seed=args.seed, compile_cache=args.compile_cache)
+    print(f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random SIGKILLs "
+          f"({verdict['kills_during_save']} while a save was in flight), {verdict['segments']} process lifetimes; "
+          f"{verdict['summary']} -> {Path(args.run_dir) / 'chaos'}")
     return 0 if verdict["identical"] else 1
 
 
 def cmd_check(args) -> int:
     config = load_run_config(args)
-    from tpulab.evidence.checks import print_table, run_checks
+    from tpulab.proofs.checks import print_table, run_checks
 
     results = run_checks(config, run_dir=args.run_dir)
     print_table(results)
@@ -82,9 +83,12 @@ def cmd_check(args) -> int:
 
 
 def cmd_capstone(args) -> int:
-    from tpulab.evidence.capstone import run_capstone
+    config = load_run_config(args)
+    from tpulab.orchestrate.capstone import CapstoneOptions, run_capstone
 
-    report = run_capstone(args, Path(args.out))
+    report = run_capstone(config, Path(args.out), CapstoneOptions(
+        skip_bridge=args.skip_bridge, skip_inference=args.skip_inference, chaos_kills=args.chaos_kills,
+        compile_cache=args.compile_cache))
     print(f"report: {report}")
     return 0
 
@@ -96,6 +100,7 @@ def register(sub) -> None:
     p.add_argument("--force", action="store_true", help="resume even if the config or corpus changed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)  # negative controls
+    p.add_argument("--hold-after-step", type=int, help=argparse.SUPPRESS)  # the proof driver's fixed kill point
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, overlaid curves")
@@ -105,6 +110,13 @@ def register(sub) -> None:
                                                "checkpoints, about 60%% of the way)")
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)
     p.set_defaults(handler=cmd_prove_resume)
+
+    p = sub.add_parser("chaos", help="SIGKILL a run at random moments, resume each time, compare the whole state")
+    p.add_argument("--run-dir", required=True, type=Path)
+    add_config_args(p)
+    p.add_argument("--kills", type=int, default=5, help="random SIGKILLs before the run may finish (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    p.set_defaults(handler=cmd_chaos)
 
     p = sub.add_parser("check", help="independent checks (causality, valid-token loss, disjoint data) as a table")
     p.add_argument("--run-dir", type=Path, help="check this run's trained weights and data (default: fresh init)")
@@ -116,4 +128,5 @@ def register(sub) -> None:
     add_config_args(p)
     p.add_argument("--skip-bridge", action="store_true", help="leave out the PyTorch bridge stage")
     p.add_argument("--skip-inference", action="store_true", help="leave out the KV-cache and export stage")
+    p.add_argument("--chaos-kills", type=int, default=5, help="random kills in the chaos stage (0 leaves it out)")
     p.set_defaults(handler=cmd_capstone)

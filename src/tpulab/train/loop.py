@@ -4,8 +4,9 @@ A run dir holds config.yaml, env.json, documents.json, metrics.jsonl and checkpo
 already holds a valid checkpoint the run resumes from the newest one, after checking that the
 config (all but step count and logging) and the corpus identity match the checkpoint's. Metrics
 are read one step late (dispatch step N, then read step N-1) so the host never waits on the
-device except where a number is logged. SIGTERM (a preemption notice) finishes the current step,
-saves and exits 0.
+device except where a number is logged, and a step's numbers and state are checked finite before it
+is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the current
+step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks`` (tpulab.train.hooks).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -22,18 +22,20 @@ import jax
 import yaml
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
-from tpulab.checkpoint.store import CheckpointStore
+from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import Splits, build_splits, eval_batches, train_dataset
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import CheckpointError, TpulabError
+from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
-from tpulab.evidence.proof import hold_if_requested
 from tpulab.evidence.provenance import write_environment
 from tpulab.model.transformer import param_count
 from tpulab.perf import compile_cache
 from tpulab.train.config import RunConfig
+from tpulab.train.hooks import HookList, Hooks
+from tpulab.train.preemption import Preemption
 from tpulab.train.step import Steps, make_steps
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
@@ -71,20 +73,6 @@ def check_resume_identity(meta: dict, config: RunConfig, corpus_identity: str, f
     return diffs
 
 
-class _Preemption:
-    """SIGTERM sets a flag; the loop saves after the current step and exits cleanly."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._old)
-
-
 def _progress(total: int, initial: int, enabled: bool | None):
     from tqdm import tqdm
 
@@ -111,89 +99,148 @@ def write_run_files(run_dir: Path, config: RunConfig, splits: Splits, n_params: 
                                                         "vocab": config.model.vocab_size}})
 
 
+class _NonFinite(Exception):
+    def __init__(self, step: int, what: str):
+        super().__init__(what)
+        self.step, self.what = step, what
+
+
+class PhaseClock:
+    """Wall time of one process lifetime split by phase, for goodput: where did the paid-for time go?
+
+    ``startup`` runs from ``train()`` entry to the first dispatched step, ``first_step`` is the first step
+    (its compile included), ``data`` is waiting for batches, ``eval`` and ``checkpoint`` the time those
+    blocked the loop, ``step`` the rest of the loop (steady-state steps, metric reads).
+    """
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.seconds = {k: 0.0 for k in ("startup", "first_step", "step", "data", "eval", "checkpoint")}
+        self._mark = self.t0
+
+    def lap(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] += now - self._mark
+        self._mark = now
+
+    def total(self) -> float:
+        return time.monotonic() - self.t0
+
+
 def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_restore: tuple[str, ...] = (),
-          progress: bool | None = None, compile_cache_dir: str | Path | None = None) -> dict:
-    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume info)."""
+          progress: bool | None = None, compile_cache_dir: str | Path | None = None,
+          hooks: list[Hooks] | tuple[Hooks, ...] = (), preemption: Preemption | None = None) -> dict:
+    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume info, phase times).
+
+    Nothing on disk changes before the resume is accepted: the checkpoint dir is scanned read-only, the
+    newest verified step's identity is checked, and only then are refused steps moved aside.
+    """
     bad = sorted(set(skip_restore) - set(SKIPPABLE))
     if bad:
         raise TpulabError(f"unknown part to skip on restore: {bad[0]} (known: {', '.join(SKIPPABLE)})")
+    clock = PhaseClock()
+    hooks = HookList(hooks)
     run_dir = prepare_run_dir(Path(run_dir))
     compile_cache.enable(compile_cache_dir)
     splits = build_splits(load_corpus(config.data.path), config.data)
-    steps = make_steps(config)
-    store = CheckpointStore(run_dir / "checkpoints", keep=config.checkpoint.keep,
-                            async_save=config.checkpoint.async_save)
-    data_iter = iter(train_dataset(splits.train_windows, config.data, jax.process_index(), jax.process_count()))
     meta = {"config": to_dict(config), "corpus_identity": splits.corpus.identity, "tokenizer": TOKENIZER}
+    found = scan(run_dir / "checkpoints")
+    if not found.usable and not force:
+        raise CheckpointError(found.refusal())
+    if found.latest is not None:
+        check_resume_identity(read_meta(found.directory / str(found.latest)), config, splits.corpus.identity, force)
 
-    t_start = time.monotonic()
-    resume = None
-    if store.rejected:
-        if store.latest is None and not force and not all(r.incomplete for r in store.rejected):
-            raise CheckpointError(f"no checkpoint in {store.directory} passes verification; refusing to start over "
-                                  "(use --force to train from scratch; refused checkpoints are kept)")
-        store.quarantine()
-    if store.latest is not None:
-        check_resume_identity(store.read_meta(store.latest), config, splits.corpus.identity, force)
-        target = steps.abstract_state()
-        state = store.restore(store.latest, target, None if "data" in skip_restore else data_iter)
-        if "rng" in skip_restore:
-            state = state._replace(rng=steps.init().rng)
-        resume = Resume(store.latest, store.digest(store.latest))
-    else:
-        state = steps.init()
-    start = int(state.step)
-    if start != (resume.step if resume else 0):
-        raise CheckpointError(f"checkpoint step {resume.step} holds a state at step {start}")
-
-    env = write_run_files(run_dir, config, splits, param_count(steps.model(state.params)))
-    log = MetricsLog(run_dir, resumed_from=resume.step if resume else None,
-                     checkpoint_digest=resume.digest if resume else None, skip_restore=list(skip_restore),
-                     backend=env["backend"], device_kind=env["device_kind"])
-    val_batches = eval_batches(splits.val_windows, config.data.batch_size, config.train.eval_batches)
-    total = config.train.steps
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    preempt = _Preemption()
-    bar = _progress(total, start, progress)
-    summary = {"resumed_from": resume.step if resume else None, "start_step": start}
-    last_loss, last_val = math.nan, None
-    pending: tuple[int, dict] | None = None  # (step, device metrics) not yet read
-    t_first_step = None
-
-    def read(step: int, m: dict) -> float:
-        nonlocal last_loss
-        host = {k: float(v) for k, v in jax.device_get(m).items()}
-        last_loss = host["loss"]
-        if config.train.crash_on_nan and not math.isfinite(last_loss):
-            raise TpulabError(f"loss is {last_loss} at step {step}; last good checkpoint: step "
-                              f"{store.latest} in {store.directory}", exit_code=3)
-        now = time.monotonic()
-        log.log(step, loss=host["loss"], lr=host["lr"], grad_norm=host["grad_norm"], tokens=int(host["tokens"]),
-                wall_s=round(now - t_start, 4))
-        hold_if_requested(step)
-        return now
-
+    steps = make_steps(config)
+    own_preemption = preemption is None
+    preempt = preemption or Preemption()
+    store = log = ledger = bar = None
+    summary: dict = {}
     try:
+        store = CheckpointStore(run_dir / "checkpoints", keep=config.checkpoint.keep,
+                                async_save=config.checkpoint.async_save, allow_commit=hooks.allow_commit,
+                                on_commit=hooks.on_checkpoint)
+        data_iter = iter(train_dataset(splits.train_windows, config.data, jax.process_index(), jax.process_count()))
+        resume = None
+        if store.latest is not None:
+            state = store.restore(store.latest, steps.abstract_state(), None if "data" in skip_restore else data_iter)
+            if "rng" in skip_restore:
+                state = state._replace(rng=steps.init().rng)
+            resume = Resume(store.latest, store.digest(store.latest))
+        else:
+            state = steps.init()
+        start = int(state.step)
+        if start != (resume.step if resume else 0):
+            raise CheckpointError(f"checkpoint step {resume.step} holds a state at step {start}")
+
+        env = write_run_files(run_dir, config, splits, param_count(steps.model(state.params)))
+        log = MetricsLog(run_dir, resumed_from=resume.step if resume else None,
+                         checkpoint_digest=resume.digest if resume else None, skip_restore=list(skip_restore),
+                         backend=env["backend"], device_kind=env["device_kind"],
+                         process_index=jax.process_index(), process_count=jax.process_count())
+        ledger = WindowLedger(run_dir, jax.process_index())
+        val_batches = eval_batches(splits.val_windows, config.data.batch_size, config.train.eval_batches)
+        ledger.record_eval(val_batches)
+        total = config.train.steps
+        tokens_per_step = config.data.batch_size * config.data.seq_len
+        bar = _progress(total, start, progress)
+        summary = {"resumed_from": resume.step if resume else None, "start_step": start}
+        hooks.on_start({"run_dir": str(run_dir), "config": config, "start_step": start, "total_steps": total,
+                        "resumed_from": summary["resumed_from"],
+                        "checkpoint_digest": resume.digest if resume else None, "env": env})
+        last_loss, last_val = math.nan, None
+        pending: tuple[int, dict] | None = None  # (step, device metrics) not yet read
+        t_first_step = None
+
+        def read(step: int, m: dict) -> None:
+            nonlocal last_loss
+            host = {k: float(v) for k, v in jax.device_get(m).items()}
+            last_loss = host["loss"]
+            if config.train.crash_on_nan and not math.isfinite(last_loss):
+                raise _NonFinite(step, f"loss is {last_loss}")
+            record = {"loss": host["loss"], "lr": host["lr"], "grad_norm": host["grad_norm"],
+                      "tokens": int(host["tokens"]), "wall_s": round(clock.total(), 4)}
+            log.log(step, **record)
+            hooks.on_metrics(step, record)
+
         step = start
+        clock.lap("startup")
         while step < total:
-            batch = steps.put_batch(next(data_iter))
+            host_batch = next(data_iter)
+            ledger.record_train(step + 1, host_batch)
+            batch = steps.put_batch(host_batch)
+            clock.lap("data")
             state, metrics = steps.train(state, batch)
             step += 1
+            state, metrics = hooks.after_step(step, state, metrics)
             if pending is not None:
                 read(*pending)
             pending = (step, metrics)
             if t_first_step is None:
                 jax.block_until_ready(metrics)
-                t_first_step = time.monotonic() - t_start
+                t_first_step = clock.total()
+                clock.lap("first_step")
             store.commit_finished()
             done = step == total or preempt.requested
+            clock.lap("step")
             if step % config.train.eval_every == 0 or done:
                 read(*pending)
                 pending = None
                 last_val = evaluate(steps, state.params, val_batches)
                 log.event("eval", step=step, val_loss=last_val)
+                hooks.on_eval(step, last_val)
+                clock.lap("eval")
             if step % config.checkpoint.save_every == 0 or done:
-                store.save(step, state, data_iter, meta)
+                if pending is not None:  # a step's numbers are checked before its state may be saved
+                    read(*pending)
+                    pending = None
+                clock.lap("step")
+                if bool(steps.all_finite(state)):
+                    store.save(step, state, data_iter, meta)
+                elif config.train.crash_on_nan:
+                    raise _NonFinite(step, "the model state holds non-finite values")
+                else:
+                    log.event("save_skipped", step=step, reason="non-finite state")
+                clock.lap("checkpoint")
             if step % config.train.log_every == 0 or done:
                 rate = bar.format_dict.get("rate") or 0.0
                 bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_step * rate:.0f}")
@@ -203,14 +250,29 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
                 break
         if pending is not None:
             read(*pending)
+        clock.lap("step")
         store.wait()
+        clock.lap("checkpoint")
+        summary.update(final_step=step, final_loss=last_loss, final_val_loss=last_val,
+                       latest_checkpoint=store.latest, preempted=preempt.requested,
+                       time_to_first_step_s=t_first_step, wall_s=clock.total(),
+                       phases_s={k: round(v, 4) for k, v in clock.seconds.items()},
+                       corpus_identity=splits.corpus.identity)
+        log.event("end", step=step, wall_s=round(clock.total(), 4), phases_s=summary["phases_s"])
+        hooks.on_end(summary)
+    except _NonFinite as e:
+        store.wait()  # in-flight saves were checked before they started: let them commit
+        raise TpulabError(f"{e.what} at step {e.step}; last good checkpoint: step {store.latest} in "
+                          f"{store.directory}", exit_code=3) from None
     finally:
-        bar.close()
-        preempt.restore()
-        store.close()
-        log.close()
-    summary.update(final_step=step, final_loss=last_loss, final_val_loss=last_val, latest_checkpoint=store.latest,
-                   preempted=preempt.requested, time_to_first_step_s=t_first_step,
-                   wall_s=time.monotonic() - t_start, corpus_identity=splits.corpus.identity)
+        for closer in (bar, store, log, ledger):
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    if sys.exc_info()[0] is None:
+                        raise
+        if own_preemption:
+            preempt.restore()
     atomic_write_json(run_dir / "summary.json", summary)
     return summary

@@ -1,16 +1,21 @@
-"""Load a trained model from a run dir's newest valid checkpoint (for checks, inference, export)."""
+"""Load a trained model or whole state from a run dir's newest valid checkpoint, read-only.
+
+For checks, inference, export and the proofs' whole-state verdicts: nothing in the run dir is moved or
+written (a refused step stays where it is; only training moves refused steps aside).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from tpulab.checkpoint.store import CheckpointStore
+from tpulab.checkpoint.files import manifest_digest
+from tpulab.checkpoint.store import read_meta, read_state, scan
 from tpulab.config import from_dict
 from tpulab.errors import CheckpointError, TpulabError
 from tpulab.model.transformer import Transformer
 from tpulab.train.config import RunConfig
-from tpulab.train.step import make_steps
+from tpulab.train.step import TrainState, make_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,23 +25,27 @@ class Restored:
     step: int
     checkpoint_dir: Path
     checkpoint_digest: str  # sha256 of the checkpoint's manifest: names these exact weights
+    state: TrainState
 
 
-def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
+def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
+    """The verified step dir (newest when ``step`` is None); one-line errors otherwise."""
     run_dir = Path(run_dir)
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
         raise TpulabError(f"{run_dir} holds no checkpoints (train first: tpulab train --run-dir {run_dir})")
-    store = CheckpointStore(ckpt_dir, keep=1_000_000, async_save=False)
-    try:
-        step = store.latest if step is None else step
-        if step is None:
-            raise CheckpointError(f"{ckpt_dir} holds no valid checkpoint")
-        if not store.step_dir(step).is_dir():
-            raise CheckpointError(f"{ckpt_dir} has no checkpoint at step {step}")
-        config = from_dict(RunConfig, store.read_meta(step)["config"])
-        steps = make_steps(config)
-        state = store.restore(step, steps.abstract_state(), None)
-        return Restored(steps.model(state.params), config, step, store.step_dir(step), store.digest(step))
-    finally:
-        store.close()
+    found = scan(ckpt_dir)
+    step = found.latest if step is None else step
+    if step is None:
+        raise CheckpointError(f"{ckpt_dir} holds no valid checkpoint")
+    if not (ckpt_dir / str(step)).is_dir():
+        raise CheckpointError(f"{ckpt_dir} has no checkpoint at step {step}")
+    return ckpt_dir / str(step)
+
+
+def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
+    step_dir = checkpoint_dir(run_dir, step)
+    config = from_dict(RunConfig, read_meta(step_dir)["config"])
+    steps = make_steps(config)
+    state = read_state(step_dir, steps.abstract_state())
+    return Restored(steps.model(state.params), config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)

@@ -54,6 +54,12 @@ def optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
 
 
+def tree_all_finite(tree) -> jax.Array:
+    """True when every floating leaf of ``tree`` is finite (integer leaves always are)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 def make_mesh() -> Mesh:
     return Mesh(np.array(jax.devices()), (DATA_AXIS,))
 
@@ -70,6 +76,7 @@ class Steps:
     eval: Any  # (params, batch) -> (nll_sum, count)
     state_sharding: Any
     batch_sharding: NamedSharding
+    all_finite: Any  # (state) -> bool scalar: every leaf finite (checked before a state is saved)
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state without computing it (the restore target)."""
@@ -127,4 +134,5 @@ def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
                       out_shardings=(state_sharding, replicated), donate_argnums=0),
         eval=jax.jit(eval_step, in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated),
         state_sharding=state_sharding, batch_sharding=batch_sharding,
+        all_finite=jax.jit(tree_all_finite, in_shardings=(state_sharding,), out_shardings=replicated),
     )

@@ -6,6 +6,7 @@ stage fails (the failure is in it), and the command then exits non-zero.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -13,8 +14,18 @@ from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.errors import TpulabError
-from tpulab.evidence import report
-from tpulab.evidence.proof import run_to_completion
+from tpulab.orchestrate import report
+from tpulab.proofs.driver import run_to_completion
+from tpulab.proofs.transformer import train_child_argv, write_child_config
+from tpulab.train.config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class CapstoneOptions:
+    skip_bridge: bool = False
+    skip_inference: bool = False
+    chaos_kills: int = 5  # 0 leaves the chaos stage out
+    compile_cache: Path | None = None
 
 
 def _prepare_out(out: Path) -> Path:
@@ -24,14 +35,26 @@ def _prepare_out(out: Path) -> Path:
     return out
 
 
-def run_capstone(args, out: Path) -> Path:
-    from tpulab.cli.train_cmds import child_train_argv, load_run_config
-    from tpulab.evidence.checks import run_checks
-    from tpulab.train.proof import prove_transformer_resume
+def chaos_config(config: RunConfig) -> RunConfig:
+    """The demo's chaos run: the tiny CI shapes, frequent saves, so kills often land mid-save."""
+    from tpulab.config import from_dict, to_dict
 
-    config = load_run_config(args)
+    d = to_dict(config)
+    d["model"].update(d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
+    d["data"].update(seq_len=32, batch_size=8)
+    d["optim"].update(warmup_steps=5, schedule_steps=60)
+    d["train"].update(steps=60, eval_every=30, eval_batches=2)
+    d["checkpoint"].update(save_every=5, keep=3)
+    return from_dict(RunConfig, d)
+
+
+def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = CapstoneOptions()) -> Path:
+    from tpulab.proofs.checks import run_checks
+    from tpulab.proofs.transformer import prove_transformer_resume
+
     out = _prepare_out(Path(out))
     run_dir = out / "run"
+    config_path = write_child_config(config, out / "config.yaml")
     sections: list[str] = []
     failures: list[str] = []
     timings: dict[str, float] = {}
@@ -48,16 +71,26 @@ def run_capstone(args, out: Path) -> Path:
         print(f"[capstone] {name} done in {timings[name]:.0f} s", flush=True)
 
     def train_stage() -> str:
-        run_to_completion(child_train_argv(args, run_dir), out / "train.log", dict(os.environ), 3600, "training run")
+        run_to_completion(train_child_argv(config_path, run_dir, compile_cache=options.compile_cache),
+                          out / "train.log", dict(os.environ), 3600, "training run")
         return report.provenance_section(json.loads((run_dir / "env.json").read_text())) + "\n\n" + \
             report.run_section(run_dir)
 
     def proof_stage() -> str:
-        verdict = prove_transformer_resume(args, out, reference_dir=run_dir)
+        verdict = prove_transformer_resume(config, out, reference_dir=run_dir, compile_cache=options.compile_cache)
         if not verdict["identical"]:
-            raise TpulabError(f"the resumed run is not identical (max |diff| {verdict['max_abs_diff']:g}); "
-                              f"see {out / 'proof'}")
+            raise TpulabError(f"the resumed run is not identical (max |diff| {verdict['max_abs_diff']:g}, first "
+                              f"differing leaf {verdict.get('first_differing_leaf')}); see {out / 'proof'}")
         return report.proof_section(out / "proof", "proof")
+
+    def chaos_stage() -> str:
+        from tpulab.proofs.chaos import run_chaos
+
+        verdict = run_chaos(chaos_config(config), out, kills=options.chaos_kills, seed=0,
+                            compile_cache=options.compile_cache)
+        if not verdict["identical"]:
+            raise TpulabError(f"the chaos run is not identical: {verdict['summary']}; see {out / 'chaos'}")
+        return report.chaos_section(out / "chaos", "chaos")
 
     def checks_stage() -> str:
         results = run_checks(config, run_dir=run_dir)
@@ -71,12 +104,14 @@ def run_capstone(args, out: Path) -> Path:
     stage("train", train_stage)
     if not failures:
         stage("resume proof", proof_stage)
+        if options.chaos_kills > 0:
+            stage("chaos", chaos_stage)
         stage("checks", checks_stage)
-        if not getattr(args, "skip_inference", False):
+        if not options.skip_inference:
             from tpulab.inference import capstone_stage as inference_stage
 
             stage("inference", lambda: inference_stage(run_dir, out / "inference"))
-    if not getattr(args, "skip_bridge", False):
+    if not options.skip_bridge:
         from tpulab.bridge import capstone_stage as bridge_stage
 
         stage("bridge", lambda: bridge_stage(out))

@@ -1,13 +1,14 @@
 """Independent checks of the Transformer: causal attention, valid-token loss, disjoint data.
 
 Each check recomputes what it verifies by a route other than the training code's: the loss
-against a NumPy log-softmax written here, data disjointness with sha256 over raw window bytes
-(the pipeline itself uses blake2b), causality by perturbing inputs and comparing logits bitwise.
+against a NumPy log-softmax written here, causality by perturbing inputs and comparing logits
+bitwise, and data disjointness from what the run actually consumed (the loop's window ledger of
+sha256 hashes) against windows rebuilt from the validation documents (the pipeline's own dedup
+uses blake2b).
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import jax
@@ -16,9 +17,10 @@ import numpy as np
 from flax import nnx
 
 from tpulab.data.corpus import load_corpus
-from tpulab.data.pipeline import build_splits, eval_batches, to_batch
+from tpulab.data.pipeline import build_splits, document_windows, to_batch
 from tpulab.data.tokenizer import PAD
 from tpulab.errors import TpulabError
+from tpulab.evidence.ledger import read_ledger, window_sha256
 from tpulab.train.config import RunConfig
 from tpulab.train.step import make_steps, masked_xent
 
@@ -34,7 +36,8 @@ def check_causal(model, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
     x = rng.integers(0, 256, size=(2, seq_len), dtype=np.int32)
     base = np.asarray(forward(model, jnp.asarray(x)))
     future_ok, present_ok, worst = True, True, 0.0
-    for t in sorted({0, seq_len // 3, seq_len // 2, seq_len - 2}):
+    cuts = sorted({0, seq_len // 3, seq_len // 2, seq_len - 2} & set(range(seq_len - 1)))
+    for t in cuts:
         future = x.copy()
         future[:, t + 1:] = rng.integers(0, 256, size=future[:, t + 1:].shape)
         out = np.asarray(forward(model, jnp.asarray(future)))
@@ -46,7 +49,8 @@ def check_causal(model, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
         present_ok &= bool(np.array_equal(out[:, :t], base[:, :t])) and bool(np.any(out[:, t:] != base[:, t:]))
     return [
         _result("causal: future tokens do not change earlier logits", future_ok,
-                f"max abs diff at positions <= t: {worst:.3g} (must be exactly 0) over 4 cut points"),
+                f"max abs diff at positions <= t: {worst:.3g} (must be exactly 0) over {len(cuts)} cut points "
+                f"t = {', '.join(map(str, cuts))}"),
         _result("causal: token t changes logits at >= t only", present_ok,
                 "logits before t bitwise unchanged, some logit at or after t changed"),
     ]
@@ -88,56 +92,65 @@ def check_loss(model, windows: np.ndarray) -> list[dict]:
     ]
 
 
-def _sha(rows: np.ndarray) -> set[str]:
-    return {hashlib.sha256(r.astype(np.int32).tobytes()).hexdigest() for r in np.ascontiguousarray(rows)}
+def check_disjoint(splits, recorded_split: dict | None, ledger: dict) -> list[dict]:
+    """Compare what the run consumed (its window ledger) with windows rebuilt from the validation documents.
 
-
-def check_disjoint(splits, config: RunConfig, recorded: dict | None = None) -> list[dict]:
+    ``ledger`` is ``evidence.ledger.read_ledger(run_dir)``: the sha256 of every window the loop drew for
+    training and read for evaluation. A validation window in a training batch, or a training window in
+    an evaluation batch, fails a check; so does a run that recorded nothing.
+    """
     train_names = {d.name for d in splits.train_docs}
     val_names = {d.name for d in splits.val_docs}
-    train_hashes = _sha(splits.train_windows)
-    val_hashes = _sha(splits.val_windows)
-    overlap = len(train_hashes & val_hashes)
     doc_overlap = (train_names & val_names) | ({d.sha256 for d in splits.train_docs} & {d.sha256 for d in splits.val_docs})
-    evals = eval_batches(splits.val_windows, config.data.batch_size, config.train.eval_batches)
-    eval_rows = np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1) for b in evals])
-    eval_hashes = _sha(eval_rows)
+    seq_len = splits.train_windows.shape[1] - 1
+    val_hashes = set(window_sha256(np.concatenate([document_windows(d, seq_len) for d in splits.val_docs])))
+    train_hashes = set(window_sha256(splits.train_windows))
+    drawn = {h for hashes in ledger["train"].values() for h in hashes}
+    leaked = drawn & (val_hashes - train_hashes)  # text that occurs in both splits is not a leak
+    foreign = drawn - train_hashes
+    evals = ledger["eval"]
+    eval_outside = evals - val_hashes
     out = [
         _result("data: train and validation documents are disjoint", not doc_overlap,
                 f"{len(train_names)} train / {len(val_names)} validation documents, {len(doc_overlap)} shared"),
-        _result("data: no validation window occurs in training (sha256 of windows)", overlap == 0,
-                f"{len(val_hashes)} distinct validation windows vs {len(train_hashes)} training windows: {overlap} shared"),
-        _result("data: validation loss reads validation windows only", eval_hashes <= val_hashes
-                and not (eval_hashes & train_hashes), f"{len(eval_rows)} evaluation rows, all from validation documents"
-                if eval_hashes <= val_hashes else "evaluation rows outside the validation set"),
+        _result("data: no validation window was drawn for training (run's window ledger, sha256)",
+                bool(drawn) and not leaked and not foreign,
+                f"{len(drawn)} distinct windows drawn over {len(ledger['train'])} steps: {len(leaked)} from validation "
+                f"documents, {len(foreign)} not from training documents" if drawn
+                else "the run recorded no training windows"),
+        _result("data: validation loss read validation windows only (run's window ledger)",
+                bool(evals) and not eval_outside and not (evals & train_hashes),
+                f"{len(evals)} distinct evaluation windows, {len(eval_outside)} not from validation documents"
+                if evals else "the run recorded no evaluation windows"),
     ]
-    if recorded is not None:
-        same = (recorded.get("identity") == splits.corpus.identity
-                and [d["name"] for d in recorded.get("validation_documents", [])] == [d.name for d in splits.val_docs])
+    if recorded_split is not None:
+        same = (recorded_split.get("identity") == splits.corpus.identity
+                and [d["name"] for d in recorded_split.get("validation_documents", [])] == [d.name for d in splits.val_docs])
         out.append(_result("data: run dir's recorded split matches the corpus now", same,
                            f"corpus identity {splits.corpus.identity[:16]}…"))
     return out
 
 
 def run_checks(config: RunConfig, run_dir: Path | None = None) -> list[dict]:
-    """All checks on the run's trained weights (``run_dir``) or on a fresh init of ``config``."""
+    """All checks on the run's trained weights (``run_dir``) or on a fresh init of ``config`` (model checks only:
+    the data checks need a run's window ledger)."""
     import json
 
-    recorded = None
     if run_dir is not None:
         from tpulab.train.restore import load_model
 
         restored = load_model(run_dir)
         config, model = restored.config, restored.model
-        docs = Path(run_dir) / "documents.json"
-        recorded = json.loads(docs.read_text()) if docs.exists() else None
     else:
         steps = make_steps(config)
         model = steps.model(steps.init().params)
     splits = build_splits(load_corpus(config.data.path), config.data)
-    return (check_causal(model, config.data.seq_len, config.model.vocab_size)
-            + check_loss(model, splits.train_windows)
-            + check_disjoint(splits, config, recorded))
+    results = check_causal(model, config.data.seq_len, config.model.vocab_size) + check_loss(model, splits.train_windows)
+    if run_dir is not None:
+        docs = Path(run_dir) / "documents.json"
+        recorded = json.loads(docs.read_text()) if docs.exists() else None
+        results += check_disjoint(splits, recorded, read_ledger(run_dir))
+    return results
 
 
 def table_markdown(results: list[dict]) -> str:

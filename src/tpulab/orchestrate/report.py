@@ -7,8 +7,9 @@ import statistics
 from pathlib import Path
 
 from tpulab.evidence import metrics as M
-from tpulab.evidence.checks import table_markdown
 from tpulab.evidence.provenance import describe_hardware
+from tpulab.proofs.checks import table_markdown
+from tpulab.proofs.driver import verdict_text
 
 
 def steady_tokens_per_s(run_dir: Path, tokens_per_step: int, skip: int = 5) -> float | None:
@@ -77,12 +78,30 @@ def proof_section(proof_dir: Path, rel: str) -> str:
         f"(a real process; no handler ran). A fresh process resumed from the newest valid checkpoint, step "
         f"{v['resumed_from_step']}, redid {v['steps_redone']} steps and trained to step {v['steps']}.",
         "",
-        f"Verdict: {verdict} against the uninterrupted run over {v['steps_compared']} steps; "
+        f"Verdict: {verdict} against the uninterrupted run: {verdict_text(v)}; "
         f"max |diff| = {v['max_abs_diff']:g}. Checkpoint dir at the kill: {', '.join(v.get('checkpoints_at_kill', [])) or 'n/a'}.",
         "",
         f"![overlay]({rel}/overlay.png)",
         "",
         f"Evidence: `{rel}/verdict.json`, per-step losses in each run's `metrics.jsonl`.",
+    ])
+
+
+def chaos_section(chaos_dir: Path, rel: str) -> str:
+    v = json.loads((chaos_dir / "verdict.json").read_text())
+    return "\n".join([
+        "## Chaos: SIGKILL at random moments",
+        "",
+        f"The run was SIGKILLed **{v['kills']}** times at random wall-clock moments (seed {v['seed']}; no hold, "
+        f"no withheld marker), {v['kills_during_save']} of them while a checkpoint save was in flight, and "
+        f"resumed each time in a fresh process ({v['segments']} process lifetimes; resumed from steps "
+        f"{', '.join(str(s) for s in v['resumed_from_steps'])}).",
+        "",
+        f"Verdict: **{'identical' if v['identical'] else 'NOT identical'}**: {v['summary']}.",
+        "",
+        f"![chaos]({rel}/segments.png)",
+        "",
+        f"Evidence: `{rel}/verdict.json`, the victim's `metrics.jsonl` (one segment per process lifetime).",
     ])
 
 

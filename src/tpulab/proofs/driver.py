@@ -1,13 +1,14 @@
 """The kill/resume proof, shared by both capstones.
 
 A reference run trains N steps in its own process. A second run with the same config is started
-in a subprocess, held right after step K (the ``TPULAB_HOLD_AFTER_STEP`` fixture, so the kill
-lands between checkpoints at a known step) and killed with SIGKILL: no handler runs, nothing is
-flushed or saved. A fresh process then resumes from the newest valid checkpoint and trains to N.
-The per-step losses of both segments are compared with the reference exactly (``==`` on the
-float32 values), and the overlay is plotted. Trainers only need to (1) log per-step ``loss`` to
-metrics.jsonl through ``MetricsLog`` with ``resumed_from`` in its start record and (2) call
-``hold_if_requested(step)`` after logging each step.
+in a subprocess, held right after step K (its trainer's hidden ``--hold-after-step K`` flag installs
+the ``HoldAfter`` hook, so the kill lands between checkpoints at a known step) and killed with
+SIGKILL: no handler runs, nothing is flushed or saved. A fresh process then resumes from the newest
+valid checkpoint and trains to N. The per-step losses of both segments are compared with the
+reference exactly (``==`` on the float32 values), and the overlay is plotted. Trainers only need to
+(1) log per-step ``loss`` to metrics.jsonl through ``MetricsLog`` with ``resumed_from`` in its start
+record and (2) accept ``--hold-after-step``. ``tpulab chaos`` (proofs.chaos) kills at random moments
+instead, with no hold.
 """
 
 from __future__ import annotations
@@ -26,19 +27,7 @@ from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
 
-HOLD_ENV = "TPULAB_HOLD_AFTER_STEP"
-
-
-def hold_if_requested(step: int) -> None:
-    """Test fixture: block forever after ``step`` when TPULAB_HOLD_AFTER_STEP names it.
-
-    The process stays alive, mid-run, with whatever async work is in flight, until the proof
-    driver kills it. It never returns, so nothing after the held step is logged or saved.
-    """
-    target = os.environ.get(HOLD_ENV)
-    if target is not None and int(target) == step:
-        while True:
-            time.sleep(3600)
+HOLD_FLAG = "--hold-after-step"  # every trainer the driver starts accepts it (hidden from --help)
 
 
 def compare_curves(reference: dict[int, float], other: dict[int, float]) -> dict:
@@ -96,8 +85,7 @@ def run_to_completion(argv: list[str], log_path: Path, env: dict, timeout_s: flo
 def run_and_kill(argv: list[str], run_dir: Path, log_path: Path, env: dict, kill_at: int,
                  timeout_s: float) -> int:
     """Start a run held after ``kill_at``; SIGKILL it once that step is logged. Returns the last logged step."""
-    env = {**env, HOLD_ENV: str(kill_at)}
-    with Proc(argv, log_path, env) as proc:
+    with Proc([*argv, HOLD_FLAG, str(kill_at)], log_path, env) as proc:
         deadline = time.monotonic() + timeout_s
         while True:
             logged = M.curve(M.read_records(run_dir / M.METRICS))
@@ -123,19 +111,21 @@ def checkpoint_listing(run_dir: Path) -> list[str]:
 
 def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *, steps: int, kill_at: int,
                  reference_dir: str | Path | None = None, env: dict | None = None, timeout_s: float = 900,
-                 title: str = "kill/resume proof", extra: dict | None = None) -> dict:
+                 title: str = "kill/resume proof", extra: dict | None = None,
+                 compare_state: Callable[[Path, Path], dict] | None = None) -> dict:
     """Run the whole proof and write proof_dir/verdict.json and proof_dir/overlay.png.
 
     ``command(run_dir)`` returns the argv of a trainer that trains ``steps`` steps in ``run_dir``,
     resuming from its newest valid checkpoint when there is one. ``reference_dir`` reuses an
     uninterrupted run that already finished (the capstone's main run) instead of training one.
+    ``compare_state(reference_dir, run_dir)`` adds the whole-state verdict (``final_state_identical``);
+    then ``identical`` needs both the curves and the final state to match.
     """
     proof_dir = Path(proof_dir)
     if not 0 < kill_at < steps:
         raise TpulabError(f"--kill-at {kill_at} must be between 1 and steps-1 ({steps - 1})")
     proof_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **(env or {})}
-    env.pop(HOLD_ENV, None)
     timings = {}
 
     if reference_dir is None:
@@ -161,6 +151,9 @@ def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *,
     timings["resumed_run_s"] = time.monotonic() - t0
 
     verdict = judge(reference_dir, run_dir, steps=steps, kill_step=kill_step)
+    if compare_state is not None:
+        verdict.update(compare_state(reference_dir, run_dir))
+        verdict["identical"] = verdict["curves_identical"] and verdict["final_state_identical"]
     verdict.update(timings=timings, reference_dir=str(reference_dir), run_dir=str(run_dir),
                    checkpoints_at_kill=at_kill, **(extra or {}))
     atomic_write_json(proof_dir / "verdict.json", verdict)
@@ -183,8 +176,10 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
     after = compare_curves(ref, resumed)
     whole = compare_curves(ref, {**killed, **resumed})
     missing = [s for s in range(1, steps + 1) if s not in ref or s not in {**killed, **resumed}]
+    identical = before["identical"] and after["identical"] and not missing
     return {
-        "identical": before["identical"] and after["identical"] and not missing,
+        "identical": identical,
+        "curves_identical": identical,
         "max_abs_diff": max(before["max_abs_diff"], after["max_abs_diff"]),
         "first_differing_step": after["first_differing_step"] or before["first_differing_step"],
         "steps_compared": whole["steps_compared"],
@@ -196,6 +191,18 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
         "signal": "SIGKILL",
         "steps": steps,
     }
+
+
+def verdict_text(verdict: dict) -> str:
+    """One sentence that says what was compared and how it came out."""
+    curves = (f"per-step losses bitwise identical over {verdict['steps_compared']} steps"
+              if verdict.get("curves_identical", verdict["identical"])
+              else f"per-step losses NOT identical (max |diff| {verdict['max_abs_diff']:.3g})")
+    if "final_state_identical" not in verdict:
+        return curves + " (final state not compared)"
+    state = ("final state bitwise identical" if verdict["final_state_identical"]
+             else f"final state NOT identical (first differing: {verdict['first_differing_leaf']})")
+    return f"{curves}; {state} ({verdict['final_state_compared']})"
 
 
 def plot_proof(reference_dir: Path, run_dir: Path, verdict: dict, path: Path, title: str) -> None:
@@ -226,8 +233,7 @@ def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Pa
                 color="tab:green", va="top", ha="right", fontsize=8)
     ax.annotate(" kill", (verdict["kill_step"], 0.98), xycoords=("data", "axes fraction"), va="top", fontsize=8)
     ax.set_ylabel("train loss")
-    state = "bitwise identical" if verdict["identical"] else f"NOT identical (max |diff| {verdict['max_abs_diff']:.3g})"
-    ax.set_title("\n".join(textwrap.wrap(f"{title}: {state} over {verdict['steps_compared']} steps", 90)), fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(f"{title}: {verdict_text(verdict)}", 90)), fontsize=10)
     ax.legend(fontsize=8)
     both = {**killed, **resumed}  # where both ran a step, the resumed value is the one that matters
     diff_steps = [s for s in rs if s in both]
@@ -244,6 +250,7 @@ def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Pa
     plt.close(fig)
 
 
-def python_module_argv(module: str, *args: str) -> list[str]:
-    """argv that runs ``python -m module args`` with this interpreter (children use the same venv)."""
-    return [sys.executable, "-m", module, *args]
+def tpulab_argv(*args: str) -> list[str]:
+    """argv of a `tpulab ARGS` child with this interpreter (children use the same venv): the one way
+    every proof, capstone and launcher builds a child command line."""
+    return [sys.executable, "-m", "tpulab.cli", *map(str, args)]

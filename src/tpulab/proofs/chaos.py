@@ -1,0 +1,206 @@
+"""`tpulab chaos`: SIGKILL a run at random wall-clock moments, resume it each time, compare everything.
+
+The held kill of ``prove-resume`` is readable but gentle: the process pauses after step K, so background
+saves finish before the kill. Here nothing is held and no marker is withheld: a victim process is
+killed N times at moments drawn from a seeded RNG (during start-up, restore, a step, or a save in
+flight), a fresh process resumes after each kill, and the last one trains to the end. Then every logged
+step of every process lifetime is compared with an uninterrupted reference (``==`` on float32), and so
+is the final whole state (``proofs.state``). A kill counts as landing mid-save when the checkpoint dir
+held an Orbax temporary dir or a step without its completion marker at the moment of the kill.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+
+from tpulab.checkpoint.files import MANIFEST, atomic_write_json
+from tpulab.checkpoint.store import TMP_MARK
+from tpulab.errors import TpulabError
+from tpulab.evidence import metrics as M
+from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
+from tpulab.proofs.state import final_state_verdict
+from tpulab.proofs.transformer import train_child_argv, write_child_config
+from tpulab.train.config import RunConfig
+
+
+def saves_in_flight(ckpt_dir: Path) -> list[str]:
+    """Names of Orbax temporary dirs and unmarked step dirs: evidence of a save cut short."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p.name for p in ckpt_dir.iterdir()
+                  if TMP_MARK in p.name or (p.is_dir() and p.name.isdigit() and not (p / MANIFEST).exists()))
+
+
+def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0, compile_cache: Path | None = None,
+              timeout_s: float = 900) -> dict:
+    """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict."""
+    if kills < 1:
+        raise TpulabError(f"--kills {kills} must be at least 1")
+    chaos_dir = Path(out_dir) / "chaos"
+    if (chaos_dir / "verdict.json").exists() or (chaos_dir / "victim").exists():
+        raise TpulabError(f"{chaos_dir} already holds a chaos run; use a fresh --run-dir")
+    steps = config.train.steps
+    config_path = write_child_config(config, chaos_dir / "config.yaml")
+    argv = lambda d: train_child_argv(config_path, d, compile_cache=compile_cache)  # noqa: E731
+    env = None
+
+    reference, victim = chaos_dir / "reference", chaos_dir / "victim"
+    t0 = time.monotonic()
+    run_to_completion(argv(reference), chaos_dir / "reference.log", env, timeout_s, "reference run")
+    t_ref = time.monotonic() - t0
+    walls = [r["wall_s"] for r in M.read_records(reference) if "loss" in r]
+    step_s = max(1e-3, (walls[-1] - walls[0]) / max(1, len(walls) - 1)) if len(walls) > 1 else 0.05
+    startup_s = max(0.5, t_ref - (walls[-1] - walls[0] if walls else 0.0))
+
+    rng = random.Random(seed)
+    victim.mkdir(parents=True)
+    kill_log: list[dict] = []
+    t_victim = time.monotonic()
+    while True:
+        lifetime = len(kill_log)
+        log_path = chaos_dir / f"victim-{lifetime}.log"
+        n_before = len(M.read_records(victim))  # this lifetime's records come after these
+        with Proc(argv(victim), log_path, env) as proc:
+            if lifetime < kills:
+                plan = _draw_moment(rng, victim, steps, startup_s, step_s)
+                t_start = time.monotonic()
+                if not _wait_for(proc, victim, plan, n_before, t_start, timeout_s):
+                    raise TpulabError(f"victim process {lifetime} ended (exit {proc.p.returncode}) before its drawn "
+                                      f"kill moment ({plan}): {proc.tail(1)} (log: {log_path})")
+                proc.kill(signal.SIGKILL)
+                logged = M.curve(M.read_records(victim)[n_before:])
+                kill_log.append({**plan, "at_s": round(time.monotonic() - t_start, 3),
+                                 "in_flight": saves_in_flight(victim / "checkpoints"),
+                                 "last_logged_step": max(logged) if logged else None})  # by this lifetime
+                continue
+            try:
+                rc = proc.p.wait(timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - TimeoutExpired
+                raise TpulabError(f"the final victim process did not finish within {timeout_s:.0f}s") from None
+            if rc != 0:
+                raise TpulabError(f"victim process {lifetime} exited with {rc}: {proc.tail(1)} (log: {log_path})")
+            break
+    t_victim = time.monotonic() - t_victim
+
+    verdict = judge_segments(reference, victim, steps)
+    verdict.update(final_state_verdict(reference, victim))
+    verdict["identical"] = verdict["curves_identical"] and verdict["final_state_identical"]
+    verdict.update(
+        kills=len(kill_log), kills_during_save=sum(1 for k in kill_log if k["in_flight"]), kill_log=kill_log,
+        seed=seed, segments=len(kill_log) + 1, signal="SIGKILL", steps=steps,
+        timings={"reference_s": round(t_ref, 2), "victim_s": round(t_victim, 2)},
+        summary=_summary(verdict))
+    atomic_write_json(chaos_dir / "verdict.json", verdict)
+    plot_segments(reference, victim, verdict, chaos_dir / "segments.png")
+    return verdict
+
+
+def _draw_moment(rng: random.Random, victim: Path, steps: int, startup_s: float, step_s: float) -> dict:
+    """A kill moment: one in five a pure wall-clock delay from process start (imports, compile, restore or
+    early steps), else a random step after the
+    newest committed checkpoint plus a random fraction of a step (so a kill can land anywhere in a step,
+    or while a background save is in flight). Drawn so the run always has steps left to be killed in."""
+    from tpulab.checkpoint.store import scan
+
+    if rng.random() < 0.2:
+        return {"phase": "wall-clock", "delay_s": round(rng.uniform(0.0, startup_s), 3)}
+    lo = (scan(victim / "checkpoints").latest or 0) + 1
+    return {"phase": "training", "after_step": rng.randint(min(lo, steps - 1), steps - 1),
+            "delay_s": round(rng.uniform(0.0, step_s), 4)}
+
+
+def _wait_for(proc: Proc, victim: Path, plan: dict, n_before: int, t_start: float, timeout_s: float) -> bool:
+    """Wait until the drawn moment; False if the process ended first."""
+    if plan["phase"] == "wall-clock":
+        try:
+            proc.p.wait(timeout=plan["delay_s"])
+            return False
+        except Exception:  # noqa: BLE001 - TimeoutExpired: alive at the moment
+            return True
+    while True:  # the drawn step logged by *this* lifetime (records appended after it started)
+        recs = M.read_records(victim)
+        if any(r.get("step") == plan["after_step"] and "loss" in r for r in recs[n_before:]):
+            break
+        if proc.p.poll() is not None or time.monotonic() - t_start > timeout_s:
+            return False
+        time.sleep(0.002)
+    time.sleep(plan["delay_s"])
+    return proc.p.poll() is None
+
+
+def judge_segments(reference: Path, victim: Path, steps: int) -> dict:
+    """Every step each process lifetime logged equals the reference; together they cover every step."""
+    ref = M.curve(M.read_records(reference))
+    recs = M.read_records(victim)
+    seg_ids = [s["segment"] for s in M.starts(recs)]
+    worst, first, covered, compared = 0.0, None, set(), 0
+    for seg in seg_ids:
+        c = compare_curves(ref, M.curve(recs, segment=seg))
+        compared += c["steps_compared"]
+        covered |= set(M.curve(recs, segment=seg))
+        worst = max(worst, c["max_abs_diff"]) if c["steps_compared"] else worst
+        if first is None and c["first_differing_step"] is not None:
+            first = c["first_differing_step"]
+    missing = [s for s in range(1, steps + 1) if s not in covered or s not in ref]
+    return {"curves_identical": first is None and not missing and compared > 0, "max_abs_diff": worst,
+            "first_differing_step": first, "missing_steps": missing[:10], "steps_compared": compared,
+            "logged_segments": len(seg_ids),
+            "resumed_from_steps": [s.get("resumed_from") for s in M.starts(recs)[1:]]}
+
+
+def _summary(v: dict) -> str:
+    curves = (f"{v['steps_compared']} logged steps across {v['logged_segments']} logged lifetimes equal the reference "
+              "bitwise" if v["curves_identical"] else
+              f"losses differ (first at step {v['first_differing_step']}, max |diff| {v['max_abs_diff']:.3g}, "
+              f"missing steps {v['missing_steps']})")
+    state = ("final state bitwise identical" if v["final_state_identical"]
+             else f"final state differs at {v['first_differing_leaf']}")
+    return f"{curves}; {state} ({v['final_state_compared']})"
+
+
+def plot_segments(reference: Path, victim: Path, verdict: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ref = M.curve(M.read_records(reference))
+    recs = M.read_records(victim)
+    fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    rs = sorted(ref)
+    ax.plot(rs, [ref[s] for s in rs], color="0.6", lw=5, alpha=0.6, label="reference (uninterrupted)")
+    cmap = plt.get_cmap("tab10")
+    diffs: dict[int, float] = {}
+    for i, start in enumerate(M.starts(recs)):
+        seg = M.curve(recs, segment=start["segment"])
+        xs = sorted(seg)
+        if not xs:
+            continue
+        origin = start.get("resumed_from")
+        ax.plot(xs, [seg[s] for s in xs], color=cmap(i % 10), lw=1.2, marker=".", ms=3,
+                label=f"lifetime {i}: " + ("from scratch" if origin is None else f"resumed from step {origin}"))
+        for s in xs:
+            if s in ref:
+                diffs[s] = max(diffs.get(s, 0.0), abs(seg[s] - ref[s]))
+    for k in verdict["kill_log"]:
+        if k["last_logged_step"] is not None:
+            ax.axvline(k["last_logged_step"], color="k", ls=":", lw=0.8)
+    ax.set_ylabel("train loss")
+    ax.set_title(f"chaos: {verdict['kills']} random SIGKILLs ({verdict['kills_during_save']} mid-save); "
+                 + ("IDENTICAL" if verdict["identical"] else "NOT identical"), fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    ds = sorted(diffs)
+    ax_d.plot(ds, [diffs[s] for s in ds], color="tab:purple", marker=".", ms=3, lw=0.8)
+    ax_d.set_yscale("symlog", linthresh=1e-8)
+    ax_d.set_ylim(0, max(1e-6, 10 * max(diffs.values(), default=0.0)))
+    if diffs and max(diffs.values()) == 0.0:
+        ax_d.text(0.5, 0.5, "every logged step of every lifetime: difference exactly 0", transform=ax_d.transAxes,
+                  ha="center", fontsize=9)
+    ax_d.set_ylabel("max |lifetime - reference|")
+    ax_d.set_xlabel("step (dotted: last step logged before a kill)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,73 @@
+"""Test-only child trainer: `tpulab train` with test hooks injected (never imported by src/).
+
+    python tests/hooked_train.py --config C --run-dir D [--withhold-commit S] [--nan-at S] [--hold-after-step K]
+
+--withhold-commit S: checkpoint S is saved but never gets its completion marker, as if the process died
+while the async save was in flight. --nan-at S: step S's loss and parameters turn NaN on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from tpulab.config import load
+from tpulab.train.config import RunConfig
+from tpulab.train.hooks import HoldAfter, Hooks
+from tpulab.train.loop import train
+
+
+class WithholdCommit(Hooks):
+    def __init__(self, step: int):
+        self.step = step
+
+    def allow_commit(self, step):
+        return step != self.step
+
+
+class NanAt(Hooks):
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_step(self, step, state, metrics):
+        if step != self.step:
+            return state, metrics
+        poison = lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
+        return state._replace(params=jax.tree.map(poison, state.params)), {**metrics, "loss": metrics["loss"] * jnp.nan}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", type=Path, required=True)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--compile-cache", type=Path)
+    p.add_argument("--withhold-commit", type=int)
+    p.add_argument("--nan-at", type=int)
+    p.add_argument("--hold-after-step", type=int)
+    args = p.parse_args()
+    hooks = []
+    if args.withhold_commit:
+        hooks.append(WithholdCommit(args.withhold_commit))
+    if args.nan_at:
+        hooks.append(NanAt(args.nan_at))
+    if args.hold_after_step:
+        hooks.append(HoldAfter(args.hold_after_step))
+    from tpulab.errors import TpulabError
+
+    try:
+        train(load(RunConfig, args.config, args.overrides), args.run_dir, progress=False,
+              compile_cache_dir=args.compile_cache, hooks=hooks)
+    except TpulabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
