@@ -22,7 +22,7 @@ from tpulab.bridge.report import device_line, start_record
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.config import to_dict
 from tpulab.evidence import metrics as M
-from tpulab.evidence.proof import run_to_completion
+from tpulab.proofs.driver import run_to_completion
 
 
 def main(argv=None) -> int:

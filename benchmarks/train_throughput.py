@@ -44,7 +44,7 @@ from tpulab.config import load, to_dict
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.evidence import metrics as M
-from tpulab.evidence.proof import python_module_argv
+from tpulab.proofs.driver import tpulab_argv
 from tpulab.model.config import ModelConfig
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps
 from tpulab.train.config import RunConfig
@@ -225,9 +225,9 @@ def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dic
 # --- part 2: time from process start to the first resumed step ----------------------------------------
 
 def train_argv(run_dir: Path, cache: Path, steps: int) -> list[str]:
-    argv = python_module_argv("tpulab.cli", "train", "--run-dir", str(run_dir), "--config", str(CONFIG),
-                              "--steps", str(steps), "--compile-cache", str(cache), "--no-progress",
-                              "--set", "checkpoint.save_every=10")
+    argv = tpulab_argv("train", "--run-dir", str(run_dir), "--config", str(CONFIG),
+                       "--steps", str(steps), "--compile-cache", str(cache), "--no-progress",
+                       "--set", "checkpoint.save_every=10")
     for o in OVERRIDES:
         argv += ["--set", o]
     return argv

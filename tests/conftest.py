@@ -19,7 +19,7 @@ def compile_cache_env(tmp_path_factory) -> dict:
     cache = os.environ.get("TPULAB_COMPILE_CACHE") or str(tmp_path_factory.mktemp("jax-compile-cache"))
     os.environ["TPULAB_COMPILE_CACHE"] = cache
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
-    from tpulab.perf import compile_cache
+    from tpulab import compile_cache
 
     compile_cache.enable(cache)
     return {"TPULAB_COMPILE_CACHE": cache, "JAX_COMPILATION_CACHE_DIR": cache}

@@ -12,7 +12,7 @@ from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
-from tpulab.perf.compile_cache import count_compiles
+from tpulab.compile_cache import count_compiles
 from tpulab.train.loop import train
 from tpulab.train.step import make_steps
 

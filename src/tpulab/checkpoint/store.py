@@ -117,6 +117,21 @@ def _root_cause(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
+class _OrbaxErrorsReported(logging.Filter):
+    """Orbax logs each background save failure with a traceback from several threads (hundreds of lines);
+    the store turns that failure into one line naming the run dir and the last valid checkpoint, so
+    Orbax's own ERROR records are dropped while a store is open."""
+
+    LOGGERS = ("absl", "asyncio")  # asyncio: "exception was never retrieved" of Orbax's failed writes, at exit
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.pathname + str(record.msg) + "".join(str(a) for a in (record.args or ()) if isinstance(a, str))
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (f"{os.sep}orbax{os.sep}" in text or "orbax" in repr(exc) or "orbax-checkpoint" in text)
+
+
 class CheckpointStore:
     """Async Orbax saves, manifests committed once each save has finished, verified restores.
 
@@ -140,9 +155,13 @@ class CheckpointStore:
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
+        self._log_filter = _OrbaxErrorsReported()
+        for name in self._log_filter.LOGGERS:
+            logging.getLogger(name).addFilter(self._log_filter)
         self._allow_commit = allow_commit or (lambda step: True)
         self._on_commit = on_commit or (lambda step: None)
         self._uncommitted: list[int] = []
+        self._last_saved: int | None = None
         self._failure: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -194,12 +213,17 @@ class CheckpointStore:
             raise self._fail(f"saving checkpoint step {step}", e) from None
         with self._lock:
             self._uncommitted.append(step)
+            self._last_saved = step
 
     def commit_finished(self) -> None:
         """Write manifests for saves that Orbax has finalized (non-blocking; called from both threads)."""
         with self._lock:
             if not self._uncommitted or self._failure is not None or self.manager.is_saving_in_progress():
                 return
+            try:
+                self.manager.check_for_errors()  # a failed async save never gets a marker
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(f"saving checkpoint step {self._uncommitted[-1]}", e) from None
             for step in self._uncommitted:
                 if not self._allow_commit(step):
                     continue
@@ -218,8 +242,7 @@ class CheckpointStore:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            steps = ", ".join(map(str, self._uncommitted)) or "?"
-            raise self._fail(f"saving checkpoint step {steps}", e) from None
+            raise self._fail(f"saving checkpoint step {self._last_saved}", e) from None
         self.commit_finished()
         self._raise_failure()
 
@@ -255,6 +278,10 @@ class CheckpointStore:
             except Exception:  # noqa: BLE001 - a save that already failed was reported by wait()
                 if self._failure is None:
                     raise
+            finally:
+                if self._failure is None:  # after a failure the process is about to exit on our one line
+                    for name in self._log_filter.LOGGERS:
+                        logging.getLogger(name).removeFilter(self._log_filter)
 
 
 def _flat_shapes(tree: Any) -> dict[tuple[str, ...], tuple]:

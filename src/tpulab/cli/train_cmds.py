@@ -42,6 +42,7 @@ def cmd_train(args) -> int:
     summary = train(config, args.run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
                     progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache,
                     hooks=hooks, preemption=preemption)
+    preemption.finished()
     verb = "preempted at" if summary["preempted"] else "trained to"
     print(f"{verb} step {summary['final_step']}: loss {summary['final_loss']:.4f}"
           + (f", val loss {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else "")

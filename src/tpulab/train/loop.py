@@ -32,7 +32,7 @@ from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
 from tpulab.model.transformer import param_count
-from tpulab.perf import compile_cache
+from tpulab import compile_cache
 from tpulab.train.config import RunConfig
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.preemption import Preemption

@@ -1,0 +1,84 @@
+"""The layers depend one way, nothing imports in a cycle, and src/ reads no test-only switch."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+SRC = REPO / "src" / "tpulab"
+# Lower layers first. A package may import its own layer and the layers below it, never above.
+LAYERS = [
+    {"errors", "config", "compile_cache"},
+    {"data"},
+    {"model"},
+    {"checkpoint"},
+    {"evidence"},
+    {"train"},
+    {"proofs", "perf"},
+    {"inference", "bridge", "cloud", "tracking"},
+    {"orchestrate"},
+    {"cli"},
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return {m for m in out if m == "tpulab" or m.startswith("tpulab.")}
+
+
+def _unit(module_or_path) -> str:
+    parts = module_or_path.split(".") if isinstance(module_or_path, str) else \
+        module_or_path.relative_to(SRC).with_suffix("").parts
+    parts = [p for p in parts if p != "tpulab"] if isinstance(module_or_path, str) else list(parts)
+    return parts[0] if parts else ""
+
+
+def test_every_package_has_a_layer():
+    units = {_unit(p) for p in SRC.rglob("*.py") if p.name != "__init__.py" or p.parent != SRC}
+    assert units <= set(RANK), f"declare a layer for: {sorted(units - set(RANK))}"
+
+
+def test_imports_only_go_down_the_layers():
+    bad = []
+    for path in SRC.rglob("*.py"):
+        if path.parent == SRC and path.name == "__init__.py":
+            continue
+        here = _unit(path)
+        for mod in _imports(path):
+            there = _unit(mod)
+            if there and RANK.get(there, -1) > RANK[here]:
+                bad.append(f"{path.relative_to(SRC)} imports {mod} ({here} -> {there})")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_cycles_between_modules():
+    tool = REPO.parent / "shared" / "tools" / "import_cycles.py"
+    script = tool if tool.exists() else None
+    if script is None:  # the shared tool is optional; the layer test above already forbids package cycles
+        return
+    result = subprocess.run([sys.executable, str(script), str(REPO / "src"), "tpulab"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_the_library_never_imports_the_cli():
+    users = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if _unit(p) != "cli"
+             and any(m.startswith("tpulab.cli") for m in _imports(p))]
+    assert not users
+
+
+def test_src_reads_no_test_only_environment_variable():
+    pattern = re.compile(r"""environ(?:\.get)?\s*[\[(]\s*["'](TPULAB_[A-Z_]+)""")
+    found = {m.group(1) for p in SRC.rglob("*.py") for m in pattern.finditer(p.read_text())}
+    allowed = {"TPULAB_COMPILE_CACHE"}  # a user setting (README), not a test switch
+    assert found <= allowed, sorted(found - allowed)
+    for p in SRC.rglob("*.py"):
+        assert "HOLD_AFTER_STEP" not in p.read_text() and "WITHHOLD_COMMIT" not in p.read_text(), p

@@ -1,0 +1,215 @@
+"""Hardening of the spine: non-finite states never saved, refusals change nothing, strict markers,
+temporary dirs of killed saves, fail-fast proofs, disk full, shapes that do not fit, SIGTERM at the end."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, run_cli, tiny_config
+from hooked_train import NanAt
+from tpulab.checkpoint.files import MANIFEST
+from tpulab.errors import TpulabError
+from tpulab.evidence.metrics import read_records
+from tpulab.proofs.driver import Proc
+from tpulab.train.loop import train
+from tpulab.train.restore import load_model
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file and dir under root with a content hash: 'nothing changed on disk' made checkable."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return out
+
+
+def _copy(trained_run, tmp_path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(trained_run, dst)
+    return dst
+
+
+def test_a_nan_at_a_save_step_is_never_committed_and_the_named_checkpoint_resumes(tmp_path):
+    run = tmp_path / "run"
+    # step 30 is a save step (save_every 10) and not an eval step (eval_every 20): the old bug's window
+    with pytest.raises(TpulabError, match=r"loss is nan at step 30; last good checkpoint: step 20 in") as info:
+        train(tiny_config(), run, progress=False, hooks=[NanAt(30)])
+    assert info.value.exit_code == 3
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "30" not in ckpts and "20" in ckpts and (run / "checkpoints" / "20" / MANIFEST).exists()
+    restored = load_model(run)
+    assert restored.step == 20
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state) if np.asarray(x).dtype.kind == "f")
+    summary = train(tiny_config(), run, progress=False)
+    assert summary["resumed_from"] == 20 and summary["final_step"] == 40 and np.isfinite(summary["final_loss"])
+
+
+def test_a_non_finite_state_is_caught_even_when_the_loss_is_finite(tmp_path):
+    """Negative control of the on-device state check: poison the parameters only, at a save step."""
+    class ParamsOnly(NanAt):
+        def after_step(self, step, state, metrics):
+            poisoned, _ = super().after_step(step, state, metrics)
+            return poisoned, metrics
+
+    with pytest.raises(TpulabError, match=r"non-finite values at step 10; last good checkpoint: step None"):
+        train(tiny_config(), tmp_path / "run", progress=False, hooks=[ParamsOnly(10)])
+    assert not any(p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_a_refused_resume_changes_nothing_on_disk(trained_run, tmp_path):
+    run = _copy(trained_run, tmp_path)
+    (run / "checkpoints" / "40" / MANIFEST).unlink()  # the newest step: an interrupted save, would be moved aside
+    (run / "checkpoints" / "45.orbax-checkpoint-tmp-99").mkdir()  # a killed save's temp dir, would be removed
+    before = tree_digest(run)
+    with pytest.raises(TpulabError, match="different optim.lr"):
+        train(tiny_config("optim.lr=0.01", "train.steps=42"), run, progress=False)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"document {i} " * 400)
+    with pytest.raises(TpulabError, match="corpus identity"):
+        train(tiny_config(f"data.path={corpus}", "train.steps=42"), run, progress=False)
+    assert tree_digest(run) == before
+
+
+def test_an_older_step_without_its_marker_is_corruption_not_an_interrupted_save(trained_run, tmp_path, capfd):
+    run = _copy(trained_run, tmp_path)
+    for step in ("40", "30"):
+        (run / "checkpoints" / step / MANIFEST).unlink()
+    summary = train(tiny_config("train.steps=42"), run, progress=False)
+    err = capfd.readouterr().err
+    assert summary["resumed_from"] == 20
+    assert "refusing checkpoint step 30" in err and "not the newest step (corrupt" in err
+    assert sorted(p.name.split("-")[0] for p in (run / "rejected_checkpoints").iterdir()) == ["30", "40"]
+
+
+def test_no_marker_anywhere_refuses_instead_of_starting_over(trained_run, tmp_path):
+    run = _copy(trained_run, tmp_path)
+    for step_dir in (run / "checkpoints").iterdir():
+        (step_dir / MANIFEST).unlink()
+    before = tree_digest(run)
+    result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--steps", "42", "--no-progress")
+    assert result.returncode == 2 and "no checkpoint in" in result.stderr and "refusing to start over" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert tree_digest(run) == before
+
+
+def test_orbax_temporary_dirs_of_killed_saves_are_removed_with_a_warning(trained_run, tmp_path, capfd):
+    run = _copy(trained_run, tmp_path)
+    tmp = run / "checkpoints" / "50.orbax-checkpoint-tmp-1234"
+    (tmp / "state").mkdir(parents=True)
+    (tmp / "state" / "junk").write_bytes(b"half a save")
+    summary = train(tiny_config("train.steps=42"), run, progress=False)
+    assert summary["resumed_from"] == 40 and not tmp.exists()
+    assert "removed 50.orbax-checkpoint-tmp-1234" in capfd.readouterr().err
+
+
+def test_prove_resume_refuses_a_kill_before_the_first_checkpoint_up_front(tmp_path):
+    t0 = time.monotonic()
+    result = run_cli("prove-resume", "--run-dir", str(tmp_path / "p"), "--config", str(TINY), "--kill-at", "7")
+    assert result.returncode == 2 and time.monotonic() - t0 < 30
+    assert "comes before the first checkpoint (step 10" in result.stderr
+    assert not (tmp_path / "p" / "proof" / "reference").exists()
+
+
+def test_force_onto_a_checkpoint_of_another_shape_is_one_line(trained_run, tmp_path):
+    run = _copy(trained_run, tmp_path)
+    before = tree_digest(run)
+    result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--force", "--set", "model.d_model=64",
+                     "--steps", "45", "--no-progress")
+    assert result.returncode == 2
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert lines == [ln for ln in lines if ln.startswith("error: checkpoint")], result.stderr
+    assert "(32, 32) float32 in the checkpoint, (64, 64) float32 in the model" in lines[0]
+    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints")} == \
+        {k: v for k, v in before.items() if k.startswith("checkpoints")}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs as root: {mounted.stderr.decode().strip()}")
+    try:
+        run = mnt / "run"  # room for two checkpoints (~0.5 MB each) and the logs, not a third
+        result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--set", "checkpoint.keep=5",
+                         "--no-progress")
+        assert result.returncode == 4, result.stderr
+        errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and "No space left on device" in errors[0], result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) < 10, result.stderr
+        assert "last valid checkpoint: step 20" in errors[0] or "last valid checkpoint: step 10" in errors[0]
+        last = int(errors[0].split("last valid checkpoint: step ")[1].split()[0])
+        shutil.copytree(run, tmp_path / "moved", ignore=shutil.ignore_patterns("*.orbax-checkpoint-tmp*"))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert load_model(tmp_path / "moved").step == last  # the named checkpoint stayed valid
+    summary = train(tiny_config(), tmp_path / "moved", progress=False)
+    assert summary["resumed_from"] == last and summary["final_step"] == 40
+
+
+def test_a_sigterm_during_shutdown_of_a_finished_run_still_exits_0(tmp_path):
+    """SIGTERMs are sent every few ms from the moment the run logs its end until the process is gone."""
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "tpulab.cli", "train", "--run-dir", str(run), "--config", str(TINY), "--no-progress"]
+    sent = 0
+    with Proc(argv, tmp_path / "log.txt", dict(os.environ)) as proc:
+        deadline = time.monotonic() + 180
+        while not any(r.get("event") == "end" for r in read_records(run)):
+            assert proc.p.poll() is None and time.monotonic() < deadline, proc.tail()
+            time.sleep(0.005)
+        while proc.p.poll() is None:
+            try:
+                os.kill(proc.p.pid, signal.SIGTERM)
+                sent += 1
+            except ProcessLookupError:
+                break
+            time.sleep(0.003)
+        rc = proc.p.wait(timeout=60)
+    assert rc == 0 and sent > 0, (rc, sent, (tmp_path / "log.txt").read_text())
+    assert json.loads((run / "summary.json").read_text())["final_step"] == 40
+
+
+@pytest.mark.slow
+def test_chaos_five_random_kills_end_identical(tmp_path):
+    result = run_cli("chaos", "--run-dir", str(tmp_path), "--config", str(TINY), "--kills", "5", "--seed", "3",
+                     "--set", "train.steps=60", "--set", "optim.schedule_steps=60", "--set", "checkpoint.save_every=5",
+                     timeout=600)
+    assert result.returncode == 0, result.stderr + result.stdout
+    v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
+    assert v["identical"] and v["curves_identical"] and v["final_state_identical"] and v["kills"] == 5
+    assert v["segments"] == 6 and len(v["kill_log"]) == 5 and v["signal"] == "SIGKILL"
+    assert v["steps_compared"] >= 60 and not v["missing_steps"]
+    assert (tmp_path / "chaos" / "segments.png").stat().st_size > 10_000
+    assert not list((tmp_path / "chaos" / "victim" / "checkpoints").glob("*orbax-checkpoint-tmp*"))
+
+
+def test_chaos_judge_fails_on_a_tampered_lifetime(tmp_path):
+    """Negative control of the chaos curve verdict: one logged loss of one lifetime changed by one ulp."""
+    from tpulab.proofs.chaos import judge_segments
+
+    ref, vic = tmp_path / "ref", tmp_path / "vic"
+    ref.mkdir(), vic.mkdir()
+    rows = [{"event": "start", "segment": 0}] + [{"step": s, "segment": 0, "loss": 1.0 / s} for s in range(1, 7)]
+    (ref / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    killed = rows[:5] + [{"event": "start", "segment": 1, "resumed_from": 2}] + \
+        [{"step": s, "segment": 1, "loss": 1.0 / s} for s in range(3, 7)]
+    (vic / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed))
+    assert judge_segments(ref, vic, 6)["curves_identical"] is True
+    killed[-2]["loss"] = float(np.nextafter(np.float32(killed[-2]["loss"]), np.float32(1)))
+    (vic / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed))
+    v = judge_segments(ref, vic, 6)
+    assert v["curves_identical"] is False and v["first_differing_step"] == 5
