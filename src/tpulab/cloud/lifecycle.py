@@ -277,8 +277,11 @@ class CloudSession:
         return record
 
     # --- fetch ------------------------------------------------------------------------------
-    def fetch(self, run_name: str) -> dict:
-        """Each worker's run dir to DIR/workers/<i>/; every retrieved checkpoint manifest verified here."""
+    def fetch(self, run_name: str, strict: bool = True) -> dict:
+        """Each worker's run dir to DIR/workers/<i>/; every retrieved checkpoint manifest verified here.
+
+        ``strict=False`` is the salvage after a failed run: keep what can be retrieved (the failing
+        receipt, partial metrics) and raise nothing."""
         results = []
         for i in range(self.workers()):
             dest = self.dir / "workers" / str(i)
@@ -288,12 +291,15 @@ class CloudSession:
             call = self.gcloud(f"fetch[worker {i}]", g.scp_from_argv(self.cfg, f"{self.cfg.remote_dir}/runs/{run_name}",
                                                                      str(dest) + "/", worker=i), 3600)
             if not call.ok:
+                if not strict:
+                    continue
                 raise self._fail("fetch", call, f"could not retrieve {run_name} from worker {i}")
             results.append(verify_fetched(dest / run_name, i))
         report = {"run_name": run_name, "workers": results,
                   "passed": all(w["checkpoints"] and all(c["verified"] for c in w["checkpoints"]) for w in results)}
+        report["salvage"] = not strict
         self._write("fetch.json", report)
-        if not report["passed"]:
+        if strict and not report["passed"]:
             bad = next(w for w in results if not w["checkpoints"] or not all(c["verified"] for c in w["checkpoints"]))
             why = next((c["error"] for c in bad["checkpoints"] if not c["verified"]), "no checkpoint retrieved")
             raise CloudError(f"fetch: worker {bad['worker']}: {why}")
@@ -327,13 +333,20 @@ class CloudSession:
         from tpulab.cloud.explog import write_experiment_log
 
         failure: BaseException | None = None
+        ran = False
         try:
             self.create()
             self.stage(job)
+            ran = True
             self.run(job, preempt_at)
             self.fetch(job.run_name)
         except BaseException as e:  # KeyboardInterrupt too: the VM must not outlive us unnoticed
             failure = e
+            if ran and isinstance(e, TpulabError):
+                try:  # the evidence of the failure (a receipt that did not qualify) before it is deleted
+                    self.fetch(job.run_name, strict=False)
+                except TpulabError:
+                    pass
         cleanup_error = None
         try:
             self._cleanup_after(failure)

@@ -29,7 +29,7 @@ from tpulab.evidence.provenance import git_commit
 
 RECEIPT = "receipt.json"
 TABLE = "receipt.md"
-ENV_PREFIXES = ("TPU_", "JAX_", "XLA_", "LIBTPU", "MEGASCALE_", "CLOUD_TPU")
+ENV_PREFIXES = ("TPU_", "JAX_", "XLA_", "LIBTPU", "MEGASCALE_", "CLOUD_TPU", "TPULAB_")
 VERSION_PACKAGES = ("jax", "jaxlib", "libtpu", "libtpu-nightly", "tpulab")
 
 # Generation name -> the device_kind strings JAX reports for it (normalized: lower case, no spaces).
