@@ -92,13 +92,15 @@ def cmd_create(args) -> int:
 
 
 def cmd_stage(args) -> int:
-    staged = _session(args).stage(_job(args))
+    job = _job(args)  # bad input fails before anything is written or called
+    staged = _session(args).stage(job)
     print(f"staged {staged['wheel']} on every worker")
     return 0
 
 
 def cmd_run(args) -> int:
-    _session(args).run(_job(args, _staged(args)), preempt_at=args.preempt_at)
+    job = _job(args, _staged(args))
+    _session(args).run(job, preempt_at=args.preempt_at)
     print(f"job finished on every worker (run dir {args.run_name}); next: tpulab tpu fetch --dir {args.dir}")
     return 0
 
@@ -124,7 +126,8 @@ def cmd_delete(args) -> int:
 
 
 def cmd_up(args) -> int:
-    result = _session(args).up(_job(args), preempt_at=args.preempt_at)
+    job = _job(args)
+    result = _session(args).up(job, preempt_at=args.preempt_at)
     print(f"done; VM deleted and verified gone. Log: {result['experiment_log']}")
     return 0
 

@@ -137,7 +137,10 @@ def write_experiment_log(out_dir: str | Path) -> Path:
                 lines.append(f"- worker {w['worker']} `{c['path']}`: "
                              + (f"manifest verified, sha256 `{c['manifest_sha256'][:16]}…`" if c["verified"]
                                 else f"FAILED: {c['error']}"))
-        lines.append(f"- verdict: {'all retrieved checkpoints verify' if fetch['passed'] else 'VERIFICATION FAILED'}")
+        if fetch.get("salvage"):
+            lines.append("- salvaged after the failure (receipts, partial metrics): not a result")
+        else:
+            lines.append(f"- verdict: {'all retrieved checkpoints verify' if fetch['passed'] else 'VERIFICATION FAILED'}")
     else:
         lines.append("- nothing fetched")
     lines += ["", "## Cleanup (cloud/cleanup.json)", ""]
