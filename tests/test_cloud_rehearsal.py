@@ -27,6 +27,7 @@ import yaml
 
 from conftest import REPO, TINY, run_cli
 from tpulab.checkpoint.files import MANIFEST, verify_manifest
+from tpulab.evidence.metrics import read_records
 
 FAKE_DIR = REPO / "tests" / "fake_gcloud"
 TPU_WORD = re.compile(r"\bTPU\b")
@@ -161,6 +162,12 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
         victim.write_bytes(bytes(data))
         with pytest.raises(Exception, match="checksum mismatch"):
             verify_manifest(corrupt)
+
+    # Both workers trained the same config independently and were preempted separately (often at different
+    # steps), so bit-identical losses on every step also cross-check that each resume was exact.
+    curves = [{r["step"]: r["loss"] for r in read_records(Path(w["run_dir"]) / "metrics.jsonl") if "loss" in r}
+              for w in fetch["workers"]]
+    assert sorted(curves[0]) == list(range(1, 41)) and curves[0] == curves[1]
 
     # The experiment log: identity, receipts, curve, verification, cleanup; never says TPU for a CPU run.
     log = (out / "experiment.md").read_text()

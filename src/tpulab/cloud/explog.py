@@ -39,21 +39,24 @@ def plot_curves(out: Path, run_name: str, path: Path) -> bool:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     drawn = False
-    for wdir in sorted((out / "workers").glob("*")):
+    marks = []
+    for w, wdir in enumerate(sorted((out / "workers").glob("*"))):
         records = read_records(wdir / run_name / "metrics.jsonl")
         for seg in sorted({r["segment"] for r in records if "step" in r}):
             pts = sorted((r["step"], r["loss"]) for r in records if r.get("segment") == seg and "loss" in r)
             if pts:
-                ax.plot(*zip(*pts), marker=".", ms=3, lw=1,
+                ax.plot(*zip(*pts), ls="-" if w == 0 else "--", marker="." if w == 0 else "x", ms=3, lw=1,
                         label=f"worker {wdir.name}, segment {seg}" + (" (resumed)" if seg else ""))
                 drawn = True
         for r in records:
             if r.get("event") == "preempted":
                 ax.axvline(r["step"], color="red", ls="--", lw=0.8)
-                ax.annotate(f"SIGTERM, saved at step {r['step']}", (r["step"], ax.get_ylim()[1]), fontsize=7,
-                            color="red", va="top")
+                marks.append(f"worker {wdir.name}: SIGTERM, saved at step {r['step']}")
             if r.get("event") == "start" and r.get("resumed_from") is not None:
                 ax.axvline(r["resumed_from"], color="green", ls=":", lw=0.8)
+                marks.append(f"worker {wdir.name}: resumed from step {r['resumed_from']}")
+    if marks:
+        ax.text(0.02, 0.02, "\n".join(marks), transform=ax.transAxes, fontsize=7, va="bottom", color="darkred")
     if not drawn:
         plt.close(fig)
         return False
