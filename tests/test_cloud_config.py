@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from tpulab.cloud.config import CloudConfig, accelerator_target, load_cloud_config
 from tpulab.cloud.lifecycle import JobSpec
 from tpulab.errors import ConfigError, TpulabError
@@ -28,6 +28,8 @@ def test_cloud_config_file_and_sets(tmp_path):
     cfg = load_cloud_config(path, ["name=my-vm", "cloud.accelerator_type=v6e-8"])
     assert (cfg.project, cfg.zone, cfg.name, cfg.spot, cfg.accelerator_type) == \
         ("p", "europe-west4-a", "my-vm", True, "v6e-8")
+    example = load_cloud_config(REPO / "configs" / "cloud.example.yaml")
+    assert example.target() == ("tpu:v5e", 8) and example.spot
     with pytest.raises(ConfigError, match="unknown config key 'cloud.projet'"):
         load_cloud_config(None, ["projet=p"])
     with pytest.raises(ConfigError, match="must be lower case"):
@@ -60,3 +62,28 @@ def test_worker_job_refuses_a_job_that_ends_before_the_preemption_step(tmp_path)
     assert p.stderr.strip().splitlines()[-1] == ("error: the job ended (exit 0) at step None before the preemption "
                                                  "step 5; choose a smaller --preempt-at")
     assert json.loads((run_dir / "preempt.json").read_text())["signalled_after_logged_step"] is None
+
+
+def test_recorder_times_out_and_reaps_the_whole_group(tmp_path):
+    """A hung call (gcloud and the ssh it started) is killed as a group and recorded with exit 124."""
+    import os
+    import time
+
+    from tpulab.cloud.gcloud import Gcloud, read_calls
+
+    pid_file = tmp_path / "grandchild.pid"
+    rec = Gcloud(tmp_path / "cloud")
+    t0 = time.monotonic()
+    call = rec("hang", ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout_s=1.0)
+    assert call.rc == 124 and time.monotonic() - t0 < 20 and "timed out after 1 s" in call.stderr
+    grandchild = int(pid_file.read_text())
+    for _ in range(100):
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"grandchild {grandchild} survived the timeout")
+    (record,) = read_calls(tmp_path / "cloud")
+    assert record["rc"] == 124 and record["step"] == "hang" and record["argv"][0] == "bash"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import threading
 import time
@@ -125,14 +126,27 @@ class Gcloud:
         if self.echo:
             self.echo(f"[{step}] {shlex.join(argv)}")
         try:
-            p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
-                               env=self.env if self.env is not None else os.environ.copy())
-            rc, out, err = p.returncode, p.stdout, p.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, out, err = 124, _text(e.stdout), _text(e.stderr) + f"\ntpulab: timed out after {timeout_s:.0f} s"
+            # own process group: a timeout kills gcloud and the ssh/scp it started, not just gcloud
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                    text=True, start_new_session=True,
+                                    env=self.env if self.env is not None else os.environ.copy())
         except FileNotFoundError:
             raise TpulabError(f"gcloud executable not found: {argv[0]} (install the Google Cloud CLI or set "
                               "cloud.gcloud)") from None
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+            rc = proc.returncode
+        except BaseException as e:  # timeout or Ctrl-C: reap the whole group, record what we have
+            _kill_group(proc)
+            out, err = proc.communicate()
+            rc = 124 if isinstance(e, subprocess.TimeoutExpired) else 130
+            err += f"\ntpulab: {'timed out after %.0f s' % timeout_s if rc == 124 else 'interrupted'}"
+            if rc == 130:
+                self._record(step, argv, rc, started, t0, out, err)
+                raise
+        return self._record(step, argv, rc, started, t0, out, err)
+
+    def _record(self, step, argv, rc, started, t0, out, err) -> Call:
         call = Call(step, list(argv), rc, round(time.monotonic() - t0, 3), out, err)
         record = {"step": step, "argv": call.argv, "command": shlex.join(call.argv), "rc": rc,
                   "duration_s": call.duration_s,
@@ -145,10 +159,11 @@ class Gcloud:
         return call
 
 
-def _text(b) -> str:
-    if b is None:
-        return ""
-    return b.decode(errors="replace") if isinstance(b, bytes) else b
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def read_calls(calls_dir: str | Path) -> list[dict]:

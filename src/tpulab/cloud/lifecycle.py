@@ -128,16 +128,22 @@ class CloudSession:
         timeout = timeout_s or self.cfg.call_timeout_s
         if isinstance(command, str):
             return [self.gcloud(step, g.ssh_argv(self.cfg, command), timeout)]
-        calls: list[g.Call | None] = [None] * self.workers()
+        calls: list = [None] * self.workers()
 
         def one(i: int) -> None:
-            calls[i] = self.gcloud(f"{step}[worker {i}]", g.ssh_argv(self.cfg, command(i), worker=i), timeout)
+            try:
+                calls[i] = self.gcloud(f"{step}[worker {i}]", g.ssh_argv(self.cfg, command(i), worker=i), timeout)
+            except TpulabError as e:
+                calls[i] = e
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        for c in calls:
+            if isinstance(c, TpulabError):
+                raise c
         return calls
 
     def describe(self, step: str = "describe") -> tuple[str, dict | None, g.Call]:

@@ -11,8 +11,8 @@ what the user meant to run on and names the first mismatch; it never trusts the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import importlib.metadata
+import json
 import os
 import platform
 import re
@@ -112,7 +112,6 @@ def check_collective(values: list[float], n: int) -> dict:
 def collective_evidence() -> dict:
     """psum over a 1-D mesh of all global devices, each shard holding its device's position."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     devices = jax.devices()
