@@ -253,3 +253,23 @@ def test_bad_cloud_input_is_one_line_and_calls_nothing(tmp_path, fake_cloud):
                 "--job", "train --config {config}", env=env, timeout=60)
     assert p.returncode == 2 and "the job uses {config} but no --config was given" in one_error_line(p)
     assert not (state / "calls.jsonl").exists()
+
+
+def test_step_commands_against_a_missing_vm_fail_in_one_line(tmp_path, fake_cloud):
+    """stage/run/fetch parse their own options and report a VM that does not exist as one line."""
+    state, env, _ = fake_cloud
+    out = tmp_path / "run"
+    (out / "cloud").mkdir(parents=True)
+    (out / "cloud" / "resource.json").write_text(json.dumps({"network_endpoints": [{}, {}]}))
+    base = ["--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path))]
+    p = run_cli("tpu", "stage", *base, "--config", str(TINY), env=env, timeout=120)
+    assert p.returncode == 1 and one_error_line(p).startswith("error: stage: could not prepare the remote directory")
+    assert "NOT_FOUND" in one_error_line(p)
+    p = run_cli("tpu", "run", *base, "--env", "A=1", "--worker-env", "1:B=2", env=env, timeout=120)
+    assert p.returncode == 1 and "NOT_FOUND" in one_error_line(p)
+    assert [c["step"] for c in calls(out)][-2:] in (["run: receipt[worker 0]", "run: receipt[worker 1]"],
+                                                    ["run: receipt[worker 1]", "run: receipt[worker 0]"])
+    p = run_cli("tpu", "fetch", *base, env=env, timeout=120)
+    assert p.returncode == 1 and "could not retrieve run from worker 0" in one_error_line(p)
+    p = run_cli("tpu", "run", *base, "--worker-env", "x:B=2", env=env, timeout=60)
+    assert p.returncode == 2 and one_error_line(p) == "error: --worker-env expects WORKER:NAME=VALUE, got 'x:B=2'"

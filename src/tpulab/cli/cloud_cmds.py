@@ -66,15 +66,16 @@ def _job(args, staged: dict | None = None):
     from tpulab.errors import TpulabError
 
     worker_env: dict[int, dict] = {}
-    for item in args.worker_env:
+    for item in getattr(args, "worker_env", []):
         idx, sep, rest = item.partition(":")
         if not sep or not idx.isdigit():
             raise TpulabError(f"--worker-env expects WORKER:NAME=VALUE, got {item!r}")
         worker_env.setdefault(int(idx), {}).update(_parse_env([rest], "--worker-env"))
     config = getattr(args, "config", None) or (staged or {}).get("config")
     data = getattr(args, "data", None) or (staged or {}).get("data")
-    return JobSpec(config=Path(config) if config else None, data=Path(data) if data else None, job=args.job,
-                   run_name=args.run_name, env=_parse_env(args.env, "--env"), worker_env=worker_env)
+    return JobSpec(config=Path(config) if config else None, data=Path(data) if data else None,
+                   job=getattr(args, "job", None), run_name=getattr(args, "run_name", "run"),
+                   env=_parse_env(getattr(args, "env", []), "--env"), worker_env=worker_env)
 
 
 def _staged(args) -> dict | None:
