@@ -87,3 +87,16 @@ def test_recorder_times_out_and_reaps_the_whole_group(tmp_path):
         raise AssertionError(f"grandchild {grandchild} survived the timeout")
     (record,) = read_calls(tmp_path / "cloud")
     assert record["rc"] == 124 and record["step"] == "hang" and record["argv"][0] == "bash"
+
+
+def test_default_bootstrap_is_valid_shell_with_every_placeholder_filled():
+    """The default bootstrap cannot run here (it needs the network); it must at least parse as bash."""
+    import subprocess
+
+    from tpulab.cloud.config import DEFAULT_BOOTSTRAP
+
+    cmd = DEFAULT_BOOTSTRAP.format(remote_dir="tpulab", python="python3", jax_version="0.10.2",
+                                   wheel="stage/tpulab-0.1.0-py3-none-any.whl")
+    assert "{" not in cmd.replace("{remote_dir}", "") and "'jax[tpu]==0.10.2'" in cmd
+    assert subprocess.run(["bash", "-n", "-c", cmd]).returncode == 0
+    assert subprocess.run(["bash", "-n", "-c", cmd + " 'unclosed"], capture_output=True).returncode != 0

