@@ -269,7 +269,11 @@ def test_step_commands_against_a_missing_vm_fail_in_one_line(tmp_path, fake_clou
     assert p.returncode == 1 and "NOT_FOUND" in one_error_line(p)
     assert [c["step"] for c in calls(out)][-2:] in (["run: receipt[worker 0]", "run: receipt[worker 1]"],
                                                     ["run: receipt[worker 1]", "run: receipt[worker 0]"])
+    earlier = out / "workers" / "0" / "run" / "metrics.jsonl"  # a copy fetched before: must survive
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("{}\n")
     p = run_cli("tpu", "fetch", *base, env=env, timeout=120)
     assert p.returncode == 1 and "could not retrieve run from worker 0" in one_error_line(p)
+    assert earlier.read_text() == "{}\n" and sorted(x.name for x in (out / "workers").iterdir()) == ["0"]
     p = run_cli("tpu", "run", *base, "--worker-env", "x:B=2", env=env, timeout=60)
     assert p.returncode == 2 and one_error_line(p) == "error: --worker-env expects WORKER:NAME=VALUE, got 'x:B=2'"

@@ -291,15 +291,22 @@ class CloudSession:
         results = []
         for i in range(self.workers()):
             dest = self.dir / "workers" / str(i)
-            if (dest / run_name).exists():
-                shutil.rmtree(dest / run_name)
-            dest.mkdir(parents=True, exist_ok=True)
+            incoming = self.dir / "workers" / f".incoming-{i}"  # a failed fetch must not cost an earlier copy
+            if incoming.exists():
+                shutil.rmtree(incoming)
+            incoming.mkdir(parents=True)
             call = self.gcloud(f"fetch[worker {i}]", g.scp_from_argv(self.cfg, f"{self.cfg.remote_dir}/runs/{run_name}",
-                                                                     str(dest) + "/", worker=i), 3600)
-            if not call.ok:
+                                                                     str(incoming) + "/", worker=i), 3600)
+            if not call.ok or not (incoming / run_name).is_dir():
+                shutil.rmtree(incoming)
                 if not strict:
                     continue
                 raise self._fail("fetch", call, f"could not retrieve {run_name} from worker {i}")
+            dest.mkdir(parents=True, exist_ok=True)
+            if (dest / run_name).exists():
+                shutil.rmtree(dest / run_name)
+            (incoming / run_name).rename(dest / run_name)
+            shutil.rmtree(incoming)
             results.append(verify_fetched(dest / run_name, i))
         report = {"run_name": run_name, "workers": results,
                   "passed": all(w["checkpoints"] and all(c["verified"] for c in w["checkpoints"]) for w in results)}
