@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import sysconfig
 from pathlib import Path
@@ -51,9 +52,28 @@ def fake_cloud(tmp_path, compile_cache_env):
         (state / "config.json").write_text(json.dumps(conf))
 
     configure()
-    yield state, env, configure
-    # reap: nothing of the fake VM may outlive the test
-    shutil.rmtree(state / "nodes", ignore_errors=True)
+    try:
+        yield state, env, configure
+    finally:
+        # reap: no "worker" process (cwd inside the fake VM) may outlive the test, even after a timeout
+        for pid in _pids_under(state):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(state / "nodes", ignore_errors=True)
+
+
+def _pids_under(root: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if os.readlink(proc / "cwd").startswith(str(root)):
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
 
 
 def cloud_yaml(tmp_path, **over) -> Path:
@@ -176,6 +196,7 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     assert "Hardware, from 2 worker receipt(s): CPU (cpu) x1." in log
     assert "verified gone: **True**" in log and "all retrieved checkpoints verify" in log
     assert (out / "curve.png").stat().st_size > 0 and "4242424242424242" in log
+    assert _pids_under(state) == []  # every worker process ended on its own
 
 
 def test_create_failure_leaves_nothing_and_is_one_line(tmp_path, fake_cloud):
