@@ -8,7 +8,8 @@ import re
 import pytest
 
 from conftest import run_cli
-from tpulab.evidence.receipt import Target, check_collective, hardware_line, kind_matches, qualify, run_receipt
+from tpulab.evidence.receipt import (Target, check_collective, check_matmul, hardware_line, kind_matches, qualify,
+                                     run_receipt)
 
 # "TPU" as a word (a hardware claim); environment variable names such as TPU_SKIP_MDS_QUERY are raw data.
 TPU_WORD = re.compile(r"\bTPU\b")
@@ -48,6 +49,20 @@ def test_collective_checker_negative_controls():
     assert not wrong["passed"] and wrong["wrong_shards"] == [2]
     assert not check_collective([6.0] * 4, 5)["passed"]  # a device missing from the collective
     assert not check_collective([], 0)["passed"]
+
+
+def test_matmul_checker_negative_controls():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 64), dtype=np.float32), rng.standard_normal((64, 64), dtype=np.float32)
+    good = a @ b
+    assert check_matmul(good, a, b)[1]
+    assert check_matmul(good.astype(np.float16).astype(np.float32), a, b)[1]  # reduced precision still passes
+    assert not check_matmul(a @ b.T, a, b)[1]  # wrong math fails
+    bad = good.copy()
+    bad[3, 5] = np.nan
+    assert not check_matmul(bad, a, b)[1]
 
 
 def test_expect_tpu_fails_on_cpu_with_one_line(tmp_path):

@@ -163,7 +163,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", help="the tpulab command line each worker runs; placeholders {run_dir} {config} "
                                  f"{{data}} (default: '{DEFAULT_JOB}', with --config/--data when staged)")
     p.add_argument("--run-name", default="run", help="run directory name on the workers (runs/NAME)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="env var for the job on all workers")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="env var for the job on all workers")
     p.add_argument("--worker-env", action="append", default=[], metavar="I:NAME=VALUE",
                    help="env var for worker I only (switches to one ssh per worker, in parallel)")
     p.add_argument("--preempt-at", type=int, help="rehearse a preemption: SIGTERM the job on all workers at this "

@@ -123,14 +123,16 @@ def write_experiment_log(out_dir: str | Path) -> Path:
     if run:
         lines.append(f"- job: `tpulab {' '.join(run['job'])}` in `{run['run_dir']}`, env {run['env'] or '{}'}, "
                      f"per-worker env {run['worker_env'] or '{}'}")
-        lines.append(f"- preemption rehearsal: {'SIGTERM at step ' + str(run['preempt_at']) if run['preempt_at'] is not None else 'not requested'}; "
+        rehearsal = "not requested" if run["preempt_at"] is None else f"SIGTERM at step {run['preempt_at']}"
+        lines.append(f"- preemption rehearsal: {rehearsal}; "
                      f"segments run: {', '.join(run['segments']) or 'none'}")
         name = Path(run["run_dir"]).name
         if plot_curves(out, name, out / CURVE):
             lines.append(f"- ![loss per step]({CURVE})")
     if fetch:
         for w in fetch["workers"]:
-            lines.append(f"- worker {w['worker']}: {w['segments']} segment(s), preempted at {w['preempted_at'] or '-'}, "
+            lines.append(f"- worker {w['worker']}: {w['segments']} segment(s), preempted at "
+                         f"{w['preempted_at'] or '-'}, "
                          f"resumed from {[s for s in w['resumed_from'] if s is not None] or '-'}, final step "
                          f"{w['final_step']}")
     lines += ["", "## Retrieved checkpoints, verified here (cloud/fetch.json)", ""]
@@ -143,7 +145,8 @@ def write_experiment_log(out_dir: str | Path) -> Path:
         if fetch.get("salvage"):
             lines.append("- salvaged after the failure (receipts, partial metrics): not a result")
         else:
-            lines.append(f"- verdict: {'all retrieved checkpoints verify' if fetch['passed'] else 'VERIFICATION FAILED'}")
+            verdict = "all retrieved checkpoints verify" if fetch["passed"] else "VERIFICATION FAILED"
+            lines.append(f"- verdict: {verdict}")
     else:
         lines.append("- nothing fetched")
     lines += ["", "## Cleanup (cloud/cleanup.json)", ""]
