@@ -1,0 +1,1 @@
+"""Cloud TPU operations through the real gcloud CLI: lifecycle, call records, experiment log."""

@@ -1,0 +1,431 @@
+"""The TPU VM lifecycle through the real gcloud CLI: create, stage, run, fetch, delete, and ``up``.
+
+Every step writes what the cloud or the runtime reported under ``DIR/cloud/`` (resource.json,
+staged.json, run.json, fetch.json, cleanup.json, and calls.jsonl for every gcloud call), so the
+experiment log can point each claim at its raw evidence. ``up`` attempts deletion after any
+failure; a deletion that cannot be verified is reported loudly with the resource named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tpulab.checkpoint.files import MANIFEST, atomic_write_json, manifest_digest, sha256_file, verify_manifest
+from tpulab.cloud import gcloud as g
+from tpulab.cloud.config import CloudConfig
+from tpulab.errors import TpulabError
+from tpulab.evidence.metrics import read_records
+from tpulab.evidence.provenance import git_commit
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_JOB = "train --run-dir {run_dir} --no-progress"  # plus --config {config} / --data {data} when staged
+FAIL_STATES = {"PREEMPTED", "TERMINATED", "DELETING", "STOPPED", "STOPPING", "HIDDEN"}
+
+
+class CloudError(TpulabError):
+    """A lifecycle step failed (exit 1); the message names the step and gcloud's last line."""
+
+    exit_code = 1
+
+
+class DeleteError(TpulabError):
+    """The VM may still exist (and cost money): exit 5, resource named, manual command given."""
+
+    exit_code = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What runs on the workers. ``job`` is any tpulab command line (without ``tpulab``); the
+    placeholders {run_dir}, {config} and {data} become the staged paths on the worker."""
+
+    config: Path | None = None
+    data: Path | None = None
+    job: str | None = None  # None: DEFAULT_JOB with the staged config and data
+    run_name: str = "run"
+    env: dict = dataclasses.field(default_factory=dict)
+    worker_env: dict = dataclasses.field(default_factory=dict)  # worker index -> {VAR: value}
+
+    def __post_init__(self):
+        if not self.run_name or "/" in self.run_name or self.run_name.startswith("."):
+            raise TpulabError(f"run name {self.run_name!r} must be a plain directory name")
+        for path, what in ((self.config, "config"), (self.data, "data")):
+            if path is not None and not Path(path).exists():
+                raise TpulabError(f"{what} not found: {path}")
+        if self.job is None:
+            job = DEFAULT_JOB + (" --config {config}" if self.config else "") + (" --data {data}" if self.data else "")
+            object.__setattr__(self, "job", job)
+        if "{config}" in self.job and self.config is None:
+            raise TpulabError("the job uses {config} but no --config was given")
+        if "{data}" in self.job and self.data is None:
+            raise TpulabError("the job uses {data} but no --data was given")
+
+    def remote_run_dir(self) -> str:
+        return f"runs/{self.run_name}"
+
+    def job_args(self) -> list[str]:
+        values = {"{run_dir}": self.remote_run_dir(), "{config}": "stage/config.yaml",
+                  "{data}": f"stage/data/{Path(self.data).name}" if self.data else ""}
+        try:
+            tokens = shlex.split(self.job)
+        except ValueError as e:
+            raise TpulabError(f"cannot parse the job command {self.job!r}: {e}") from None
+        if tokens and tokens[0] == "tpulab":
+            tokens = tokens[1:]
+        if not tokens:
+            raise TpulabError("the job command is empty")
+        out = []
+        for t in tokens:
+            for k, v in values.items():
+                t = t.replace(k, v)
+            out.append(t)
+        return out
+
+
+def _env_prefix(env: dict) -> str:
+    return ("env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " ") if env else ""
+
+
+class CloudSession:
+    """One TPU VM, one local run directory ``out_dir``; each method is one lifecycle step."""
+
+    def __init__(self, cfg: CloudConfig, out_dir: str | Path, *, env: dict | None = None, echo=None):
+        cfg.require_target()
+        self.cfg = cfg
+        self.dir = Path(out_dir)
+        self.cloud_dir = self.dir / "cloud"
+        self.gcloud = g.Gcloud(self.cloud_dir, env=env, echo=echo)
+        self.echo = echo or (lambda _msg: None)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _write(self, name: str, obj) -> None:
+        atomic_write_json(self.cloud_dir / name, obj)
+
+    def _read(self, name: str) -> dict | None:
+        p = self.cloud_dir / name
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def _fail(self, step: str, call: g.Call, what: str) -> CloudError:
+        return CloudError(f"{step}: {what} (gcloud exit {call.rc}: {call.tail()}; see {self.gcloud.path})")
+
+    def remote(self, args: list[str], env: dict | None = None) -> str:
+        """The shell command a worker runs: in the staged dir, with the staged venv's tpulab."""
+        return f"cd {self.cfg.remote_dir} && {_env_prefix(env or {})}{shlex.join(['.venv/bin/tpulab', *args])}"
+
+    def ssh_all(self, step: str, command, timeout_s: float | None = None) -> list[g.Call]:
+        """One ``--worker=all`` call, or one call per worker in parallel when ``command`` is a function
+        of the worker index (per-worker environment)."""
+        timeout = timeout_s or self.cfg.call_timeout_s
+        if isinstance(command, str):
+            return [self.gcloud(step, g.ssh_argv(self.cfg, command), timeout)]
+        calls: list = [None] * self.workers()
+
+        def one(i: int) -> None:
+            try:
+                calls[i] = self.gcloud(f"{step}[worker {i}]", g.ssh_argv(self.cfg, command(i), worker=i), timeout)
+            except TpulabError as e:
+                calls[i] = e
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for c in calls:
+            if isinstance(c, TpulabError):
+                raise c
+        return calls
+
+    def describe(self, step: str = "describe") -> tuple[str, dict | None, g.Call]:
+        """('present', data) / ('absent', None) when gcloud says NOT_FOUND / ('unknown', None) otherwise."""
+        call = self.gcloud(step, g.describe_argv(self.cfg), 300)
+        if call.ok:
+            try:
+                return "present", json.loads(call.stdout), call
+            except ValueError:
+                return "unknown", None, call
+        text = call.stderr + call.stdout
+        if "NOT_FOUND" in text or "not found" in text.lower():
+            return "absent", None, call
+        return "unknown", None, call
+
+    def workers(self) -> int:
+        resource = self._read("resource.json")
+        if resource is None:
+            raise CloudError(f"no {self.cloud_dir / 'resource.json'}: run `tpulab tpu create` first")
+        return max(1, len(resource.get("network_endpoints") or []))
+
+    # --- create -----------------------------------------------------------------------------
+    def create(self) -> dict:
+        self.echo(f"creating {self.cfg.name} ({self.cfg.accelerator_type}, {self.cfg.runtime_version}) in "
+                  f"{self.cfg.project}/{self.cfg.zone}")
+        call = self.gcloud("create", g.create_argv(self.cfg), self.cfg.ready_timeout_s)
+        if not call.ok:
+            raise self._fail("create", call, f"could not create {self.cfg.name}")
+        return self.wait_ready()
+
+    def wait_ready(self) -> dict:
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        while True:
+            state, data, call = self.describe("create: wait for READY")
+            if state == "present" and data.get("state") == "READY":
+                return self.record_identity(data)
+            if state == "present" and data.get("state") in FAIL_STATES:
+                raise self._fail("create", call, f"{self.cfg.name} is {data.get('state')}, not READY")
+            if state == "absent":
+                raise self._fail("create", call, f"{self.cfg.name} vanished while waiting for READY")
+            if time.monotonic() > deadline:
+                raise self._fail("create", call, f"{self.cfg.name} not READY after {self.cfg.ready_timeout_s:.0f} s")
+            time.sleep(self.cfg.poll_s)
+
+    def record_identity(self, data: dict) -> dict:
+        """resource.json: the identity exactly as ``describe --format=json`` reported it."""
+        sched = data.get("schedulingConfig") or {}
+        identity = {
+            "project": self.cfg.project, "zone": self.cfg.zone, "name": self.cfg.name,
+            "full_name": data.get("name"), "id": data.get("id"),
+            "accelerator_type": data.get("acceleratorType"), "runtime_version": data.get("runtimeVersion"),
+            "state": data.get("state"), "create_time": data.get("createTime"), "health": data.get("health"),
+            "network_endpoints": data.get("networkEndpoints") or [],
+            "spot": bool(sched.get("spot")), "preemptible": bool(sched.get("preemptible")),
+            "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": "gcloud compute tpus tpu-vm describe --format=json (calls.jsonl)",
+            "describe": data,
+        }
+        if identity["accelerator_type"] != self.cfg.accelerator_type:
+            raise CloudError(f"create: {self.cfg.name} reports accelerator type {identity['accelerator_type']}, "
+                             f"asked for {self.cfg.accelerator_type}")
+        self._write("resource.json", identity)
+        return identity
+
+    # --- stage ------------------------------------------------------------------------------
+    def stage(self, job: JobSpec) -> dict:
+        """Wheel + config + corpus to every worker, then the venv bootstrap on every worker."""
+        local = self.cloud_dir / "stage"
+        if local.exists():
+            shutil.rmtree(local)
+        local.mkdir(parents=True)
+        wheel = build_wheel(local)
+        if job.config is not None:
+            shutil.copyfile(job.config, local / "config.yaml")
+        if job.data is not None:
+            (local / "data").mkdir()
+            src = Path(job.data)
+            (shutil.copytree if src.is_dir() else shutil.copyfile)(src, local / "data" / src.name)
+        rd = self.cfg.remote_dir
+        call = self.ssh_all("stage: prepare dirs", f"mkdir -p {rd}/runs && rm -rf {rd}/stage", 600)[0]
+        if not call.ok:
+            raise self._fail("stage", call, "could not prepare the remote directory")
+        call = self.gcloud("stage: copy", g.scp_to_argv(self.cfg, [str(local)], f"{rd}/"), 3600)
+        if not call.ok:
+            raise self._fail("stage", call, "could not copy the wheel and config to the workers")
+        bootstrap = self.cfg.bootstrap.format(remote_dir=rd, python=self.cfg.python, wheel=f"stage/{wheel.name}",
+                                              jax_version=importlib.metadata.version("jax"))
+        call = self.ssh_all("stage: bootstrap", bootstrap, 3600)[0]
+        if not call.ok:
+            raise self._fail("stage", call, "bootstrapping the venv on the workers failed")
+        staged = {"wheel": wheel.name, "wheel_sha256": sha256_file(wheel), "tpulab_commit": git_commit(),
+                  "config": str(job.config) if job.config else None,
+                  "config_sha256": sha256_file(local / "config.yaml") if job.config else None,
+                  "data": str(job.data) if job.data else None, "remote_dir": rd,
+                  "jax_version": importlib.metadata.version("jax"), "bootstrap": bootstrap}
+        self._write("staged.json", staged)
+        return staged
+
+    # --- run --------------------------------------------------------------------------------
+    def qualify(self, job: JobSpec) -> None:
+        expect, devices = self.cfg.target()
+        args = ["receipt", "--out", f"{job.remote_run_dir()}/receipt", "--expect", expect]
+        if devices is not None:
+            args += ["--expect-devices", str(devices)]
+        for call in self._ssh_job("run: receipt", args, job):
+            if not call.ok:
+                raise self._fail("run", call, f"target qualification ({expect}) failed on the workers; the job "
+                                              "was not started")
+
+    def _ssh_job(self, step: str, args: list[str], job: JobSpec) -> list[g.Call]:
+        if job.worker_env:
+            return self.ssh_all(step, lambda i: self.remote(args, {**job.env, **job.worker_env.get(i, {})}))
+        return self.ssh_all(step, self.remote(args, job.env))
+
+    def run(self, job: JobSpec, preempt_at: int | None = None) -> dict:
+        """Receipt with --expect on all workers first, then the job on all workers (resuming after a
+        rehearsed preemption when ``preempt_at`` is given)."""
+        record = {"job": job.job_args(), "run_dir": job.remote_run_dir(), "env": job.env,
+                  "worker_env": {str(k): v for k, v in job.worker_env.items()}, "preempt_at": preempt_at,
+                  "target": self.cfg.target()[0], "segments": []}
+        self._write("run.json", record)
+        self.qualify(job)
+        if preempt_at is not None:
+            wrapped = ["tpu", "worker-job", "--run-dir", job.remote_run_dir(), "--preempt-at", str(preempt_at),
+                       "--", *job.job_args()]
+            for call in self._ssh_job("run: job until preemption", wrapped, job):
+                if not call.ok:
+                    raise self._fail("run", call, f"the preemption rehearsal at step {preempt_at} failed")
+            record["segments"].append("preempted")
+            self._write("run.json", record)
+        step = "run: job (resume after preemption)" if preempt_at is not None else "run: job"
+        for call in self._ssh_job(step, job.job_args(), job):
+            if not call.ok:
+                raise self._fail("run", call, "the job failed on the workers")
+        record["segments"].append("completed")
+        self._write("run.json", record)
+        return record
+
+    # --- fetch ------------------------------------------------------------------------------
+    def fetch(self, run_name: str, strict: bool = True) -> dict:
+        """Each worker's run dir to DIR/workers/<i>/; every retrieved checkpoint manifest verified here.
+
+        ``strict=False`` is the salvage after a failed run: keep what can be retrieved (the failing
+        receipt, partial metrics) and raise nothing."""
+        results = []
+        for i in range(self.workers()):
+            dest = self.dir / "workers" / str(i)
+            incoming = self.dir / "workers" / f".incoming-{i}"  # a failed fetch must not cost an earlier copy
+            if incoming.exists():
+                shutil.rmtree(incoming)
+            incoming.mkdir(parents=True)
+            call = self.gcloud(f"fetch[worker {i}]", g.scp_from_argv(self.cfg, f"{self.cfg.remote_dir}/runs/{run_name}",
+                                                                     str(incoming) + "/", worker=i), 3600)
+            if not call.ok or not (incoming / run_name).is_dir():
+                shutil.rmtree(incoming)
+                if not strict:
+                    continue
+                raise self._fail("fetch", call, f"could not retrieve {run_name} from worker {i}")
+            dest.mkdir(parents=True, exist_ok=True)
+            if (dest / run_name).exists():
+                shutil.rmtree(dest / run_name)
+            (incoming / run_name).rename(dest / run_name)
+            shutil.rmtree(incoming)
+            results.append(verify_fetched(dest / run_name, i))
+        report = {"run_name": run_name, "workers": results,
+                  "passed": all(w["checkpoints"] and all(c["verified"] for c in w["checkpoints"]) for w in results)}
+        report["salvage"] = not strict
+        self._write("fetch.json", report)
+        if strict and not report["passed"]:
+            bad = next(w for w in results if not w["checkpoints"] or not all(c["verified"] for c in w["checkpoints"]))
+            why = next((c["error"] for c in bad["checkpoints"] if not c["verified"]), "no checkpoint retrieved")
+            raise CloudError(f"fetch: worker {bad['worker']}: {why}")
+        return report
+
+    # --- delete -----------------------------------------------------------------------------
+    def delete(self) -> dict:
+        """Delete, then verify it is gone: describe says NOT_FOUND and list does not show the name."""
+        call = self.gcloud("delete", g.delete_argv(self.cfg), 3600)
+        already_gone = not call.ok and "NOT_FOUND" in (call.stderr + call.stdout)
+        state, _, _ = self.describe("delete: verify (describe)")
+        listed = self.gcloud("delete: verify (list)", g.list_argv(self.cfg), 300)
+        names = _listed_names(listed.stdout) if listed.ok else None
+        gone = state == "absent" and names is not None and self.cfg.name not in names
+        cleanup = {"name": self.cfg.name, "project": self.cfg.project, "zone": self.cfg.zone,
+                   "delete_rc": call.rc, "already_gone": already_gone, "describe": state,
+                   "list_rc": listed.rc, "listed_names": names, "verified_gone": gone,
+                   "checked_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self._write("cleanup.json", cleanup)
+        if not gone:
+            why = (f"delete exited {call.rc} ({call.tail()})" if not call.ok and not already_gone else
+                   f"after delete, describe says {state!r} and list {'failed' if names is None else 'still shows it'}")
+            raise DeleteError(f"DELETE NOT VERIFIED: VM {self.cfg.name} in project {self.cfg.project}, zone "
+                              f"{self.cfg.zone} may still exist and cost money: {why}. Delete it by hand: "
+                              f"{shlex.join(g.delete_argv(self.cfg))}")
+        return cleanup
+
+    # --- up ---------------------------------------------------------------------------------
+    def up(self, job: JobSpec, preempt_at: int | None = None) -> dict:
+        """create -> stage -> run -> fetch, then delete whatever happened; the experiment log last."""
+        from tpulab.cloud.explog import write_experiment_log
+
+        failure: BaseException | None = None
+        ran = False
+        try:
+            self.create()
+            self.stage(job)
+            ran = True
+            self.run(job, preempt_at)
+            self.fetch(job.run_name)
+        except BaseException as e:  # KeyboardInterrupt too: the VM must not outlive us unnoticed
+            failure = e
+            if ran and isinstance(e, TpulabError):
+                try:  # the evidence of the failure (a receipt that did not qualify) before it is deleted
+                    self.fetch(job.run_name, strict=False)
+                except TpulabError:
+                    pass
+        cleanup_error = None
+        try:
+            self._cleanup_after(failure)
+        except DeleteError as e:
+            cleanup_error = e
+        log = write_experiment_log(self.dir)
+        if cleanup_error is not None:
+            if failure is not None:
+                raise DeleteError(f"{cleanup_error} (after an earlier failure: {failure})") from None
+            raise cleanup_error
+        if failure is not None:
+            raise failure
+        return {"experiment_log": str(log)}
+
+    def _cleanup_after(self, failure: BaseException | None) -> None:
+        if failure is not None and self._read("resource.json") is None:
+            state, _, _ = self.describe("cleanup: did create leave anything?")
+            if state == "absent":
+                self._write("cleanup.json", {"name": self.cfg.name, "project": self.cfg.project,
+                                             "zone": self.cfg.zone, "nothing_created": True, "describe": state,
+                                             "verified_gone": True})
+                return
+        self.delete()
+
+
+def _listed_names(stdout: str) -> list[str] | None:
+    try:
+        nodes = json.loads(stdout or "[]")
+    except ValueError:
+        return None
+    return [str(n.get("name", "")).rsplit("/", 1)[-1] for n in nodes if isinstance(n, dict)]
+
+
+def verify_fetched(run_dir: Path, worker: int) -> dict:
+    """Every checkpoint under the retrieved run dir must match its own manifest here, on this machine."""
+    checkpoints = []
+    for manifest in sorted(run_dir.rglob(MANIFEST)):
+        ckpt = manifest.parent
+        try:
+            verify_manifest(ckpt)
+            checkpoints.append({"path": str(ckpt.relative_to(run_dir)), "verified": True,
+                                "manifest_sha256": manifest_digest(ckpt)})
+        except TpulabError as e:
+            checkpoints.append({"path": str(ckpt.relative_to(run_dir)), "verified": False, "error": str(e)})
+    records = read_records(run_dir / "metrics.jsonl")
+    starts = [r for r in records if r.get("event") == "start"]
+    preempted = [r for r in records if r.get("event") == "preempted"]
+    return {"worker": worker, "run_dir": str(run_dir), "checkpoints": checkpoints,
+            "segments": len(starts), "resumed_from": [s.get("resumed_from") for s in starts],
+            "preempted_at": [r["step"] for r in preempted],
+            "final_step": max((r["step"] for r in records if "step" in r), default=None)}
+
+
+def build_wheel(dest: Path) -> Path:
+    """The project's wheel, built from a copy of the source tree (the checkout is left untouched)."""
+    if not (REPO / "pyproject.toml").is_file():
+        raise TpulabError(f"stage needs a tpulab source checkout (no pyproject.toml in {REPO})")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        shutil.copyfile(REPO / "pyproject.toml", Path(tmp) / "pyproject.toml")
+        p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(dest), tmp], capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            raise TpulabError(f"building the wheel failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    wheels = sorted(dest.glob("tpulab-*.whl"))
+    if len(wheels) != 1:
+        raise TpulabError(f"expected one tpulab wheel in {dest}, found {len(wheels)}")
+    return wheels[0]

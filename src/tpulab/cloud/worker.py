@@ -1,0 +1,60 @@
+"""Runs on a worker: the job, and for a preemption rehearsal, a real SIGTERM at a chosen step.
+
+A cloud preemption is a SIGTERM from outside the trainer at a moment it did not choose. The
+rehearsal does the same from a parent process on each worker: it watches the job's metrics.jsonl
+(local disk, so no ssh round trip delays it) and signals the job once the step is logged. The
+trainer finishes its step, saves and exits; the record of what happened goes to ``preempt.json``.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tpulab.checkpoint.files import atomic_write_json
+from tpulab.errors import TpulabError
+from tpulab.evidence.metrics import read_records
+
+PREEMPT_RECORD = "preempt.json"
+
+
+def _segment_steps(metrics: Path, segment: int) -> int | None:
+    steps = [r["step"] for r in read_records(metrics) if "step" in r and r.get("segment") == segment]
+    return max(steps) if steps else None
+
+
+def run_with_preemption(argv: list[str], run_dir: str | Path, preempt_at: int, poll_s: float = 0.01) -> dict:
+    """Start ``argv``, SIGTERM it once ``run_dir/metrics.jsonl`` shows step >= preempt_at in its segment."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    segment = sum(1 for r in read_records(metrics) if r.get("event") == "start")  # the job's segment
+    proc = subprocess.Popen(argv)
+    signalled_at = None
+    try:
+        while proc.poll() is None:
+            step = _segment_steps(metrics, segment)
+            if signalled_at is None and step is not None and step >= preempt_at:
+                proc.send_signal(signal.SIGTERM)
+                signalled_at = step
+            time.sleep(poll_s)
+    finally:
+        if proc.poll() is None:  # interrupted ourselves: do not leave the job behind
+            proc.kill()
+            proc.wait()
+    records = read_records(metrics)
+    preempted = [r["step"] for r in records if r.get("event") == "preempted" and r.get("segment") == segment]
+    result = {"preempt_at": preempt_at, "signal": "SIGTERM", "signalled_after_logged_step": signalled_at,
+              "job_rc": proc.returncode, "segment": segment,
+              "preempted_at_step": preempted[0] if preempted else None,
+              "last_step": _segment_steps(metrics, segment)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir / PREEMPT_RECORD, result)
+    if signalled_at is None:
+        raise TpulabError(f"the job ended (exit {proc.returncode}) at step {result['last_step']} before the "
+                          f"preemption step {preempt_at}; choose a smaller --preempt-at", exit_code=1)
+    if proc.returncode != 0 or result["preempted_at_step"] is None:
+        raise TpulabError(f"the job did not stop cleanly on SIGTERM (exit {proc.returncode}, no 'preempted' "
+                          f"record in {metrics})", exit_code=1)
+    return result

@@ -1,0 +1,111 @@
+"""The runtime receipt on CPU: real collective with 1 and 4 host devices, target qualification refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import run_cli
+from tpulab.evidence.receipt import (Target, check_collective, check_matmul, hardware_line, kind_matches, qualify,
+                                     run_receipt)
+
+# "TPU" as a word (a hardware claim); environment variable names such as TPU_SKIP_MDS_QUERY are raw data.
+TPU_WORD = re.compile(r"\bTPU\b")
+
+
+def test_receipt_in_process_single_device(tmp_path):
+    receipt = run_receipt(tmp_path, Target.parse("cpu", 1))
+    rt, ev = receipt["runtime"], receipt["evidence"]
+    assert rt["backend"] == "cpu" and rt["process_count"] == 1
+    assert ev["collective"]["passed"] and ev["collective"]["values"] == [0.0] * rt["device_count"]
+    assert ev["matmul"]["passed"] and ev["matmul"]["relative_error_vs_numpy"] < 1e-5
+    assert ev["round_trip"]["passed"]
+    assert receipt["qualification"] == {"target": "cpu x1", "passed": True, "problems": []}
+    on_disk = json.loads((tmp_path / "receipt.json").read_text())
+    assert on_disk["evidence"]["collective"] == ev["collective"]
+    table = (tmp_path / "receipt.md").read_text()
+    assert not TPU_WORD.search(table) and "CPU (cpu) x1" in table
+
+
+def test_receipt_cli_four_forced_host_devices(tmp_path):
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    p = run_cli("receipt", "--out", str(tmp_path), "--expect", "cpu", "--expect-devices", "4", "--matmul-size", "128",
+                env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = json.loads((tmp_path / "receipt.json").read_text())
+    coll = r["evidence"]["collective"]
+    assert r["runtime"]["device_count"] == 4 and r["runtime"]["local_device_count"] == 4
+    # each device contributed its index: 0+1+2+3 on every one of the four devices
+    assert coll["passed"] and coll["expected"] == 6.0 and coll["values"] == [6.0] * 4
+    assert r["env"]["XLA_FLAGS"] == env["XLA_FLAGS"] and r["env"]["JAX_PLATFORMS"] == "cpu"
+    assert "collective" in p.stdout and not TPU_WORD.search(p.stdout)
+
+
+def test_collective_checker_negative_controls():
+    assert check_collective([6.0] * 4, 4)["passed"]
+    wrong = check_collective([6.0, 6.0, 5.0, 6.0], 4)  # one device saw a partial sum
+    assert not wrong["passed"] and wrong["wrong_shards"] == [2]
+    assert not check_collective([6.0] * 4, 5)["passed"]  # a device missing from the collective
+    assert not check_collective([], 0)["passed"]
+
+
+def test_matmul_checker_negative_controls():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 64), dtype=np.float32), rng.standard_normal((64, 64), dtype=np.float32)
+    good = a @ b
+    assert check_matmul(good, a, b)[1]
+    assert check_matmul(good.astype(np.float16).astype(np.float32), a, b)[1]  # reduced precision still passes
+    assert not check_matmul(a @ b.T, a, b)[1]  # wrong math fails
+    bad = good.copy()
+    bad[3, 5] = np.nan
+    assert not check_matmul(bad, a, b)[1]
+
+
+def test_expect_tpu_fails_on_cpu_with_one_line(tmp_path):
+    p = run_cli("receipt", "--out", str(tmp_path), "--expect", "tpu:v5e", "--matmul-size", "64", timeout=120)
+    assert p.returncode == 4
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr
+    assert lines[0].startswith("error: target qualification failed (tpu:v5e): expected backend tpu, JAX reports "
+                               "backend cpu")
+    # the receipt is still written: it is the evidence of the refusal
+    r = json.loads((tmp_path / "receipt.json").read_text())
+    assert r["qualification"]["passed"] is False and r["runtime"]["backend"] == "cpu"
+
+
+def test_expect_device_count_and_bad_target(tmp_path):
+    receipt_dir = tmp_path / "r"
+    with pytest.raises(Exception, match="expected 64 devices"):
+        run_receipt(receipt_dir, Target.parse("cpu", 64), matmul_size=64)
+    p = run_cli("receipt", "--out", str(tmp_path / "bad"), "--expect", "tpu:v9", timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("error: unknown TPU generation 'v9'")
+    assert not (tmp_path / "bad").exists()  # bad input: nothing written
+
+
+def _fake(backend: str, kinds: list[str], n: int) -> dict:
+    return {"runtime": {"backend": backend, "device_kinds": kinds, "device_count": n},
+            "evidence": {"collective": {"passed": True}}}
+
+
+def test_target_matching_by_generation():
+    """Pure matcher: device_kind strings as JAX reports them for each TPU generation."""
+    assert kind_matches(Target.parse("tpu:v5e"), "TPU v5 lite")
+    assert not kind_matches(Target.parse("tpu:v5p"), "TPU v5 lite")
+    assert kind_matches(Target.parse("tpu:v5p"), "TPU v5")
+    assert not kind_matches(Target.parse("tpu:v5e"), "TPU v5")
+    assert kind_matches(Target.parse("tpu:v6e"), "TPU v6 lite")
+    assert qualify(_fake("tpu", ["TPU v5 lite"], 8), Target.parse("tpu:v5e", 8)) == []
+    assert qualify(_fake("tpu", ["TPU v5 lite"], 4), Target.parse("tpu:v5e", 8)) == ["expected 8 devices, JAX "
+                                                                                    "reports 4"]
+    failed = _fake("tpu", ["TPU v5 lite"], 8)
+    failed["evidence"]["collective"]["passed"] = False
+    assert qualify(failed, Target.parse("tpu:v5e")) == ["runtime evidence failed: collective"]
+
+
+def test_hardware_line_names_tpu_only_for_tpu_backend():
+    assert not TPU_WORD.search(hardware_line(_fake("cpu", ["cpu"], 4)))
+    assert hardware_line(_fake("tpu", ["TPU v5 lite"], 8)).startswith("TPU (TPU v5 lite) x8")
