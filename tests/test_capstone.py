@@ -16,6 +16,7 @@ def test_capstone_writes_report_overlay_and_verdict(tmp_path):
     assert result.returncode == 0, result.stderr
     report = (out / "report.md").read_text()
     assert "Status: **PASS**" in report and "bitwise identical" in report and "not a TPU" in report
+    assert "## Runtime receipt" in report and json.loads((out / "receipt" / "receipt.json").read_text())["runtime"]["backend"] == "cpu"
     assert json.loads((out / "proof" / "verdict.json").read_text())["identical"] is True
     assert (out / "proof" / "overlay.png").stat().st_size > 10_000
     assert all(r["passed"] for r in json.loads((out / "checks.json").read_text())["rows"])

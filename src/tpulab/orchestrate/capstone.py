@@ -70,6 +70,16 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
         timings[name] = round(time.monotonic() - t0, 1)
         print(f"[capstone] {name} done in {timings[name]:.0f} s", flush=True)
 
+    def receipt_stage() -> str:
+        from tpulab.evidence.receipt import hardware_line, run_receipt, table
+
+        receipt = run_receipt(out / "receipt")
+        return "\n".join(["## Runtime receipt", "",
+                          f"What JAX reported and proved on this machine: **{hardware_line(receipt)}** (a collective "
+                          "with a known answer across all devices, a timed matmul checked against NumPy, a "
+                          "device-to-host round trip). Every chip named in this report comes from it.", "",
+                          table(receipt), "", "Evidence: `receipt/receipt.json`."])
+
     def train_stage() -> str:
         run_to_completion(train_child_argv(config_path, run_dir, compile_cache=options.compile_cache),
                           out / "train.log", dict(os.environ), 3600, "training run")
@@ -101,6 +111,7 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
             failures.append(f"checks failed: {', '.join(failed)}")
         return text
 
+    stage("receipt", receipt_stage)
     stage("train", train_stage)
     if not failures:
         stage("resume proof", proof_stage)
