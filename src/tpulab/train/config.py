@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpulab.config import check, field, nested
+from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, field, nested
 from tpulab.data.config import DataConfig
 from tpulab.model.config import ModelConfig, PrecisionConfig
 
@@ -33,6 +33,8 @@ class OptimConfig:
         check(self.eps > 0, f"optim.eps={self.eps} must be positive")
         check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
         check(self.clip_norm >= 0, f"optim.clip_norm={self.clip_norm} must be >= 0")
+        check_int(self.warmup_steps, "optim.warmup_steps", 0, INT32_MAX - 1, "optax counts steps in int32")
+        check_int(self.schedule_steps, "optim.schedule_steps", 1, INT32_MAX, "optax counts steps in int32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,9 @@ class TrainConfig:
         check(self.log_every > 0, f"train.log_every={self.log_every} must be positive")
         check(self.eval_every > 0, f"train.eval_every={self.eval_every} must be positive")
         check(self.eval_batches > 0, f"train.eval_batches={self.eval_batches} must be positive")
+        check_int(self.steps, "train.steps", 1, INT32_MAX, "steps are counted in int32")
+        for name in ("log_every", "eval_every", "eval_batches"):
+            check_int(getattr(self, name), f"train.{name}", 1, INT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,8 @@ class CheckpointConfig:
     def __post_init__(self):
         check(self.save_every > 0, f"checkpoint.save_every={self.save_every} must be positive")
         check(self.keep >= 2, f"checkpoint.keep={self.keep} must be >= 2 (a corrupt newest one needs a fallback)")
+        check_int(self.save_every, "checkpoint.save_every", 1, INT32_MAX)
+        check_int(self.keep, "checkpoint.keep", 2, INT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,5 +86,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = nested(CheckpointConfig)
 
     def __post_init__(self):
+        # With 32-bit JAX, PRNGKey keeps only the low 32 bits: seed 2**32 would silently equal seed 0,
+        # and seeds beyond int64 crash it.
+        check_int(self.seed, "seed", 0, UINT32_MAX, "a uint32: JAX's PRNGKey keeps 32 bits")
         check(self.data.seq_len <= self.model.max_seq_len,
               f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
