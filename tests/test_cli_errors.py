@@ -29,6 +29,45 @@ def test_bad_config_values(tmp_path, override, needle):
     assert not (tmp_path / "r").exists()
 
 
+BINARY_JUNK = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x80\x81"
+LATIN1_YAML = "seed: 0\n# Fran\xe7ois\n".encode("latin-1")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--set", "optim.lr=inf"], "config key 'optim.lr' must be a finite number, got 'inf'"),
+    (["--set", "optim.eps=.inf"], "config key 'optim.eps' must be a finite number, got inf"),
+    (["--set", "optim.b2=nan"], "config key 'optim.b2' must be a finite number"),
+    (["--set", f"seed={10**25}"], "seed=10000000000000000000000000 must be in [0, 4294967295]"),
+    (["--set", f"model.d_model={10**12}"], "model.d_model=1000000000000 must be in [1, 65536]"),
+    (["--set", "model.d_model=65536", "--set", "model.n_layers=4096"], "the model cannot fit in memory"),
+    (["--data", "x" * 5000], "data.path is 5000 bytes long"),
+    (["--data", ""], "data.path must not be empty"),
+    (["--config", "junk.yaml"], "junk.yaml is not UTF-8 text (byte 0xff at offset 0)"),
+    (["--config", "latin1.yaml"], "latin1.yaml is not UTF-8 text (byte 0xe7 at offset 14)"),
+    (["--run-dir", ""], "--run-dir must not be empty"),
+], ids=["lr-inf", "eps-inf", "b2-nan", "huge-seed", "huge-d_model", "unallocatable", "long-data-path",
+        "empty-data-path", "binary-config", "latin1-config", "empty-run-dir"])
+def test_bad_input_found_by_attack(tmp_path, extra, needle):
+    """Each fails before training (and before JAX): one line, and nothing written anywhere."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (tmp_path / "junk.yaml").write_bytes(BINARY_JUNK)
+    (tmp_path / "latin1.yaml").write_bytes(LATIN1_YAML)
+    extra = [str(tmp_path / a) if a in ("junk.yaml", "latin1.yaml") else a for a in extra]
+    args = ["--run-dir", str(tmp_path / "r"), "--config", str(TINY), *extra]  # later flags win
+    result = run_cli("train", *args, cwd=cwd, timeout=60)
+    assert_one_line_error(result, needle)
+    assert not (tmp_path / "r").exists() and list(cwd.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [["check", "--run-dir", ""], ["prove-resume", "--run-dir", ""],
+                                  ["capstone", "--out", ""], ["check", "--config", ""]])
+def test_empty_paths_never_mean_the_current_directory(tmp_path, argv):
+    result = run_cli(*argv, cwd=tmp_path, timeout=60)
+    assert_one_line_error(result, f"{argv[1]} must not be empty")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_paths(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")

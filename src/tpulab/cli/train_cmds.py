@@ -84,9 +84,10 @@ def child_train_argv(args, run_dir: Path, extra: list[str] = ()) -> list[str]:
 
 
 def cmd_prove_resume(args) -> int:
+    run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.train.proof import prove_transformer_resume
 
-    verdict = prove_transformer_resume(args, checked_path(args.run_dir, "--run-dir"), kill_at=args.kill_at,
+    verdict = prove_transformer_resume(args, run_dir, kill_at=args.kill_at,
                                        skip_restore=tuple(args.skip_restore))
     print(f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['steps_compared']} steps compared, "
           f"max |diff| {verdict['max_abs_diff']:.3g}, killed (SIGKILL) after step {verdict['kill_step']}, "
@@ -105,9 +106,10 @@ def cmd_check(args) -> int:
 
 
 def cmd_capstone(args) -> int:
+    out = checked_path(args.out, "--out")
     from tpulab.evidence.capstone import run_capstone
 
-    report = run_capstone(args, checked_path(args.out, "--out"))
+    report = run_capstone(args, out)
     print(f"report: {report}")
     return 0
 
