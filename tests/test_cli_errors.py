@@ -1,6 +1,10 @@
 """Bad input: one line on stderr naming the problem, a non-zero exit, no traceback, nothing deleted."""
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -29,6 +33,45 @@ def test_bad_config_values(tmp_path, override, needle):
     assert not (tmp_path / "r").exists()
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), including ones that started their own session."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def run_cli_reaped(*args: str, cwd, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m tpulab.cli ARGS`, with it and every process it started killed in all cases.
+
+    These inputs must fail before anything starts; if a regression lets them through, a proof or
+    capstone spawns training children (in sessions of their own), which must not outlive the test.
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "tpulab.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # collected while the tree is still linked
+            for kill in (lambda p: os.killpg(p, signal.SIGKILL), lambda p: os.kill(p, signal.SIGKILL)):
+                try:
+                    kill(pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        proc.wait()
+
+
 BINARY_JUNK = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x80\x81"
 LATIN1_YAML = "seed: 0\n# Fran\xe7ois\n".encode("latin-1")
 
@@ -55,7 +98,7 @@ def test_bad_input_found_by_attack(tmp_path, extra, needle):
     (tmp_path / "latin1.yaml").write_bytes(LATIN1_YAML)
     extra = [str(tmp_path / a) if a in ("junk.yaml", "latin1.yaml") else a for a in extra]
     args = ["--run-dir", str(tmp_path / "r"), "--config", str(TINY), *extra]  # later flags win
-    result = run_cli("train", *args, cwd=cwd, timeout=60)
+    result = run_cli_reaped("train", *args, cwd=cwd)
     assert_one_line_error(result, needle)
     assert not (tmp_path / "r").exists() and list(cwd.iterdir()) == []
 
@@ -63,7 +106,7 @@ def test_bad_input_found_by_attack(tmp_path, extra, needle):
 @pytest.mark.parametrize("argv", [["check", "--run-dir", ""], ["prove-resume", "--run-dir", ""],
                                   ["capstone", "--out", ""], ["check", "--config", ""]])
 def test_empty_paths_never_mean_the_current_directory(tmp_path, argv):
-    result = run_cli(*argv, cwd=tmp_path, timeout=60)
+    result = run_cli_reaped(*argv, cwd=tmp_path)
     assert_one_line_error(result, f"{argv[1]} must not be empty")
     assert list(tmp_path.iterdir()) == []
 
