@@ -87,6 +87,10 @@ def test_long_values_are_cut_in_messages():
     (f"model.vocab_size={2**40}", "model.vocab_size=1099511627776 must be in [258, 1048576]"),
     (f"model.mlp_ratio={2**33}", "model.mlp_ratio=8589934592 must be in [1, 64]"),
     (f"data.batch_size={2**40}", "data.batch_size=1099511627776 must be in"),
+    ("optim.eps=1e-40", "optim.eps=1e-40 must be >= 1.18e-38"),
+    ("optim.eps=0", "optim.eps=0.0 must be >= 1.18e-38"),
+    ("model.rope_base=1", "model.rope_base=1.0 must be > 1"),
+    ("model.rope_base=1e-300", "model.rope_base=1e-300 must be > 1"),
     ("data.path=", "data.path must not be empty"),
     ("data.path=" + "x" * 5000, "data.path is 5000 bytes long; paths are limited to 4095"),
     ("data.path=/tmp/" + "y" * 256 + "/z", "data.path has a 256-byte name"),
@@ -110,6 +114,20 @@ def test_the_seed_bound_is_what_jax_needs():
     key = lambda s: np.asarray(jax.random.key_data(jax.random.PRNGKey(s)))  # noqa: E731
     assert (key(2**32) == key(0)).all()
     assert not (key(2**32 - 1) == key(0)).all()
+
+
+def test_the_eps_bound_is_what_float32_needs():
+    """Why optim.eps >= 2**-126: a subnormal eps flushes to 0, and a parameter with zero gradient gets 0/0."""
+    import jax.numpy as jnp
+    import optax
+
+    def update(eps):
+        tx = optax.adam(1e-3, eps=eps)
+        params = jnp.zeros(2, jnp.float32)
+        return tx.update(jnp.array([0.0, 1.0], jnp.float32), tx.init(params), params)[0]
+
+    assert jnp.isnan(update(1e-40)[0]) and bool(jnp.isfinite(update(2.0**-126)).all())
+    tiny_config(f"optim.eps={2.0**-126!r}")  # the bound itself is accepted
 
 
 @pytest.mark.parametrize("content, message", [

@@ -56,7 +56,8 @@ class ModelConfig:
         check(self.mlp_ratio > 0, f"model.mlp_ratio={self.mlp_ratio} must be positive")
         check_int(self.mlp_ratio, "model.mlp_ratio", 1, MAX_MLP_RATIO)
         check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
-        check(self.rope_base > 0, f"model.rope_base={self.rope_base} must be positive")
+        check(self.rope_base > 1, f"model.rope_base={self.rope_base} must be > 1 (the RoPE frequencies "
+                                  "base**(-2i/d) must fall with i; a tiny base overflows them to inf)")
 
     @property
     def head_dim(self) -> int:

@@ -9,6 +9,9 @@ from tpulab.data.config import DataConfig
 from tpulab.model.config import ModelConfig, PrecisionConfig
 
 
+MIN_NORMAL_FLOAT32 = 2.0**-126  # also bfloat16's: the two share an exponent range
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup, cosine decay and global-norm clipping."""
@@ -30,7 +33,8 @@ class OptimConfig:
               f"optim.schedule_steps={self.schedule_steps} must exceed optim.warmup_steps={self.warmup_steps}")
         check(0.0 <= self.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0, f"optim.b1/b2 ({self.b1}, {self.b2}) must be in [0, 1)")
-        check(self.eps > 0, f"optim.eps={self.eps} must be positive")
+        check(self.eps >= MIN_NORMAL_FLOAT32, f"optim.eps={self.eps} must be >= {MIN_NORMAL_FLOAT32:.3g} (smaller "
+              "values flush to 0 in float32 and bfloat16, and Adam divides 0 by 0)")
         check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
         check(self.clip_norm >= 0, f"optim.clip_norm={self.clip_norm} must be >= 0")
         check_int(self.warmup_steps, "optim.warmup_steps", 0, INT32_MAX - 1, "optax counts steps in int32")
