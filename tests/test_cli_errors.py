@@ -103,6 +103,17 @@ def test_bad_input_found_by_attack(tmp_path, extra, needle):
     assert not (tmp_path / "r").exists() and list(cwd.iterdir()) == []
 
 
+def test_config_errors_come_before_jax_is_imported(tmp_path):
+    """Fast failure: the config is validated (memory estimate included) before the heavy imports."""
+    result = run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(TINY), "--set",
+                     "model.d_model=65536", "--set", "model.n_layers=4096", env={"PYTHONPROFILEIMPORTTIME": "1"},
+                     timeout=60)
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "tpulab.config" in imported and "tpulab.train.memory" in imported  # the profile sees our imports
+    assert not {m for m in imported if m == "jax" or m.startswith(("jax.", "jaxlib", "flax", "optax"))}
+    assert_one_line_error(result, "cannot fit in memory")
+
+
 @pytest.mark.parametrize("argv", [["check", "--run-dir", ""], ["prove-resume", "--run-dir", ""],
                                   ["capstone", "--out", ""], ["check", "--config", ""]])
 def test_empty_paths_never_mean_the_current_directory(tmp_path, argv):

@@ -7,7 +7,7 @@ import dataclasses
 from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, check_path, field
 
 
-MAX_BATCH_SIZE = 2**24  # a sanity bound: far above any batch, keeps batch * seq_len inside int64
+MAX_BATCH_SIZE = 2**20  # a sanity bound: far above any batch here, keeps batch * seq_len inside int64
 
 
 @dataclasses.dataclass(frozen=True)
