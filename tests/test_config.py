@@ -161,7 +161,7 @@ def test_config_path_that_is_a_directory_or_too_long(tmp_path):
 def test_param_count_matches_the_built_model(shape):
     from flax import nnx
 
-    from tpulab.model.config import ModelConfig, PrecisionConfig, param_count
+    from tpulab.model.config import PrecisionConfig, param_count
     from tpulab.model.transformer import Transformer
     from tpulab.model.transformer import param_count as built_param_count
 

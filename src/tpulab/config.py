@@ -4,8 +4,9 @@ Every config is a (nested) frozen dataclass. Values come from the dataclass defa
 optional YAML file, then ``--set a.b=value`` overrides, in that order. Unknown keys and values of
 the wrong type are errors that name the key, and so is a non-finite float (``inf``, ``nan``,
 ``1e999``) unless its field allows one; range checks (including upper bounds on integers, which
-would otherwise overflow deep inside JAX or XLA) live in each dataclass's ``__post_init__``. Fields marked ``resume_mutable`` (step count, logging) may change on resume;
-every other field is part of the run's identity.
+would otherwise overflow deep inside JAX or XLA) live in each dataclass's ``__post_init__``.
+Fields marked ``resume_mutable`` (step count, logging) may change on resume; every other field is
+part of the run's identity.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def _read_yaml(p: Path) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} "
+                          f"at offset {e.start})") from None
     try:
         return yaml.safe_load(text) or {}
     except yaml.YAMLError as e:

