@@ -1,6 +1,10 @@
 """Bad input: one line on stderr naming the problem, a non-zero exit, no traceback, nothing deleted."""
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -27,6 +31,95 @@ def test_bad_config_values(tmp_path, override, needle):
     result = run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(TINY), "--set", override)
     assert_one_line_error(result, needle)
     assert not (tmp_path / "r").exists()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), including ones that started their own session."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def run_cli_reaped(*args: str, cwd, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m tpulab.cli ARGS`, with it and every process it started killed in all cases.
+
+    These inputs must fail before anything starts; if a regression lets them through, a proof or
+    capstone spawns training children (in sessions of their own), which must not outlive the test.
+    """
+    proc = subprocess.Popen([sys.executable, "-m", "tpulab.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # collected while the tree is still linked
+            for kill in (lambda p: os.killpg(p, signal.SIGKILL), lambda p: os.kill(p, signal.SIGKILL)):
+                try:
+                    kill(pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        proc.wait()
+
+
+BINARY_JUNK = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x80\x81"
+LATIN1_YAML = "seed: 0\n# Fran\xe7ois\n".encode("latin-1")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--set", "optim.lr=inf"], "config key 'optim.lr' must be a finite number, got 'inf'"),
+    (["--set", "optim.eps=.inf"], "config key 'optim.eps' must be a finite number, got inf"),
+    (["--set", "optim.b2=nan"], "config key 'optim.b2' must be a finite number"),
+    (["--set", f"seed={10**25}"], "seed=10000000000000000000000000 must be in [0, 4294967295]"),
+    (["--set", f"model.d_model={10**12}"], "model.d_model=1000000000000 must be in [1, 65536]"),
+    (["--set", "model.d_model=65536", "--set", "model.n_layers=4096"], "the model cannot fit in memory"),
+    (["--data", "x" * 5000], "data.path is 5000 bytes long"),
+    (["--data", ""], "data.path must not be empty"),
+    (["--config", "junk.yaml"], "junk.yaml is not UTF-8 text (byte 0xff at offset 0)"),
+    (["--config", "latin1.yaml"], "latin1.yaml is not UTF-8 text (byte 0xe7 at offset 14)"),
+    (["--run-dir", ""], "--run-dir must not be empty"),
+], ids=["lr-inf", "eps-inf", "b2-nan", "huge-seed", "huge-d_model", "unallocatable", "long-data-path",
+        "empty-data-path", "binary-config", "latin1-config", "empty-run-dir"])
+def test_bad_input_found_by_attack(tmp_path, extra, needle):
+    """Each fails before training (and before JAX): one line, and nothing written anywhere."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (tmp_path / "junk.yaml").write_bytes(BINARY_JUNK)
+    (tmp_path / "latin1.yaml").write_bytes(LATIN1_YAML)
+    extra = [str(tmp_path / a) if a in ("junk.yaml", "latin1.yaml") else a for a in extra]
+    args = ["--run-dir", str(tmp_path / "r"), "--config", str(TINY), *extra]  # later flags win
+    result = run_cli_reaped("train", *args, cwd=cwd)
+    assert_one_line_error(result, needle)
+    assert not (tmp_path / "r").exists() and list(cwd.iterdir()) == []
+
+
+def test_config_errors_come_before_jax_is_imported(tmp_path):
+    """Fast failure: the config is validated (memory estimate included) before the heavy imports."""
+    result = run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(TINY), "--set",
+                     "model.d_model=65536", "--set", "model.n_layers=4096", env={"PYTHONPROFILEIMPORTTIME": "1"},
+                     timeout=60)
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "tpulab.config" in imported and "tpulab.train.memory" in imported  # the profile sees our imports
+    assert not {m for m in imported if m == "jax" or m.startswith(("jax.", "jaxlib", "flax", "optax"))}
+    assert_one_line_error(result, "cannot fit in memory")
+
+
+@pytest.mark.parametrize("argv", [["check", "--run-dir", ""], ["prove-resume", "--run-dir", ""],
+                                  ["capstone", "--out", ""], ["check", "--config", ""]])
+def test_empty_paths_never_mean_the_current_directory(tmp_path, argv):
+    result = run_cli_reaped(*argv, cwd=tmp_path)
+    assert_one_line_error(result, f"{argv[1]} must not be empty")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bad_paths(tmp_path):

@@ -2,14 +2,18 @@
 
 Every config is a (nested) frozen dataclass. Values come from the dataclass defaults, then an
 optional YAML file, then ``--set a.b=value`` overrides, in that order. Unknown keys and values of
-the wrong type are errors that name the key; range checks live in each dataclass's
-``__post_init__``. Fields marked ``resume_mutable`` (step count, logging) may change on resume;
-every other field is part of the run's identity.
+the wrong type are errors that name the key, and so is a non-finite float (``inf``, ``nan``,
+``1e999``) unless its field allows one; range checks (including upper bounds on integers, which
+would otherwise overflow deep inside JAX or XLA) live in each dataclass's ``__post_init__``.
+Fields marked ``resume_mutable`` (step count, logging) may change on resume; every other field is
+part of the run's identity.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -22,9 +26,21 @@ from tpulab.errors import ConfigError
 T = TypeVar("T")
 
 
-def field(default: Any, doc: str, *, resume_mutable: bool = False) -> Any:
-    """A documented dataclass field; ``resume_mutable`` fields may change between a run and its resume."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "resume_mutable": resume_mutable})
+# Linux limits (PATH_MAX, NAME_MAX): longer paths fail in the kernel with ENAMETOOLONG.
+PATH_MAX_BYTES = 4095
+NAME_MAX_BYTES = 255
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+
+
+def field(default: Any, doc: str, *, resume_mutable: bool = False, allow_nonfinite: bool = False) -> Any:
+    """A documented dataclass field; ``resume_mutable`` fields may change between a run and its resume.
+
+    Float fields must be finite unless ``allow_nonfinite``: an ``inf`` learning rate or epsilon
+    trains into NaN (or into nothing) instead of failing at the edge.
+    """
+    return dataclasses.field(default=default, metadata={"doc": doc, "resume_mutable": resume_mutable,
+                                                        "allow_nonfinite": allow_nonfinite})
 
 
 def nested(cls: type) -> Any:
@@ -37,57 +53,93 @@ def check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error line names the value, it does not print 400 digits."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 20]}...({len(text)} characters)"
+
+
+def check_int(value: int, key: str, lo: int, hi: int, why: str = "") -> None:
+    """Raise ConfigError unless ``lo <= value <= hi`` (``why`` says where the bound comes from)."""
+    check(lo <= value <= hi, f"{key}={short(value)} must be in [{lo}, {hi}]" + (f" ({why})" if why else ""))
+
+
+def check_path(value: str, key: str) -> None:
+    """Refuse a path string the OS cannot use: empty, a NUL byte, or over the Linux length limits.
+
+    A pure string check (no file system access), so it runs at config time, before a run dir is made.
+    An empty path would silently mean the current directory.
+    """
+    check(value != "", f"{key} must not be empty")
+    check("\0" not in value, f"{key} contains a NUL byte")
+    raw = os.fsencode(value)
+    check(len(raw) <= PATH_MAX_BYTES, f"{key} is {len(raw)} bytes long; paths are limited to {PATH_MAX_BYTES}")
+    longest = max(raw.split(b"/"), key=len)
+    check(len(longest) <= NAME_MAX_BYTES, f"{key} has a {len(longest)}-byte name "
+          f"'{os.fsdecode(longest[:40])}...'; names are limited to {NAME_MAX_BYTES} bytes")
+
+
+def _coerce(value: Any, tp: Any, key: str, allow_nonfinite: bool = False) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, args[0], key)
+        return _coerce(value, args[0], key, allow_nonfinite)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a mapping, got {short(value)}")
         return _build(tp, value, key + ".")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a list, got {short(value)}")
         (item_tp, *_rest) = typing.get_args(tp)
-        return tuple(_coerce(v, item_tp, key) for v in value)
+        return tuple(_coerce(v, item_tp, key, allow_nonfinite) for v in value)
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"config key '{key}' must be one of {list(typing.get_args(tp))}, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be one of {list(typing.get_args(tp))}, got {short(value)}")
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be true or false, got {short(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be an integer, got {short(value)}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            number = value
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"config key '{key}' must be a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"config key '{key}' must be a number, got {short(value)}")
+        try:
+            number = float(number)
+        except OverflowError:  # an integer beyond the float range
+            number = math.inf
+        if not (allow_nonfinite or math.isfinite(number)):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {short(value)}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be a string, got {short(value)}")
     return value
 
 
 def _build(cls: type[T], data: dict, prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(sorted(names))})")
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(sorted(fields))})")
+    kwargs = {k: _coerce(v, hints[k], prefix + k, fields[k].metadata.get("allow_nonfinite", False))
+              for k, v in data.items()}
     return cls(**kwargs)
 
 
@@ -106,7 +158,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an impossible date such as 2024-13-01
         value = raw
     return key.strip().split("."), value
 
@@ -116,15 +168,9 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | No
     """Defaults, then ``base`` (e.g. a checkpoint's config), then a YAML file, then ``--set`` overrides."""
     data: dict = _deep_copy(base or {})
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        loaded = _read_yaml(Path(path))
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
         _merge(data, loaded)
     for item in overrides or []:
         keys, value = _parse_override(item)
@@ -135,6 +181,30 @@ def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | No
                 raise ConfigError(f"--set {item}: '{k}' is not a section")
         node[keys[-1]] = value
     return from_dict(cls, data)
+
+
+def _read_yaml(p: Path) -> Any:
+    """The file's YAML, or a ConfigError naming the file: missing, unreadable, not UTF-8, not YAML."""
+    check_path(str(p), "config file path")
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {p} is a directory") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} "
+                          f"at offset {e.start})") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except (ValueError, RecursionError) as e:  # an impossible date (2024-13-01), absurd nesting
+        raise ConfigError(f"config file {p} is not valid YAML: {type(e).__name__}: {e}") from None
 
 
 def _deep_copy(d: dict) -> dict:

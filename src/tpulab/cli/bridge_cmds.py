@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from tpulab.cli.train_cmds import checked_path, path_arg
 
 BACKEND_HELP = "torch (plain PyTorch on CPU, the reference), torchax (torch on JAX), torch_xla (TPU VMs only)"
 METHOD_HELP = "eager (torch autograd + torch.optim.Adam) or jit (torchax only: functional jitted step, optax.adam)"
@@ -40,7 +41,7 @@ def register(sub) -> None:
     p = bsub.add_parser("train", help="train (or resume) one run in --run-dir")
     p.add_argument("--backend", required=True, help=BACKEND_HELP)
     p.add_argument("--method", default="eager", help=METHOD_HELP + " [eager]")
-    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-dir", required=True, type=path_arg)
     p.add_argument("--force", action="store_true",
                    help="load a checkpoint from another backend/method/config anyway")
     p.add_argument("--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS)
@@ -51,7 +52,7 @@ def register(sub) -> None:
     p = bsub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, exact comparison")
     p.add_argument("--backend", required=True, help=BACKEND_HELP)
     p.add_argument("--method", default="eager", help=METHOD_HELP + " [eager]")
-    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-dir", required=True, type=path_arg)
     p.add_argument("--kill-at", type=int, default=None,
                    help="SIGKILL the run right after this step [between two checkpoints, past the middle]")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per child process [600]")
@@ -60,13 +61,14 @@ def register(sub) -> None:
     p.set_defaults(handler=_prove)
 
     p = bsub.add_parser("compare", help="train the same seed and shapes on every available backend and method")
-    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-dir", required=True, type=path_arg)
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per child process [600]")
     _config_args(p)
     p.set_defaults(handler=_compare)
 
 
 def _train(args) -> int:
+    args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.loop import train
     from tpulab.train.hooks import HoldAfter
 
@@ -79,6 +81,7 @@ def _train(args) -> int:
 
 
 def _prove(args) -> int:
+    args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.prove import prove
 
     verdict = prove(_config(args), args.backend, args.method, args.run_dir, kill_at=args.kill_at,
@@ -90,6 +93,7 @@ def _prove(args) -> int:
 
 
 def _compare(args) -> int:
+    args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.compare import compare
 
     result = compare(_config(args), args.run_dir, timeout_s=args.timeout)

@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "default.yaml"
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="YAML config (default: configs/default.yaml)")
+    p.add_argument("--config", type=path_arg, help="YAML config (default: configs/default.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config value, e.g. --set model.d_model=256 (repeatable)")
     p.add_argument("--steps", type=int, help="train until this step (train.steps)")
     p.add_argument("--data", help="text file or directory of *.txt to train on (data.path)")
     p.add_argument("--compile-cache", type=Path, help="JAX persistent compilation cache dir")
+
+
+def path_arg(value: str) -> Path | str:
+    """argparse type: ``Path(value)``, but an empty value stays ``""`` (``Path("")`` would mean ``.``)."""
+    return Path(value) if value else value
+
+
+def checked_path(value: Path | str, flag: str) -> Path:
+    """The path of ``flag``, or a one-line error if it is empty or too long for the OS."""
+    from tpulab.config import check_path
+
+    check_path(str(value), flag)
+    return Path(value)
 
 
 def load_run_config(args):
@@ -25,8 +39,11 @@ def load_run_config(args):
     if args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     if args.data is not None:
-        overrides.append(f"data.path={args.data}")
-    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None)
+        overrides.append(f"data.path={json.dumps(args.data)}")  # quoted: a path, never YAML (null, yes, 1e3)
+    if args.config is not None:
+        path = checked_path(args.config, "--config")
+    else:
+        path = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
     return load(RunConfig, path, overrides)
 
 
@@ -34,12 +51,16 @@ def cmd_train(args) -> int:
     from tpulab.train.preemption import Preemption
 
     preemption = Preemption()  # first: a SIGTERM from now until exit is a preemption notice, never a kill
+    run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)  # before the heavy imports: a bad config fails fast
+    from tpulab.train.memory import check_fits_host
+
+    check_fits_host(config)  # train() checks again; here it fails before jax is imported
     from tpulab.train.hooks import HoldAfter
     from tpulab.train.loop import train
 
     hooks = [HoldAfter(args.hold_after_step)] if args.hold_after_step else []
-    summary = train(config, args.run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
+    summary = train(config, run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
                     progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache,
                     hooks=hooks, preemption=preemption)
     preemption.finished()
@@ -51,43 +72,47 @@ def cmd_train(args) -> int:
 
 
 def cmd_prove_resume(args) -> int:
+    run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
     from tpulab.proofs.driver import verdict_text
     from tpulab.proofs.transformer import prove_transformer_resume
 
-    verdict = prove_transformer_resume(config, Path(args.run_dir), kill_at=args.kill_at,
+    verdict = prove_transformer_resume(config, run_dir, kill_at=args.kill_at,
                                        skip_restore=tuple(args.skip_restore), compile_cache=args.compile_cache)
     print(f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; killed (SIGKILL) "
           f"after step {verdict['kill_step']}, resumed from step {verdict['resumed_from_step']} -> "
-          f"{Path(args.run_dir) / 'proof'}")
+          f"{run_dir / 'proof'}")
     return 0 if verdict["identical"] else 1
 
 
 def cmd_chaos(args) -> int:
+    run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
     from tpulab.proofs.chaos import run_chaos
 
-    verdict = run_chaos(config, Path(args.run_dir), kills=args.kills, seed=args.seed, compile_cache=args.compile_cache)
+    verdict = run_chaos(config, run_dir, kills=args.kills, seed=args.seed, compile_cache=args.compile_cache)
     print(f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random SIGKILLs "
           f"({verdict['kills_during_save']} while a save was in flight), {verdict['segments']} process lifetimes; "
-          f"{verdict['summary']} -> {Path(args.run_dir) / 'chaos'}")
+          f"{verdict['summary']} -> {run_dir / 'chaos'}")
     return 0 if verdict["identical"] else 1
 
 
 def cmd_check(args) -> int:
+    run_dir = None if args.run_dir is None else checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
     from tpulab.proofs.checks import print_table, run_checks
 
-    results = run_checks(config, run_dir=args.run_dir)
+    results = run_checks(config, run_dir=run_dir)
     print_table(results)
     return 0 if all(r["passed"] for r in results) else 1
 
 
 def cmd_capstone(args) -> int:
+    out = checked_path(args.out, "--out")
     config = load_run_config(args)
     from tpulab.orchestrate.capstone import CapstoneOptions, run_capstone
 
-    report = run_capstone(config, Path(args.out), CapstoneOptions(
+    report = run_capstone(config, out, CapstoneOptions(
         skip_bridge=args.skip_bridge, skip_inference=args.skip_inference, chaos_kills=args.chaos_kills,
         compile_cache=args.compile_cache))
     print(f"report: {report}")
@@ -96,7 +121,7 @@ def cmd_capstone(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train the Transformer (resumes from the newest valid checkpoint in --run-dir)")
-    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-dir", required=True, type=path_arg)
     add_config_args(p)
     p.add_argument("--force", action="store_true", help="resume even if the config or corpus changed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -105,7 +130,7 @@ def register(sub) -> None:
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, overlaid curves")
-    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-dir", required=True, type=path_arg)
     add_config_args(p)
     p.add_argument("--kill-at", type=int, help="SIGKILL the second run right after this step (default: between "
                                                "checkpoints, about 60%% of the way)")
@@ -113,19 +138,19 @@ def register(sub) -> None:
     p.set_defaults(handler=cmd_prove_resume)
 
     p = sub.add_parser("chaos", help="SIGKILL a run at random moments, resume each time, compare the whole state")
-    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-dir", required=True, type=path_arg)
     add_config_args(p)
     p.add_argument("--kills", type=int, default=5, help="random SIGKILLs before the run may finish (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     p.set_defaults(handler=cmd_chaos)
 
     p = sub.add_parser("check", help="independent checks (causality, valid-token loss, disjoint data) as a table")
-    p.add_argument("--run-dir", type=Path, help="check this run's trained weights and data (default: fresh init)")
+    p.add_argument("--run-dir", type=path_arg, help="check this run's trained weights and data (default: fresh init)")
     add_config_args(p)
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("capstone", help="the main job: train, prove the resume, run the checks, write report.md")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=path_arg)
     add_config_args(p)
     p.add_argument("--skip-bridge", action="store_true", help="leave out the PyTorch bridge stage")
     p.add_argument("--skip-inference", action="store_true", help="leave out the KV-cache and export stage")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpulab.config import check, field
+from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, check_path, field
+
+
+MAX_BATCH_SIZE = 2**20  # a sanity bound: far above any batch here, keeps batch * seq_len inside int64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +23,13 @@ class DataConfig:
     shuffle_seed: int = field(0, "seed of the Grain window shuffle (reshuffled every epoch)")
 
     def __post_init__(self):
+        if self.path is not None:
+            check_path(self.path, "data.path")
         check(self.seq_len > 0, f"data.seq_len={self.seq_len} must be positive")
         check(self.batch_size > 0, f"data.batch_size={self.batch_size} must be positive")
+        check_int(self.seq_len, "data.seq_len", 1, INT32_MAX)
+        check_int(self.batch_size, "data.batch_size", 1, MAX_BATCH_SIZE)
         check(0.0 < self.val_fraction < 1.0, f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        # Grain refuses shuffle seeds outside uint32; the split seed gets the same range for symmetry.
+        check_int(self.split_seed, "data.split_seed", 0, UINT32_MAX, "a uint32")
+        check_int(self.shuffle_seed, "data.shuffle_seed", 0, UINT32_MAX, "a uint32, as Grain requires")

@@ -1,14 +1,29 @@
-"""Model shape and precision policy."""
+"""Model shape and precision policy, and what a model costs in memory (computed from the config alone).
+
+``param_count`` and ``train_state_bytes`` are the one place for that arithmetic: the host-memory
+check before training uses them, and so can any device budget. Upper bounds on the shape fields
+are sanity bounds far above anything this project trains; they keep every derived size (elements,
+bytes) inside int64 so that an absurd value fails here instead of overflowing inside XLA.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
-from tpulab.config import check, field
+from tpulab.config import check, check_int, field
 from tpulab.data.tokenizer import VOCAB_SIZE
 
 DType = Literal["float32", "bfloat16"]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+# Sanity bounds (see the module docstring): the largest model they allow has < 2**52 parameters, so its
+# train-state bytes (x 16 at most) stay far inside int64.
+MAX_VOCAB_SIZE = 2**20
+MAX_SEQ_LEN = 2**20
+MAX_D_MODEL = 2**16
+MAX_LAYERS = 2**12
+MAX_MLP_RATIO = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +45,19 @@ class ModelConfig:
         check(self.max_seq_len > 0, f"model.max_seq_len={self.max_seq_len} must be positive")
         check(self.d_model > 0, f"model.d_model={self.d_model} must be positive")
         check(self.n_layers > 0, f"model.n_layers={self.n_layers} must be positive")
+        check_int(self.vocab_size, "model.vocab_size", VOCAB_SIZE, MAX_VOCAB_SIZE)
+        check_int(self.max_seq_len, "model.max_seq_len", 1, MAX_SEQ_LEN)
+        check_int(self.d_model, "model.d_model", 1, MAX_D_MODEL)
+        check_int(self.n_layers, "model.n_layers", 1, MAX_LAYERS)
         check(self.n_heads > 0 and self.d_model % self.n_heads == 0,
               f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         check((self.d_model // self.n_heads) % 2 == 0,
               f"model head dim {self.d_model // self.n_heads} must be even for RoPE")
         check(self.mlp_ratio > 0, f"model.mlp_ratio={self.mlp_ratio} must be positive")
+        check_int(self.mlp_ratio, "model.mlp_ratio", 1, MAX_MLP_RATIO)
         check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
-        check(self.rope_base > 0, f"model.rope_base={self.rope_base} must be positive")
+        check(self.rope_base > 1, f"model.rope_base={self.rope_base} must be > 1 (the RoPE frequencies "
+                                  "base**(-2i/d) must fall with i; a tiny base overflows them to inf)")
 
     @property
     def head_dim(self) -> int:
@@ -55,3 +76,27 @@ class PrecisionConfig:
     def __post_init__(self):
         check(not (self.param_dtype == "bfloat16" and self.compute_dtype == "float32"),
               "precision.compute_dtype=float32 with param_dtype=bfloat16 gains nothing; use float32 params")
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Trainable parameters of ``Transformer(cfg)``, from the shapes alone (nothing is built).
+
+    Embedding ``V*D``; per block two RMSNorm scales ``2D``, fused QKV ``3D*D``, attention output
+    ``D*D``, MLP up and down ``2*r*D*D`` (no biases); final norm ``D``; an untied head ``D*V``.
+    """
+    d, v = cfg.d_model, cfg.vocab_size
+    block = 2 * d + 4 * d * d + 2 * cfg.mlp_ratio * d * d
+    return v * d + cfg.n_layers * block + d + (0 if cfg.tie_embeddings else d * v)
+
+
+# Training holds, per parameter: the value, its gradient, and Adam's two moments (all in param_dtype).
+TRAIN_STATE_COPIES = 4
+
+
+def train_state_bytes(cfg: ModelConfig, precision: PrecisionConfig) -> int:
+    """Bytes of parameters + gradients + both Adam moments, stored in ``precision.param_dtype``.
+
+    A lower bound on what training needs: activations, the compiled program and the data pipeline
+    come on top.
+    """
+    return param_count(cfg) * TRAIN_STATE_COPIES * DTYPE_BYTES[precision.param_dtype]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpulab.config import check, field, nested
+from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, field, nested
 from tpulab.data.config import DataConfig
 from tpulab.model.config import ModelConfig, PrecisionConfig
+
+
+MIN_NORMAL_FLOAT32 = 2.0**-126  # also bfloat16's: the two share an exponent range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +33,12 @@ class OptimConfig:
               f"optim.schedule_steps={self.schedule_steps} must exceed optim.warmup_steps={self.warmup_steps}")
         check(0.0 <= self.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0, f"optim.b1/b2 ({self.b1}, {self.b2}) must be in [0, 1)")
-        check(self.eps > 0, f"optim.eps={self.eps} must be positive")
+        check(self.eps >= MIN_NORMAL_FLOAT32, f"optim.eps={self.eps} must be >= {MIN_NORMAL_FLOAT32:.3g} (smaller "
+              "values flush to 0 in float32 and bfloat16, and Adam divides 0 by 0)")
         check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
         check(self.clip_norm >= 0, f"optim.clip_norm={self.clip_norm} must be >= 0")
+        check_int(self.warmup_steps, "optim.warmup_steps", 0, INT32_MAX - 1, "optax counts steps in int32")
+        check_int(self.schedule_steps, "optim.schedule_steps", 1, INT32_MAX, "optax counts steps in int32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +56,9 @@ class TrainConfig:
         check(self.log_every > 0, f"train.log_every={self.log_every} must be positive")
         check(self.eval_every > 0, f"train.eval_every={self.eval_every} must be positive")
         check(self.eval_batches > 0, f"train.eval_batches={self.eval_batches} must be positive")
+        check_int(self.steps, "train.steps", 1, INT32_MAX, "steps are counted in int32")
+        for name in ("log_every", "eval_every", "eval_batches"):
+            check_int(getattr(self, name), f"train.{name}", 1, INT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,8 @@ class CheckpointConfig:
     def __post_init__(self):
         check(self.save_every > 0, f"checkpoint.save_every={self.save_every} must be positive")
         check(self.keep >= 2, f"checkpoint.keep={self.keep} must be >= 2 (a corrupt newest one needs a fallback)")
+        check_int(self.save_every, "checkpoint.save_every", 1, INT32_MAX)
+        check_int(self.keep, "checkpoint.keep", 2, INT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,5 +90,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = nested(CheckpointConfig)
 
     def __post_init__(self):
+        # With 32-bit JAX, PRNGKey keeps only the low 32 bits: seed 2**32 would silently equal seed 0,
+        # and seeds beyond int64 crash it.
+        check_int(self.seed, "seed", 0, UINT32_MAX, "a uint32: JAX's PRNGKey keeps 32 bits")
         check(self.data.seq_len <= self.model.max_seq_len,
               f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")

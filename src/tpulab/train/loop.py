@@ -35,6 +35,7 @@ from tpulab.model.transformer import param_count
 from tpulab import compile_cache
 from tpulab.train.config import RunConfig
 from tpulab.train.hooks import HookList, Hooks
+from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
 from tpulab.train.step import Steps, make_steps
 
@@ -140,9 +141,10 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
         raise TpulabError(f"unknown part to skip on restore: {bad[0]} (known: {', '.join(SKIPPABLE)})")
     clock = PhaseClock()
     hooks = HookList(hooks)
+    check_fits_host(config)  # bad input is refused before anything is created
+    splits = build_splits(load_corpus(config.data.path), config.data)
     run_dir = prepare_run_dir(Path(run_dir))
     compile_cache.enable(compile_cache_dir)
-    splits = build_splits(load_corpus(config.data.path), config.data)
     meta = {"config": to_dict(config), "corpus_identity": splits.corpus.identity, "tokenizer": TOKENIZER}
     found = scan(run_dir / "checkpoints")
     if not found.usable and not force:
