@@ -56,9 +56,19 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
         b = dict.fromkeys(BUCKETS, 0.0)
         gaps = [(a["step"], c["step"], c["wall_s"] - a["wall_s"]) for a, c in zip(steps, steps[1:])]
         med = statistics.median([d for _, _, d in gaps]) if gaps else 0.0
-        redone = sum(d for _, s1, d in gaps if nxt is not None and s1 > nxt)
+        split = []  # (step the gap ends at, step time, excess, bucket of the excess)
+        for s0, s1, d in gaps:
+            extra = max(0.0, d - med)
+            if any(s0 <= e < s1 for e in evals):
+                split.append((s1, d - extra, extra, "eval"))
+            elif save_every and any(s % save_every == 0 for s in range(s0, s1)):
+                split.append((s1, d - extra, extra, "checkpoint"))
+            else:
+                split.append((s1, d, 0.0, None))
+        first_counted = min(med, steps[0]["wall_s"]) if steps else 0.0  # the first logged step's own time
+        redone = sum(base for s1, base, _, _ in split if nxt is not None and s1 > nxt)
         if nxt is not None and steps and steps[0]["step"] > nxt:  # even the first logged step was thrown away
-            redone += min(med, steps[0]["wall_s"])
+            redone += first_counted
         first_bucket = "restart_startup" if resumed else "startup_compile"
         if end is not None:
             ph = end.get("phases_s", {})
@@ -71,17 +81,10 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
         else:
             total = steps[-1]["wall_s"] if steps else 0.0
             b[first_bucket] = max(0.0, steps[0]["wall_s"] - med) if steps else 0.0
-            first_counted = min(med, steps[0]["wall_s"]) if steps else 0.0  # the first logged step's own time
-            b["productive"] = first_counted
-            for s0, s1, d in gaps:
-                extra = max(0.0, d - med)
-                if any(s0 <= e < s1 for e in evals):
-                    b["eval"] += extra
-                elif save_every and any(s % save_every == 0 for s in range(s0, s1)):
-                    b["checkpoint"] += extra
-                else:
-                    extra = 0.0
-                b["productive"] += d - extra
+            b["productive"] = first_counted + sum(base for _, base, _, _ in split)
+            for _, _, extra, bucket in split:
+                if bucket:
+                    b[bucket] += extra
             b["redone_steps"] = min(redone, b["productive"])
             b["productive"] -= b["redone_steps"]
         for k in BUCKETS:
