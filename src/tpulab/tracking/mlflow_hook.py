@@ -34,7 +34,7 @@ RUN_FILE = "mlflow_run.json"  # in the run dir: which store and run this run dir
 EXPERIMENT = "tpulab"
 STORE_NAME = "mlruns.db"
 METRIC_KEYS = ("loss", "lr", "grad_norm")
-ARTIFACTS = ("config.yaml", "env.json", "documents.json", "summary.json")
+ARTIFACTS = ("config.yaml", "env.json", "documents.json")  # + summary.json, from the summary the loop hands over
 
 
 def default_uri(run_dir: str | Path, explicit: str | None = None) -> str:
@@ -278,22 +278,22 @@ class MlflowTracker(Hooks):
             c.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
         tags = {**lineage_tags(self.run_dir, env), **{k: str(v) for k, v in self.extra_tags.items()}}
-        if new:
-            flat = flatten(params)
-            items = [Param(k, v[:6000]) for k, v in flat.items()]
+        have = {} if new else run.data.params  # a killed first process may have died before its params
+        items = [Param(k, v[:6000]) for k, v in flatten(params).items() if k not in have]
+        if items:
             for i in range(0, len(items), 100):
                 c.log_batch(self.run_id, params=items[i:i + 100])
-        else:
-            existing = {m.step for m in c.get_metric_history(self.run_id, "loss")}
+        if resumed_from is not None:  # also when an earlier process died before it could create the run
+            existing = {m.step for m in c.get_metric_history(self.run_id, "loss")} if not new else set()
             self._logged_max = max(existing, default=0)
             n = int(run.data.tags.get("tpulab.resume_count", "0")) + 1
-            redone = max(0, self._logged_max - (resumed_from or 0))
+            redone = max(0, self._logged_max - resumed_from)
             tags["tpulab.resume_count"] = str(n)
             tags[f"tpulab.resume.{n}"] = json.dumps({
                 "from_checkpoint_step": resumed_from, "checkpoint_manifest_digest": digest,
                 "steps_already_logged": self._logged_max, "steps_redone_marked": redone,
                 "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
-            self._backfill(resumed_from or 0)
+            self._backfill(resumed_from)
         items = [RunTag(k, v[:5000]) for k, v in tags.items()]
         for i in range(0, len(items), 100):
             c.log_batch(self.run_id, tags=items[i:i + 100])
@@ -384,6 +384,7 @@ class MlflowTracker(Hooks):
         tags = [RunTag("tpulab.final_step", str(step)), RunTag("tpulab.preempted", str(bool(summary.get("preempted"))))]
         c.log_batch(rid, metrics=metrics, tags=tags)
         self.log_artifacts([self.run_dir / n for n in ARTIFACTS] + [_latest_manifest(self.run_dir, summary)])
+        c.log_dict(rid, summary, "summary.json")  # the loop writes its file only after on_end returns
         if g is not None:
             c.log_dict(rid, g, "goodput.json")
         c.set_terminated(rid, "KILLED" if summary.get("preempted") else "FINISHED")
