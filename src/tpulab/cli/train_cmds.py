@@ -67,7 +67,7 @@ def add_tracking_args(p: argparse.ArgumentParser) -> None:
                    help="fail before training when the tracking store cannot be opened (default: warn, train on)")
     g.add_argument("--stall-timeout", type=float, metavar="S",
                    help="seconds without a completed step that count as a stall (default: 20x the median step "
-                        "time, at least 120 s; 900 s until steps were measured)")
+                        "time, at least 120 s); start-up and compile get 900 s until 3 steps were measured")
     g.add_argument("--stall-exit", action="store_true",
                    help="on a stall, exit with code 75 after dumping stacks (so a supervisor restarts the run)")
 

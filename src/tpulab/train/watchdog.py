@@ -30,8 +30,8 @@ STALL_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; distinct from errors (1, 2, 3)
 
 
 class Watchdog:
-    """Timeout = ``timeout_s`` when given, else max(``floor_s``, ``factor`` x median recent beat interval);
-    before ``min_beats`` intervals were measured (start-up, compile) it is ``startup_s``."""
+    """Before ``min_beats`` beat intervals were measured (start-up, restore, compile) the timeout is
+    ``startup_s``; then ``timeout_s`` when given, else max(``floor_s``, ``factor`` x median recent interval)."""
 
     def __init__(self, on_stall: Callable[[dict], None], *, timeout_s: float | None = None, floor_s: float = 120.0,
                  factor: float = 20.0, startup_s: float = 900.0, min_beats: int = 3, poll_s: float | None = None,
@@ -49,10 +49,10 @@ class Watchdog:
         self.fired: dict | None = None
 
     def timeout(self) -> float:
-        if self.fixed is not None:
-            return self.fixed
         if len(self._intervals) < self.min_beats:
             return self.startup_s
+        if self.fixed is not None:
+            return self.fixed
         return max(self.floor_s, self.factor * statistics.median(self._intervals))
 
     def beat(self, step: object = None) -> None:
