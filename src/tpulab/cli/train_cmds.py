@@ -58,13 +58,15 @@ def cmd_train(args) -> int:
     return 0
 
 
-def add_tracking_args(p: argparse.ArgumentParser) -> None:
+def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
     g = p.add_argument_group("tracking and run health")
     g.add_argument("--tracking-uri", help="MLflow tracking store (default: $MLFLOW_TRACKING_URI, else "
                                           "sqlite:///<parent of --run-dir>/mlruns.db)")
     g.add_argument("--no-track", action="store_true", help="no MLflow tracking")
     g.add_argument("--require-tracking", action="store_true",
                    help="fail before training when the tracking store cannot be opened (default: warn, train on)")
+    if not stall:
+        return
     g.add_argument("--stall-timeout", type=float, metavar="S",
                    help="seconds without a completed step that count as a stall (default: 20x the median step "
                         "time, at least 120 s); start-up and compile get 900 s until 3 steps were measured")

@@ -328,6 +328,8 @@ class MlflowTracker(Hooks):
     def on_metrics(self, step: int, record: dict) -> None:
         if not self._enabled:
             return
+        if self._worker is None and self.params is not None:  # a trainer without on_start (the bridge)
+            self.begin(params=self.params, resumed_from=step - 1 if step > 1 else None)
         ts = _now_ms()
         with self._lock:
             self._buffer.extend((k, float(record[k]), step, ts) for k in METRIC_KEYS if k in record)
@@ -379,13 +381,13 @@ class MlflowTracker(Hooks):
         now = _now_ms()
         metrics = [Metric(k, float(summary[k]), now, step) for k in ("final_loss", "final_val_loss")
                    if isinstance(summary.get(k), (int, float))]
-        if g is not None:
+        if g is not None and g["total_s"] > 0:  # trainers whose records carry wall_s
             metrics.append(Metric("goodput", g["goodput"], now, step))
         tags = [RunTag("tpulab.final_step", str(step)), RunTag("tpulab.preempted", str(bool(summary.get("preempted"))))]
         c.log_batch(rid, metrics=metrics, tags=tags)
         self.log_artifacts([self.run_dir / n for n in ARTIFACTS] + [_latest_manifest(self.run_dir, summary)])
         c.log_dict(rid, summary, "summary.json")  # the loop writes its file only after on_end returns
-        if g is not None:
+        if g is not None and g["total_s"] > 0:
             c.log_dict(rid, g, "goodput.json")
         c.set_terminated(rid, "KILLED" if summary.get("preempted") else "FINISHED")
 
