@@ -2,7 +2,6 @@
 a SIGKILLed and resumed run continues the same MLflow run with one curve; a corrupt store never stops training."""
 
 import json
-import os
 import signal
 import sys
 import time

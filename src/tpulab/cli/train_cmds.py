@@ -138,7 +138,15 @@ def cmd_capstone(args) -> int:
     report = run_capstone(config, Path(args.out), CapstoneOptions(
         skip_bridge=args.skip_bridge, skip_inference=args.skip_inference, chaos_kills=args.chaos_kills,
         compile_cache=args.compile_cache))
-    print(f"report: {report}")
+    print(f"report: {report} and {report.with_suffix('.html')}")
+    from tpulab.evidence.goodput import goodput
+
+    proof_run = Path(args.out) / "proof" / "interrupted"
+    if proof_run.is_dir():
+        g = goodput(proof_run)
+        print(f"goodput of the resume proof's killed-and-resumed run: {100 * g['goodput']:.1f}% of "
+              f"{g['total_s']:.1f} s over {len(g['lifetimes'])} process lifetimes ({g['restart_s']:.1f} s lost to "
+              f"the restart; details in the report)")
     return 0
 
 
