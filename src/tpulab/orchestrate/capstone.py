@@ -104,20 +104,30 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
             failures.append(f"checks failed: {', '.join(failed)}")
         return text
 
-    stage("train", train_stage)
-    if not failures:
-        stage("resume proof", proof_stage)
-        if options.chaos_kills > 0:
-            stage("chaos", chaos_stage)
-        stage("checks", checks_stage)
-        if not options.skip_inference:
-            from tpulab.inference import capstone_stage as inference_stage
+    # One MLflow store for every run the capstone starts (training, proof, chaos): the children inherit it.
+    own_uri = "MLFLOW_TRACKING_URI" not in os.environ
+    if own_uri:
+        from tpulab.tracking.mlflow_hook import STORE_NAME, sqlite_uri
 
-            stage("inference", lambda: inference_stage(run_dir, out / "inference"))
-    if not options.skip_bridge:
-        from tpulab.bridge import capstone_stage as bridge_stage
+        os.environ["MLFLOW_TRACKING_URI"] = sqlite_uri(out.absolute() / STORE_NAME)
+    try:
+        stage("train", train_stage)
+        if not failures:
+            stage("resume proof", proof_stage)
+            if options.chaos_kills > 0:
+                stage("chaos", chaos_stage)
+            stage("checks", checks_stage)
+            if not options.skip_inference:
+                from tpulab.inference import capstone_stage as inference_stage
 
-        stage("bridge", lambda: bridge_stage(out))
+                stage("inference", lambda: inference_stage(run_dir, out / "inference"))
+        if not options.skip_bridge:
+            from tpulab.bridge import capstone_stage as bridge_stage
+
+            stage("bridge", lambda: bridge_stage(out))
+    finally:
+        if own_uri:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
 
     header = ["# tpulab capstone report", "",
               "Every number below was measured by this run and carries its provenance; the raw evidence sits "
