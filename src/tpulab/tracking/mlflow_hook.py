@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import queue
 import sys
@@ -380,7 +381,7 @@ class MlflowTracker(Hooks):
         step = int(summary.get("final_step") or 0)
         now = _now_ms()
         metrics = [Metric(k, float(summary[k]), now, step) for k in ("final_loss", "final_val_loss")
-                   if isinstance(summary.get(k), (int, float))]
+                   if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])]  # NaN: no step ran
         if g is not None and g["total_s"] > 0:  # trainers whose records carry wall_s
             metrics.append(Metric("goodput", g["goodput"], now, step))
         tags = [RunTag("tpulab.final_step", str(step)), RunTag("tpulab.preempted", str(bool(summary.get("preempted"))))]
