@@ -156,3 +156,24 @@ def test_mlflow_is_not_imported_for_help():
     code = "import sys; from tpulab.cli.main import build_parser; build_parser(); print('mlflow' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_only_process_zero_logs(tmp_path):
+    from tpulab.tracking.mlflow_hook import MlflowTracker
+
+    run = tmp_path / "run"
+    run.mkdir()
+    other = MlflowTracker(run)
+    other.on_start({"env": {"process_index": 1}, "config": None, "start_step": 0})
+    other.on_metrics(1, {"loss": 1.0})
+    other.on_checkpoint(1)
+    other.on_end({"final_step": 1})
+    assert other._worker is None and not (tmp_path / "mlruns.db").exists() and not (run / "mlflow_run.json").exists()
+    first = MlflowTracker(run)  # control: process 0 with the same calls does log
+    first.on_start({"env": {"process_index": 0}, "config": None, "start_step": 0})
+    first.on_metrics(1, {"loss": 1.0})
+    first.on_end({"final_step": 1})
+    assert first.failed is None and (run / "mlflow_run.json").exists()
+    from mlflow.tracking import MlflowClient
+
+    assert len(MlflowClient(first.uri).get_metric_history(first.run_id, "loss")) == 1
