@@ -1,8 +1,10 @@
 """MLflow lineage for a run dir: one MLflow run per run dir, continued across kills and resumes.
 
-Why a background thread: importing mlflow and opening a sqlite store costs seconds (tables are created
-on first use); the trainer must not wait for that, and a store that fails must never cost a checkpoint.
-Every call the loop makes only appends to an in-memory buffer; a worker thread does the MLflow calls.
+Why a separate process: importing mlflow (about 2 s of CPU, nearly all Python under the GIL) and opening
+a sqlite store cost seconds; in a thread of the trainer that time competes with the training loop for
+the GIL. Every call the loop makes only appends to an in-memory buffer; a writer thread hands batches
+as JSON lines to a helper process (``tpulab.tracking.worker``, in the trainer's process group, so a
+kill of the group ends it too) that makes the MLflow calls. A store that fails never costs a checkpoint.
 
 Why metrics are sent only up to the newest committed checkpoint: after a kill the run resumes from that
 checkpoint and redoes the steps after it, so steps not yet covered by a checkpoint are held back until
@@ -20,6 +22,7 @@ import json
 import math
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -200,6 +203,7 @@ class MlflowTracker(Hooks):
         self._logged_max = 0  # highest step MLflow held when this process started
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._child: subprocess.Popen | None = None
         self._ended = False
         self._enabled = True
 
@@ -219,20 +223,28 @@ class MlflowTracker(Hooks):
         self._enabled = False
 
     def _run(self) -> None:
+        """Writer thread: jobs become JSON lines on the helper's stdin until None (close() then ends input)."""
         while True:
             job = self._jobs.get()
             if job is None:
-                return
+                break
             if not self._enabled:
                 continue
             try:
-                job()
-            except Exception as e:  # noqa: BLE001
+                self._child.stdin.write(json.dumps(job, default=str) + "\n")
+                self._child.stdin.flush()
+            except (OSError, ValueError) as e:  # the helper died: BrokenPipeError
                 self._fail(e)
 
-    def _submit(self, job) -> None:
+    def _submit(self, op: str, *args) -> None:
         if self._enabled and self._worker is not None:
-            self._jobs.put(job)
+            self._jobs.put([op, *args])
+
+    def execute(self, op: str, args: list) -> None:
+        """In the helper process: run one job the trainer's tracker sent."""
+        if op not in ("_open_run", "_send", "_finish", "_terminate"):
+            raise ValueError(f"unknown tracking job {op!r}")
+        getattr(self, op)(*args)
 
     # ---- hooks --------------------------------------------------------------------------------
     def on_start(self, info: dict) -> None:
@@ -252,10 +264,18 @@ class MlflowTracker(Hooks):
         """Start the worker and queue: open store, find or create the run, tags, params, resume record."""
         if self._worker is not None or not self._enabled:
             return
+        try:
+            self._child = subprocess.Popen([sys.executable, "-m", "tpulab.tracking.worker"], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True)
+        except OSError as e:
+            self._fail(e)
+            return
+        self._jobs.put({"run_dir": str(self.run_dir), "uri": self.uri, "kind": self.kind,
+                        "extra_tags": self.extra_tags})
         self._worker = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
         self._worker.start()
         self._committed = resumed_from or 0
-        self._submit(lambda: self._open_run(params, env, resumed_from, digest))
+        self._submit("_open_run", params, env, resumed_from, digest)
 
     def _open_run(self, params: dict, env: dict | None, resumed_from: int | None, digest: str | None) -> None:
         from mlflow.entities import Param, RunTag
@@ -351,19 +371,19 @@ class MlflowTracker(Hooks):
             self._committed = max(self._committed, step)
             ready = [r for r in self._buffer if r[2] <= self._committed]
             self._buffer = [r for r in self._buffer if r[2] > self._committed]
-        self._submit(lambda: self._send(ready))
+        self._submit("_send", ready)
 
     def flush_all(self) -> None:
         """The run ended normally: nothing will be redone, send everything."""
         with self._lock:
             ready, self._buffer = self._buffer, []
-        self._submit(lambda: self._send(ready))
+        self._submit("_send", ready)
 
     def on_end(self, summary: dict) -> None:
         if not self._enabled:
             return
         self.flush_all()
-        self._submit(lambda: self._finish(summary))
+        self._submit("_finish", summary)
         self.close()
 
     def _finish(self, summary: dict) -> None:
@@ -397,8 +417,12 @@ class MlflowTracker(Hooks):
             if p is not None and Path(p).is_file():
                 self._client.log_artifact(self.run_id, str(p), artifact_path)
 
+    def _terminate(self, status: str) -> None:
+        if self.run_id is not None:
+            self._client.set_terminated(self.run_id, status)
+
     def close(self, status: str | None = None) -> None:
-        """Drain the queue (bounded wait). ``status`` (e.g. FAILED) marks a run that ended by an error."""
+        """Drain and wait for the helper (bounded). ``status`` (e.g. FAILED) marks a run that ended by an error."""
         if self._worker is None or self._ended:
             return
         self._ended = True
@@ -406,13 +430,22 @@ class MlflowTracker(Hooks):
             with self._lock:
                 ready = [r for r in self._buffer if r[2] <= self._committed]
                 self._buffer = []
-            self._submit(lambda: self._send(ready))
-            self._submit(lambda: self.run_id and self._client.set_terminated(self.run_id, status))
+            self._submit("_send", ready)
+            self._submit("_terminate", status)
         self._jobs.put(None)
         self._worker.join(self.join_timeout_s)
-        if self._worker.is_alive():
+        try:
+            out, _ = self._child.communicate(timeout=self.join_timeout_s)  # closes stdin: end of jobs
+            status_line = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+            self.run_id = status_line.get("run_id") or self.run_id
+            self.failed = self.failed or status_line.get("failed")
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
             print(f"warning: MLflow tracking did not finish within {self.join_timeout_s:.0f} s; "
                   "some metrics may be missing from the store", file=sys.stderr, flush=True)
+        except (ValueError, OSError):
+            pass
 
 
 def _latest_manifest(run_dir: Path, summary: dict) -> Path | None:
