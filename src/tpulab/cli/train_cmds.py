@@ -49,6 +49,9 @@ def cmd_train(args) -> int:
                         progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache,
                         hooks=hooks, preemption=preemption)
     finally:
+        for h in hooks:
+            if hasattr(h, "close") and h is not tracker:
+                h.close()  # the watchdog thread: a run that raised gets no on_end
         if tracker is not None:
             tracker.close(status="FAILED")  # no-op after a normal end (the tracker closed itself then)
     verb = "preempted at" if summary["preempted"] else "trained to"

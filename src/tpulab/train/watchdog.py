@@ -134,6 +134,10 @@ class StallWatchdog(Hooks):
     def on_end(self, summary):
         self.dog.stop()
 
+    def close(self) -> None:
+        """Stop watching (the caller's ``finally``: a run that raised gets no on_end)."""
+        self.dog.stop()
+
     def _stalled(self, info: dict) -> None:
         records = M.read_records(self.run_dir)
         segment = M.starts(records)[-1]["segment"] if M.starts(records) else None
