@@ -188,7 +188,7 @@ def build_report(d: str | Path) -> str:
         sections.append(proof_section(d / "proof", "proof") + "\n\n" +
                         goodput_section(d / "proof" / "interrupted", "Goodput of the killed-and-resumed run"))
     if (d / "chaos" / "verdict.json").exists():
-        sections.append(chaos_section(d / "chaos", "chaos"))
+        sections.append(chaos_section(d / "chaos", "chaos") + "\n\n" + chaos_goodput(d / "chaos"))
     if (d / "checks.json").exists():
         sections.append(checks_section(json.loads((d / "checks.json").read_text())["rows"]))
     if (d / "inference" / "inference.md").exists():
