@@ -184,7 +184,10 @@ def lineage_tags(run_dir: Path, env: dict | None) -> dict[str, str]:
 
 
 class MlflowTracker(Hooks):
-    """Logs one run dir to one MLflow run. Failures warn once and switch tracking off; training goes on."""
+    """Logs one run dir to one MLflow run. Failures warn once and switch tracking off; training goes on.
+
+    One class, two roles: in the trainer it buffers, decides what may be sent and feeds the helper
+    process; in the helper (``tpulab.tracking.worker``) the same class executes the jobs (``execute``)."""
 
     def __init__(self, run_dir: str | Path, uri: str | None = None, *, kind: str = "transformer",
                  extra_tags: dict | None = None, params: dict | None = None, join_timeout_s: float = 120.0):
