@@ -4,12 +4,15 @@
 
 --withhold-commit S: checkpoint S is saved but never gets its completion marker, as if the process died
 while the async save was in flight. --nan-at S: step S's loss and parameters turn NaN on the device.
+--hang-at S: the training thread blocks forever right after step S was dispatched (an injected hang for the
+stall watchdog, which --stall-timeout T [--stall-exit] installs).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -40,6 +43,19 @@ class NanAt(Hooks):
         return state._replace(params=jax.tree.map(poison, state.params)), {**metrics, "loss": metrics["loss"] * jnp.nan}
 
 
+class HangAt(Hooks):
+    """Blocks before step ``step``'s numbers are ever read: nothing after step-1 is logged."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_step(self, step, state, metrics):
+        if step == self.step:
+            while True:
+                time.sleep(3600)
+        return state, metrics
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--config", type=Path, required=True)
@@ -50,6 +66,9 @@ def main() -> int:
     p.add_argument("--withhold-commit", type=int)
     p.add_argument("--nan-at", type=int)
     p.add_argument("--hold-after-step", type=int)
+    p.add_argument("--hang-at", type=int)
+    p.add_argument("--stall-timeout", type=float)
+    p.add_argument("--stall-exit", action="store_true")
     args = p.parse_args()
     hooks = []
     if args.withhold_commit:
@@ -58,6 +77,13 @@ def main() -> int:
         hooks.append(NanAt(args.nan_at))
     if args.hold_after_step:
         hooks.append(HoldAfter(args.hold_after_step))
+    if args.hang_at:
+        hooks.append(HangAt(args.hang_at))
+    if args.stall_timeout:
+        from tpulab.train.watchdog import STALL_EXIT_CODE, StallWatchdog
+
+        hooks.append(StallWatchdog(args.run_dir, timeout_s=args.stall_timeout,
+                                   exit_code=STALL_EXIT_CODE if args.stall_exit else None))
     from tpulab.errors import TpulabError
 
     try:

@@ -47,6 +47,9 @@ def register(sub) -> None:
     p.add_argument("--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS)
     p.add_argument("--hold-after-step", type=int, help=argparse.SUPPRESS)  # the proof driver's fixed kill point
     _config_args(p)
+    from tpulab.cli.train_cmds import add_tracking_args
+
+    add_tracking_args(p, stall=False)
     p.set_defaults(handler=_train)
 
     p = bsub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, exact comparison")
@@ -70,11 +73,24 @@ def register(sub) -> None:
 def _train(args) -> int:
     args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.loop import train
+    from tpulab.cli.train_cmds import tracker_for
+    from tpulab.config import to_dict
     from tpulab.train.hooks import HoldAfter
 
-    out = train(_config(args), args.backend, args.method, args.run_dir, force=args.force,
-                restore_rng=args.restore_rng,
-                hooks=[HoldAfter(args.hold_after_step)] if args.hold_after_step else [])
+    cfg = _config(args)
+    tracker = tracker_for(args, args.run_dir, kind="bridge", params={**to_dict(cfg), "backend": args.backend,
+                                                                     "method": args.method},
+                          extra_tags={"tpulab.backend": args.backend, "tpulab.bridge.method": args.method})
+    hooks = ([tracker] if tracker else []) + ([HoldAfter(args.hold_after_step)] if args.hold_after_step else [])
+    try:
+        out = train(cfg, args.backend, args.method, args.run_dir, force=args.force, restore_rng=args.restore_rng,
+                    hooks=hooks)
+    except BaseException:
+        if tracker is not None:
+            tracker.close(status="FAILED")
+        raise
+    if tracker is not None:
+        tracker.on_end({"final_step": out["steps"]})
     how = f"resumed from step {out['resumed_from']}" if out["resumed_from"] is not None else "from scratch"
     print(f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); run dir {out['run_dir']}")
     return 0

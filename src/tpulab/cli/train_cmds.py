@@ -59,16 +59,68 @@ def cmd_train(args) -> int:
     from tpulab.train.hooks import HoldAfter
     from tpulab.train.loop import train
 
-    hooks = [HoldAfter(args.hold_after_step)] if args.hold_after_step else []
-    summary = train(config, run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
-                    progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache,
-                    hooks=hooks, preemption=preemption)
+    hooks = run_health_hooks(args)
+    if args.hold_after_step:
+        hooks.append(HoldAfter(args.hold_after_step))
+    tracker = tracker_for(args, run_dir)
+    if tracker is not None:
+        hooks.insert(0, tracker)
+    try:
+        summary = train(config, run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
+                        progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache,
+                        hooks=hooks, preemption=preemption)
+    finally:
+        for h in hooks:
+            if hasattr(h, "close") and h is not tracker:
+                h.close()  # the watchdog thread: a run that raised gets no on_end
+        if tracker is not None:
+            tracker.close(status="FAILED")  # no-op after a normal end (the tracker closed itself then)
     preemption.finished()
     verb = "preempted at" if summary["preempted"] else "trained to"
     print(f"{verb} step {summary['final_step']}: loss {summary['final_loss']:.4f}"
           + (f", val loss {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else "")
           + f" (checkpoint step {summary['latest_checkpoint']} in {args.run_dir})", flush=True)
     return 0
+
+
+def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
+    g = p.add_argument_group("tracking and run health")
+    g.add_argument("--tracking-uri", help="MLflow tracking store (default: $MLFLOW_TRACKING_URI, else "
+                                          "sqlite:///<parent of --run-dir>/mlruns.db)")
+    g.add_argument("--no-track", action="store_true", help="no MLflow tracking")
+    g.add_argument("--require-tracking", action="store_true",
+                   help="fail before training when the tracking store cannot be opened (default: warn, train on)")
+    if not stall:
+        return
+    g.add_argument("--stall-timeout", type=float, metavar="S",
+                   help="seconds without a completed step that count as a stall (default: 20x the median step "
+                        "time, at least 120 s); start-up and compile get 900 s until 3 steps were measured")
+    g.add_argument("--stall-exit", action="store_true",
+                   help="on a stall, exit with code 75 after dumping stacks (so a supervisor restarts the run)")
+
+
+def tracker_for(args, run_dir: Path, **kwargs):
+    """The MLflow tracker a command's flags ask for, or None. --require-tracking opens the store now."""
+    if args.no_track:
+        if args.require_tracking:
+            from tpulab.errors import TpulabError
+
+            raise TpulabError("--no-track and --require-tracking contradict each other")
+        return None
+    from tpulab.tracking.mlflow_hook import MlflowTracker
+
+    tracker = MlflowTracker(run_dir, args.tracking_uri, **kwargs)
+    if args.require_tracking:
+        tracker.check()
+    return tracker
+
+
+def run_health_hooks(args) -> list:
+    from tpulab.tracking.progress import LogLines
+    from tpulab.train.watchdog import STALL_EXIT_CODE, StallWatchdog
+
+    return [StallWatchdog(args.run_dir, exit_code=STALL_EXIT_CODE if args.stall_exit else None,
+                          timeout_s=args.stall_timeout), LogLines()]
 
 
 def cmd_prove_resume(args) -> int:
@@ -115,7 +167,15 @@ def cmd_capstone(args) -> int:
     report = run_capstone(config, out, CapstoneOptions(
         skip_bridge=args.skip_bridge, skip_inference=args.skip_inference, chaos_kills=args.chaos_kills,
         compile_cache=args.compile_cache))
-    print(f"report: {report}")
+    print(f"report: {report} and {report.with_suffix('.html')}")
+    from tpulab.evidence.goodput import goodput
+
+    proof_run = Path(args.out) / "proof" / "interrupted"
+    if proof_run.is_dir():
+        g = goodput(proof_run)
+        print(f"goodput of the resume proof's killed-and-resumed run: {100 * g['goodput']:.1f}% of "
+              f"{g['total_s']:.1f} s over {len(g['lifetimes'])} process lifetimes ({g['restart_s']:.1f} s lost to "
+              f"the restart; details in the report)")
     return 0
 
 
@@ -127,6 +187,7 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)  # negative controls
     p.add_argument("--hold-after-step", type=int, help=argparse.SUPPRESS)  # the proof driver's fixed kill point
+    add_tracking_args(p)
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, overlaid curves")

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.orchestrate import report
 from tpulab.proofs.driver import run_to_completion
@@ -84,14 +84,17 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
         run_to_completion(train_child_argv(config_path, run_dir, compile_cache=options.compile_cache),
                           out / "train.log", dict(os.environ), 3600, "training run")
         return report.provenance_section(json.loads((run_dir / "env.json").read_text())) + "\n\n" + \
-            report.run_section(run_dir)
+            report.run_section(run_dir) + "\n\n" + \
+            report.curves_section(run_dir, out / "plots" / "curves.png", "plots/curves.png") + "\n\n" + \
+            report.goodput_section(run_dir, "Goodput of the training run")
 
     def proof_stage() -> str:
         verdict = prove_transformer_resume(config, out, reference_dir=run_dir, compile_cache=options.compile_cache)
         if not verdict["identical"]:
             raise TpulabError(f"the resumed run is not identical (max |diff| {verdict['max_abs_diff']:g}, first "
                               f"differing leaf {verdict.get('first_differing_leaf')}); see {out / 'proof'}")
-        return report.proof_section(out / "proof", "proof")
+        return report.proof_section(out / "proof", "proof") + "\n\n" + \
+            report.goodput_section(out / "proof" / "interrupted", "Goodput of the killed-and-resumed run")
 
     def chaos_stage() -> str:
         from tpulab.proofs.chaos import run_chaos
@@ -100,7 +103,7 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
                             compile_cache=options.compile_cache)
         if not verdict["identical"]:
             raise TpulabError(f"the chaos run is not identical: {verdict['summary']}; see {out / 'chaos'}")
-        return report.chaos_section(out / "chaos", "chaos")
+        return report.chaos_section(out / "chaos", "chaos") + "\n\n" + report.chaos_goodput(out / "chaos")
 
     def checks_stage() -> str:
         results = run_checks(config, run_dir=run_dir)
@@ -111,29 +114,43 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
             failures.append(f"checks failed: {', '.join(failed)}")
         return text
 
-    stage("receipt", receipt_stage)
-    stage("train", train_stage)
-    if not failures:
-        stage("resume proof", proof_stage)
-        if options.chaos_kills > 0:
-            stage("chaos", chaos_stage)
-        stage("checks", checks_stage)
-        if not options.skip_inference:
-            from tpulab.inference import capstone_stage as inference_stage
+    # One MLflow store for every run the capstone starts (training, proof, chaos): the children inherit it.
+    own_uri = "MLFLOW_TRACKING_URI" not in os.environ
+    if own_uri:
+        from tpulab.tracking.mlflow_hook import STORE_NAME, sqlite_uri
 
-            stage("inference", lambda: inference_stage(run_dir, out / "inference"))
-    if not options.skip_bridge:
-        from tpulab.bridge import capstone_stage as bridge_stage
+        os.environ["MLFLOW_TRACKING_URI"] = sqlite_uri(out.absolute() / STORE_NAME)
+    try:
+        stage("receipt", receipt_stage)
+        stage("train", train_stage)
+        if not failures:
+            stage("resume proof", proof_stage)
+            if options.chaos_kills > 0:
+                stage("chaos", chaos_stage)
+            stage("checks", checks_stage)
+            if not options.skip_inference:
+                from tpulab.inference import capstone_stage as inference_stage
 
-        stage("bridge", lambda: bridge_stage(out))
+                stage("inference", lambda: inference_stage(run_dir, out / "inference"))
+        if not options.skip_bridge:
+            from tpulab.bridge import capstone_stage as bridge_stage
+
+            stage("bridge", lambda: bridge_stage(out))
+    finally:
+        if own_uri:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
 
     header = ["# tpulab capstone report", "",
               "Every number below was measured by this run and carries its provenance; the raw evidence sits "
               "beside this file.", "",
               f"Status: **{'PASS' if not failures else 'FAIL'}**" + ("" if not failures else " — " + "; ".join(failures)),
               "", "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())]
-    path = out / "report.md"
-    atomic_write_bytes(path, ("\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n").encode())
+    path, page = report.write_reports(out, "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n",
+                                      "tpulab capstone report")
+    if (run_dir / "mlflow_run.json").exists():
+        from tpulab.tracking.mlflow_hook import log_files_to_run
+
+        log_files_to_run(run_dir, [path, page, out / "plots" / "curves.png"], "report")
     if failures:
         raise TpulabError(f"capstone failed ({'; '.join(failures)}); report: {path}", exit_code=1)
     return path

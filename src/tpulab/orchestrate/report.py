@@ -1,8 +1,19 @@
-"""Markdown for the capstone report: provenance, the run, the proof, the checks."""
+"""The evidence report: Markdown sections (provenance, the run, curves, goodput, the proof, chaos, the checks)
+and one self-contained HTML page with the same content.
+
+report.html is rendered from the very Markdown written to report.md (one source, so the two cannot
+disagree), with every image embedded as a data URI and no script, font or style fetched from anywhere:
+it opens offline, from a mail attachment or an artifact store. ``build_report(dir)`` assembles the
+report from the evidence already on disk (a run dir, a prove-resume dir or a capstone dir).
+"""
 
 from __future__ import annotations
 
+import base64
+import html
 import json
+import mimetypes
+import re
 import statistics
 from pathlib import Path
 
@@ -107,3 +118,199 @@ def chaos_section(chaos_dir: Path, rel: str) -> str:
 
 def checks_section(results: list[dict]) -> str:
     return "## Independent checks\n\n" + table_markdown(results)
+
+
+def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
+    """Training loss (every process lifetime) and validation loss over steps, plotted to ``out_png``."""
+    recs = M.read_records(run_dir)
+    loss = M.curve(recs, "loss")
+    val = {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval"}
+    if not loss:
+        return "## Training curves\n\nNo step was logged."
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = sorted(loss)
+    ax.plot(xs, [loss[s] for s in xs], lw=1.2, label="train loss (per step)")
+    if val:
+        vs = sorted(val)
+        ax.plot(vs, [val[s] for s in vs], "o-", lw=1.2, label="validation loss (held-out documents)")
+    for st in M.starts(recs)[1:]:
+        if st.get("resumed_from") is not None:
+            ax.axvline(st["resumed_from"], color="k", ls=":", lw=0.8)
+    ax.set_xlabel("step (dotted: a process resumed from this checkpoint)")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return f"## Training curves\n\n![training and validation loss]({rel})"
+
+
+def goodput_section(run_dir: Path, title: str, kill_tail_s: float = 0.0) -> str:
+    from tpulab.evidence.goodput import goodput, markdown
+
+    return markdown(goodput(run_dir, kill_tail_s), title)
+
+
+def find_run_dir(d: Path) -> Path | None:
+    for cand in (d, d / "run", d / "proof" / "reference"):
+        if (cand / "env.json").exists() and (cand / M.METRICS).exists():
+            return cand
+    return None
+
+
+def build_report(d: str | Path) -> str:
+    """The report Markdown for whatever evidence ``d`` holds (links relative to ``d``)."""
+    from tpulab.errors import TpulabError
+
+    d = Path(d)
+    if not d.is_dir():
+        raise TpulabError(f"{d} is not a directory")
+    run_dir = find_run_dir(d)
+    if run_dir is None and not (d / "proof" / "verdict.json").exists() and not (d / "chaos" / "verdict.json").exists():
+        raise TpulabError(f"{d} holds no run (env.json and metrics.jsonl), proof or chaos evidence")
+    sections = []
+    if run_dir is not None:
+        rel = run_dir.relative_to(d).as_posix()
+        sections.append(provenance_section(json.loads((run_dir / "env.json").read_text())))
+        if (run_dir / "summary.json").exists():
+            sections.append(run_section(run_dir))
+        else:
+            sections.append("## The training run\n\nNo summary.json: this run has not ended normally yet.")
+        sections.append(curves_section(run_dir, d / "plots" / "curves.png", "plots/curves.png"))
+        sections.append(goodput_section(run_dir, f"Goodput of `{rel or '.'}`"))
+    if (d / "proof" / "verdict.json").exists():
+        sections.append(proof_section(d / "proof", "proof") + "\n\n" +
+                        goodput_section(d / "proof" / "interrupted", "Goodput of the killed-and-resumed run"))
+    if (d / "chaos" / "verdict.json").exists():
+        sections.append(chaos_section(d / "chaos", "chaos") + "\n\n" + chaos_goodput(d / "chaos"))
+    if (d / "checks.json").exists():
+        sections.append(checks_section(json.loads((d / "checks.json").read_text())["rows"]))
+    if (d / "inference" / "inference.md").exists():
+        sections.append((d / "inference" / "inference.md").read_text())
+    return "# tpulab evidence report\n\nBuilt from the evidence in this directory.\n\n" + "\n\n".join(sections) + "\n"
+
+
+def chaos_goodput(chaos_dir: Path) -> str:
+    from tpulab.evidence.goodput import chaos_kill_tail
+
+    v = json.loads((chaos_dir / "verdict.json").read_text())
+    tail = chaos_kill_tail(chaos_dir / "victim", v.get("kill_log", []))
+    return goodput_section(chaos_dir / "victim", "Goodput of the chaos victim (all lifetimes, kills included)", tail)
+
+
+def write_reports(out_dir: Path, text: str, title: str = "tpulab report") -> tuple[Path, Path]:
+    """report.md and the self-contained report.html beside it, from the same Markdown."""
+    from tpulab.checkpoint.files import atomic_write_bytes
+
+    out_dir = Path(out_dir)
+    md, page = out_dir / "report.md", out_dir / "report.html"
+    atomic_write_bytes(md, text.encode())
+    atomic_write_bytes(page, render_html(text, out_dir, title).encode())
+    return md, page
+
+
+# ---- Markdown -> self-contained HTML (the subset the report uses) ---------------------------------------
+
+_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:60rem;margin:2rem auto;
+padding:0 1rem;line-height:1.45;color:#1b1b1b}table{border-collapse:collapse;margin:1rem 0}
+td,th{border:1px solid #ccc;padding:.3rem .6rem;text-align:left;vertical-align:top}th{background:#f3f3f3}
+code{background:#f3f3f3;padding:0 .2rem;border-radius:3px}pre{background:#f6f6f6;padding:.6rem;overflow:auto}
+img{max-width:100%;height:auto;border:1px solid #ddd}.missing{color:#b00020}"""
+
+
+def _data_uri(path: Path) -> str | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def _inline(text: str, base: Path) -> str:
+    """Escape, then code spans, images (embedded), links, bold. Code spans are protected from the rest."""
+    codes: list[str] = []
+
+    def keep_code(m):
+        codes.append(f"<code>{html.escape(m.group(1))}</code>")
+        return f"\x00{len(codes) - 1}\x00"
+
+    text = re.sub(r"`([^`]+)`", keep_code, text)
+    text = html.escape(text, quote=False)
+
+    def image(m):
+        alt, src = m.group(1), html.unescape(m.group(2))
+        uri = None if re.match(r"^[a-z]+:", src) else _data_uri(base / src)
+        if uri is None:
+            return f'<span class="missing">[missing image: {html.escape(src)}]</span>'
+        return f'<img alt="{html.escape(alt, quote=True)}" src="{uri}">'
+
+    text = re.sub(r"!\[([^\]]*)\]\(([^)\s]+)\)", image, text)
+    text = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)",
+                  lambda m: f'<a href="{html.escape(html.unescape(m.group(2)), quote=True)}">{m.group(1)}</a>', text)
+    text = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", text)
+    return re.sub("\x00(\\d+)\x00", lambda m: codes[int(m.group(1))], text)
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+def render_html(text: str, base: Path, title: str = "tpulab report") -> str:
+    """Headings, paragraphs, lists, tables, fenced code, images, links, bold and code spans."""
+    out, para, lines, i = [], [], text.splitlines(), 0
+
+    def flush():
+        if para:
+            out.append(f"<p>{_inline(' '.join(para), base)}</p>")
+            para.clear()
+
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("```"):
+            flush()
+            j = i + 1
+            while j < len(lines) and not lines[j].startswith("```"):
+                j += 1
+            out.append(f"<pre>{html.escape(chr(10).join(lines[i + 1:j]))}</pre>")
+            i = j + 1
+            continue
+        if m := re.match(r"^(#{1,6})\s+(.*)", line):
+            flush()
+            n = len(m.group(1))
+            out.append(f"<h{n}>{_inline(m.group(2), base)}</h{n}>")
+        elif line.lstrip().startswith("|") and i + 1 < len(lines) and re.match(r"^\s*\|[\s:|-]+\|\s*$", lines[i + 1]):
+            flush()
+            head = "".join(f"<th>{_inline(c, base)}</th>" for c in _cells(line))
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].lstrip().startswith("|"):
+                rows.append("<tr>" + "".join(f"<td>{_inline(c, base)}</td>" for c in _cells(lines[i])) + "</tr>")
+                i += 1
+            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+            continue
+        elif re.match(r"^\s*[-*]\s+", line):
+            flush()
+            items = []
+            while i < len(lines) and re.match(r"^\s*[-*]\s+", lines[i]):
+                item = re.sub(r"^\s*[-*]\s+", "", lines[i])
+                items.append(f"<li>{_inline(item, base)}</li>")
+                i += 1
+            out.append(f"<ul>{''.join(items)}</ul>")
+            continue
+        elif not line.strip():
+            flush()
+        else:
+            para.append(line.strip())
+        i += 1
+    flush()
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
+            "style-src 'unsafe-inline'\">"
+            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n<body>\n"
+            + "\n".join(out) + "\n</body></html>\n")

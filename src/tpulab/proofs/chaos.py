@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import MANIFEST, atomic_write_json
-from tpulab.checkpoint.store import TMP_MARK
+from tpulab.checkpoint.store import TMP_MARK, scan
 from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
 from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
@@ -63,8 +63,9 @@ def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0
         lifetime = len(kill_log)
         log_path = chaos_dir / f"victim-{lifetime}.log"
         n_before = len(M.read_records(victim))  # this lifetime's records come after these
+        finished = (scan(victim / "checkpoints").latest or 0) >= steps  # a kill landed after the final save
         with Proc(argv(victim), log_path, env) as proc:
-            if lifetime < kills:
+            if lifetime < kills and not finished:
                 plan = _draw_moment(rng, victim, steps, startup_s, step_s)
                 t_start = time.monotonic()
                 if not _wait_for(proc, victim, plan, n_before, t_start, timeout_s):
@@ -103,8 +104,6 @@ def _draw_moment(rng: random.Random, victim: Path, steps: int, startup_s: float,
     early steps), else a random step after the
     newest committed checkpoint plus a random fraction of a step (so a kill can land anywhere in a step,
     or while a background save is in flight). Drawn so the run always has steps left to be killed in."""
-    from tpulab.checkpoint.store import scan
-
     if rng.random() < 0.2:
         return {"phase": "wall-clock", "delay_s": round(rng.uniform(0.0, startup_s), 3)}
     lo = (scan(victim / "checkpoints").latest or 0) + 1
