@@ -95,6 +95,22 @@ def write(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, star
                    _put(cache.k_scale, layer, sk, start), _put(cache.v_scale, layer, sv, start))
 
 
+def _put_rows(buf: jax.Array, layer: int, x_bt: jax.Array, start_b: jax.Array) -> jax.Array:
+    def one(row, x_t, s):
+        return jax.lax.dynamic_update_slice(row, x_t.astype(buf.dtype), (s,) + (0,) * (row.ndim - 1))
+
+    return buf.at[layer].set(jax.vmap(one)(buf[layer], x_bt, start_b.astype(jnp.int32)))
+
+
+def write_rows(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, start_b: jax.Array) -> KVCache:
+    """``write`` with a start slot per row (ragged batches: every row at its own position)."""
+    if cache.k_scale is None:
+        return KVCache(_put_rows(cache.k, layer, k_bthd, start_b), _put_rows(cache.v, layer, v_bthd, start_b))
+    (qk, sk), (qv, sv) = quantize_int8(k_bthd), quantize_int8(v_bthd)
+    return KVCache(_put_rows(cache.k, layer, qk, start_b), _put_rows(cache.v, layer, qv, start_b),
+                   _put_rows(cache.k_scale, layer, sk, start_b), _put_rows(cache.v_scale, layer, sv, start_b))
+
+
 def read(cache: KVCache, layer: int, dtype) -> tuple[jax.Array, jax.Array]:
     """All S slots of one layer's keys and values [B, S, H, Dh], dequantized to ``dtype``."""
     if cache.k_scale is None:
