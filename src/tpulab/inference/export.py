@@ -206,6 +206,25 @@ def _check_artifact(root: Path, name: str, exp: jax.export.Exported, fns: ModelF
         _fail(root, f"{name}.jaxexport does not take the inputs of {name} (swapped or foreign artifact?)")
     if _aval_text(got_out) != _aval_text(want_out):
         _fail(root, f"{name}.jaxexport does not return the outputs of {name} (swapped or foreign artifact?)")
+    if endpoint == LOOP and _loop_cache_types(exp.mlir_module(), fns) != _loop_cache_types(None, fns, policy):
+        # The loop's signature is the same for every policy (its cache is internal): read the cache
+        # buffers' element type from the program itself.
+        _fail(root, f"{name}.jaxexport does not hold a {policy} cache (swapped or foreign artifact?)")
+
+
+_MLIR_ELEMENT = {"fp32": "f32", "bf16": "bf16", "int8": "i8"}
+
+
+def _loop_cache_types(module_text: str | None, fns: ModelFns, policy: str | None = None) -> set[str]:
+    """The [layers, ?, S, heads, *] tensor types a loop program holds (or should hold for ``policy``)."""
+    import re
+
+    c = fns.shape
+    prefix = f"tensor<{c.n_layers}x?x{c.max_len}x{c.n_heads}x"
+    if module_text is None:
+        want = {f"{prefix}{c.head_dim}x{_MLIR_ELEMENT[policy]}>"}
+        return want | ({f"{prefix}1xf32>"} if policy == "int8" else set())
+    return set(re.findall(re.escape(prefix) + r"\d+x\w+>", module_text))
 
 
 def open_artifacts(root: str | Path) -> ArtifactSet:
@@ -249,7 +268,8 @@ def open_artifacts(root: str | Path) -> ArtifactSet:
             _fail(root, f"{a['name']} was lowered for {', '.join(a['platforms'])}, not for this platform ({here})")
         try:
             exp = jax.export.deserialize(bytearray((root / a["file"]).read_bytes()))
-        except Exception as e:  # a corrupt flatbuffer raises anything from IndexError to ValueError
+            exp.mlir_module()  # parse the StableHLO too: corrupt bytecode fails here, not at the first call
+        except Exception as e:  # a corrupt flatbuffer or module raises anything from IndexError to MLIRError
             _fail(root, f"{a['file']} cannot be deserialized ({type(e).__name__}); the file is corrupt")
         if here not in exp.platforms:
             _fail(root, f"{a['name']} holds code for {', '.join(exp.platforms)}, not for this platform ({here})")
