@@ -139,11 +139,15 @@ def test_stop_token_ends_a_row_and_no_recompile_within_a_bucket(fns):
     cut = generate_batch(dec, [Request.of("To be", cfg, 32)], stop_token=stop)[0]
     assert cut == full[: first + 1]
     before = dec.compiled_variants()["generate"]
-    for prompt, n in (("a", 1), ("KING:", 5), ("ROMEO: But soft, what", 9), ("xy", 3)):  # bucket 1, any length
+    for prompt, n in (("a", 1), ("KING:", 5), ("ROMEO: But soft", 9), ("xy", 3)):  # batch 1, width 16
         generate_batch(dec, [Request.of(prompt, SamplingConfig(max_new=n, temperature=0.5), 32)])
-    for k in (3, 4):  # bucket 4
+    assert dec.compiled_variants()["generate"] == before
+    for k in (3, 4):  # batch bucket 4, width 16
         generate_batch(dec, [Request.of("ab" * k, cfg, 32)] * k)
-    assert dec.compiled_variants()["generate"] == before + 1  # only bucket 4 was new
+    assert dec.compiled_variants()["generate"] == before + 1
+    for prompt in ("ROMEO: But soft, what", "KING RICHARD III:"):  # width bucket 32 (prompt + BOS > 16)
+        generate_batch(dec, [Request.of(prompt, SamplingConfig(max_new=4), 32)])
+    assert dec.compiled_variants()["generate"] == before + 2
 
 
 def test_same_seed_same_text_and_prompt_bound(fns):

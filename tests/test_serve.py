@@ -212,6 +212,9 @@ class _SlowEngine:
     def batch_for(self, n):
         return self.engine.batch_for(n)
 
+    def width_for(self, n):
+        return self.engine.width_for(n)
+
     def compiled_variants(self):
         return self.engine.compiled_variants()
 
@@ -300,6 +303,9 @@ def test_failed_warm_up_stops_the_server(verified_artifacts):
 
         def batch_for(self, n):
             return n
+
+        def width_for(self, n):
+            return 32
 
         def generate(self, *args):
             raise RuntimeError("device lost")

@@ -96,10 +96,11 @@ def write(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, star
 
 
 def _put_rows(buf: jax.Array, layer: int, x_bt: jax.Array, start_b: jax.Array) -> jax.Array:
-    def one(row, x_t, s):
-        return jax.lax.dynamic_update_slice(row, x_t.astype(buf.dtype), (s,) + (0,) * (row.ndim - 1))
-
-    return buf.at[layer].set(jax.vmap(one)(buf[layer], x_bt, start_b.astype(jnp.int32)))
+    """One scatter into the whole buffer (in place inside a loop; slicing out the layer would copy it)."""
+    b, t = x_bt.shape[:2]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    slots = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
+    return buf.at[layer, rows, slots].set(x_bt.astype(buf.dtype), mode="promise_in_bounds")
 
 
 def write_rows(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, start_b: jax.Array) -> KVCache:

@@ -114,7 +114,9 @@ class ModelFns:
                  stop_token: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Prefill and every decode step as one program: a ``lax.while_loop`` that samples on device.
 
-        Returns tokens [B, S] (row b's new tokens in columns 0..n_b-1, PAD after) and n [B]. A row stops
+        ``tokens_bs`` is [B, P] with any P <= S (prompts right-padded to a width bucket, so prefill
+        computes P positions, not S). Returns tokens [B, S] (row b's new tokens in columns 0..n_b-1,
+        PAD after) and n [B]. A row stops
         after ``max_new_b`` tokens or after emitting ``stop_token`` (pass -1 for none); the loop ends
         when every row has stopped. Callers bound ``lengths_b + max_new_b <= S`` on the host; positions
         are clamped here so a stopped row can never write out of range.
@@ -164,8 +166,9 @@ class ModelFns:
         logits_b1v, cache = self.forward_cached(params, cache, token_b[:, None], pos)
         return logits_b1v[:, 0], cache
 
-    def example_args(self, endpoint: str, policy: str, batch: int) -> tuple:
-        """Abstract arguments of an endpoint (for jax.export and input checks)."""
+    def example_args(self, endpoint: str, policy: str, batch, prompt_width=None) -> tuple:
+        """Abstract arguments of an endpoint (for jax.export and input checks); ``batch`` and the loop's
+        ``prompt_width`` may be symbolic dimensions."""
         sds = jax.ShapeDtypeStruct
         params = {n: sds(x.shape, x.dtype) for n, x in self.params.items()}
         scalar = sds((), jnp.int32)
@@ -173,7 +176,8 @@ class ModelFns:
             return params, sds((batch, self.shape.max_len), jnp.int32), scalar
         if endpoint == "generate":
             row = lambda dt: sds((batch,), dt)  # noqa: E731
-            return (params, sds((batch, self.shape.max_len), jnp.int32), row(jnp.int32), row(jnp.int32),
+            width = self.shape.max_len if prompt_width is None else prompt_width
+            return (params, sds((batch, width), jnp.int32), row(jnp.int32), row(jnp.int32),
                     row(jnp.float32), row(jnp.int32), sds((batch, 2), jnp.uint32), scalar)
         cache = jax.eval_shape(functools.partial(self.shape.init, policy, batch))
         return params, cache, sds((batch,), jnp.int32), scalar
@@ -212,10 +216,19 @@ class Decoder:
     def batch_for(n: int) -> int:
         return batch_bucket(n)
 
+    def width_for(self, n: int) -> int:
+        return width_bucket(n, self.max_len)
+
     def compiled_variants(self) -> dict[str, int]:
         """How many executables each jitted endpoint holds (1 each, per batch bucket for generate)."""
         return {"prefill": self._prefill._cache_size(), "decode": self._decode._cache_size(),
                 "generate": self._generate._cache_size()}
+
+
+def width_bucket(n: int, max_len: int, smallest: int = 16) -> int:
+    """The prompt width a batch whose longest prompt has ``n`` tokens is padded to (a power of two,
+    at least ``smallest``, at most the cache length): prefill cost follows the prompt, compiles stay few."""
+    return min(max_len, max(smallest, batch_bucket(n)))
 
 
 def batch_bucket(n: int) -> int:

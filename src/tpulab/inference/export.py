@@ -5,7 +5,8 @@ files and anything that runs them.
 Weights are an argument of every endpoint and ship once, in ``weights.npz``, tagged with the
 digest of the checkpoint they came from and listed tensor by tensor (sha256 each) in the manifest.
 Each artifact is lowered for several platforms at once (``platforms=("cpu", "tpu", "cuda")``);
-the loop is lowered with a symbolic batch size, so one artifact serves every request batch.
+the loop is lowered with a symbolic batch size and prompt width, so one artifact serves every
+request batch.
 
 ``open_artifacts`` checks, in order: the manifest exists and parses; every listed file exists and
 has its sha256; every weight tensor has its sha256; the current platform is listed; every artifact
@@ -36,7 +37,7 @@ from tpulab.config import to_dict
 from tpulab.data.tokenizer import DEFINITION
 from tpulab.errors import TpulabError
 from tpulab.inference import cache as kv
-from tpulab.inference.decode import Decoder, ModelFns, batch_bucket, pad_prompt
+from tpulab.inference.decode import Decoder, ModelFns, batch_bucket, pad_prompt, width_bucket
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.npz"
@@ -88,6 +89,14 @@ def _batch_dim(endpoint: str, batch: int):
     return jax.export.symbolic_shape("b")[0] if endpoint == LOOP else batch
 
 
+def _example_args(fns: ModelFns, endpoint: str, policy: str, batch: int) -> tuple:
+    """The loop is lowered with a symbolic batch and prompt width ("b", "p"); the others at ``batch``."""
+    if endpoint != LOOP:
+        return fns.example_args(endpoint, policy, batch)
+    b, p = jax.export.symbolic_shape("b, p", constraints=(f"p <= {fns.shape.max_len}",))
+    return fns.example_args(endpoint, policy, b, p)
+
+
 def tensor_sha256(x) -> str:
     """sha256 of a tensor's dtype, shape and C-order bytes (the same numbers in another layout differ)."""
     a = np.ascontiguousarray(np.asarray(x))
@@ -117,8 +126,7 @@ def export_artifacts(source, run_dir: str | Path, out_dir: str | Path, *, batch:
     for policy in kv.POLICIES:
         for endpoint in ALL_ENDPOINTS:
             fn = jax.jit(_endpoint_fn(fns, endpoint, policy))
-            exported = jax.export.export(fn, platforms=platforms)(*fns.example_args(
-                endpoint, policy, _batch_dim(endpoint, batch)))
+            exported = jax.export.export(fn, platforms=platforms)(*_example_args(fns, endpoint, policy, batch))
             name = artifact_name(endpoint, policy)
             data = exported.serialize()
             atomic_write_bytes(out / f"{name}.jaxexport", data)
@@ -198,7 +206,7 @@ def _aval_text(avals) -> list[str]:
 def _check_artifact(root: Path, name: str, exp: jax.export.Exported, fns: ModelFns, batch: int) -> None:
     """The deserialized artifact computes what its name says: same input and output trees, shapes, dtypes."""
     endpoint, policy = name.split("_", 1)
-    args = fns.example_args(endpoint, policy, _batch_dim(endpoint, batch))
+    args = _example_args(fns, endpoint, policy, batch)
     want_in = jax.tree.leaves(args)
     want_out = jax.tree.leaves(jax.eval_shape(_endpoint_fn(fns, endpoint, policy), *args))
     got_in, got_out = list(exp.in_avals), list(exp.out_avals)
@@ -346,6 +354,9 @@ class ExportedEngine:
     @staticmethod
     def batch_for(n: int) -> int:
         return batch_bucket(n)
+
+    def width_for(self, n: int) -> int:
+        return width_bucket(n, self.max_len)
 
     def compiled_variants(self) -> int:
         return self._loop_jit._cache_size()

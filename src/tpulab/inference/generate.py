@@ -57,12 +57,14 @@ class Request:
         return cls(prompt_ids(prompt, max_len, sampling.max_new), sampling)
 
 
-def batch_arrays(requests: Sequence[Request], max_len: int, batch: int) -> tuple:
-    """Right-padded tokens [batch, S], lengths, max_new, temperature, top_k, keys for ``requests``;
+def batch_arrays(requests: Sequence[Request], width: int, batch: int) -> tuple:
+    """Right-padded tokens [batch, width], lengths, max_new, temperature, top_k, keys for ``requests``;
     rows past ``len(requests)`` are idle (max_new 0: the loop never waits for them)."""
     if not 0 < len(requests) <= batch:
         raise TpulabError(f"{len(requests)} requests for a batch of {batch}")
-    tokens = np.full((batch, max_len), PAD, np.int32)
+    if max(len(r.ids) for r in requests) > width:
+        raise TpulabError(f"a prompt is longer than the batch width {width}")
+    tokens = np.full((batch, width), PAD, np.int32)
     lengths = np.ones((batch,), np.int32)
     max_new = np.zeros((batch,), np.int32)
     temp = np.zeros((batch,), np.float32)
@@ -77,7 +79,8 @@ def batch_arrays(requests: Sequence[Request], max_len: int, batch: int) -> tuple
 
 def generate_batch(engine, requests: Sequence[Request], stop_token: int = -1) -> list[list[int]]:
     """New token ids for every request, in one dispatch of the engine's compiled loop."""
-    args = batch_arrays(requests, engine.max_len, engine.batch_for(len(requests)))
+    width = engine.width_for(max(len(r.ids) for r in requests))
+    args = batch_arrays(requests, width, engine.batch_for(len(requests)))
     out_bs, n_b = engine.generate(*args, np.int32(stop_token))
     out_bs, n_b = np.asarray(out_bs), np.asarray(n_b)
     return [out_bs[b, : n_b[b]].tolist() for b in range(len(requests))]
