@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 
@@ -34,6 +35,7 @@ def main() -> None:
     from tpulab.train.restore import load_model
 
     restored = load_model(args.run_dir, args.step)
+    load_before = os.getloadavg()
     rows = decode_speed(restored, tuple(args.prompt_lens) if args.prompt_lens else None, args.new_tokens,
                         policy=args.cache, repeats=args.repeats)
     env = environment()
@@ -41,7 +43,8 @@ def main() -> None:
     head = (f"{describe_hardware(env)}; jax {env['packages']['jax']}; commit {env['git_commit']}; model d_model "
             f"{m.d_model}, {m.n_layers} layers, {m.n_heads} heads, max_seq_len {m.max_seq_len}, "
             f"{param_count(restored.model):,} parameters, {restored.config.precision.compute_dtype} compute; "
-            f"checkpoint step {restored.step}; batch 1, greedy, best of {args.repeats}")
+            f"checkpoint step {restored.step}; batch 1, greedy, best of {args.repeats}; load average before "
+            f"{load_before[0]:.1f} (a shared 2-core machine: other processes ran during the measurement)")
     text = [head, "", f"Cache {args.cache}:", "", speed_table(rows)]
     batch_rows = []
     if args.batches:
@@ -53,7 +56,7 @@ def main() -> None:
     result = {"rows": rows, "batch_rows": batch_rows, "environment": env, "hardware": describe_hardware(env),
               "checkpoint_step": restored.step, "run_dir": str(args.run_dir), "model": vars(m),
               "parameters": param_count(restored.model), "precision": vars(restored.config.precision),
-              "repeats": args.repeats}
+              "repeats": args.repeats, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -142,6 +142,7 @@ def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) ->
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         for name, max_batch in (("serial (max_batch 1)", 1), (f"batching (max_batch {cfg.max_batch})", cfg.max_batch)):
             server = _Server(Path(artifacts), max_batch, cfg.batch_window_ms, Path(tmp) / f"{max_batch}.log",
@@ -163,7 +164,8 @@ def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) ->
         r["throughput_vs_serial"] = r["requests_per_s"] / base["requests_per_s"] if base else None
     result = {"rows": rows, "config": dataclasses.asdict(cfg), "environment": env, "hardware": describe_hardware(env),
               "artifacts": str(Path(artifacts).resolve()), "manifest_sha256": art.manifest_sha256,
-              "model": art.manifest["model"], "max_len": art.max_len}
+              "model": art.manifest["model"], "max_len": art.max_len, "loadavg_before": load_before,
+              "loadavg_after": os.getloadavg()}
     atomic_write_json(out / "serve_bench.json", result)
     atomic_write_bytes(out / "serve_bench.md", (capacity_table(result) + "\n").encode())
     print(capacity_table(result))
@@ -175,7 +177,8 @@ def capacity_table(result: dict) -> str:
     lines = [f"{result['hardware']}; jax {result['environment']['packages']['jax']}; model d_model {m['d_model']}, "
              f"{m['n_layers']} layers, max_seq_len {m['max_seq_len']}; cache {c['cache']}; prompt {c['prompt']!r}, "
              f"{c['max_new']} new tokens, greedy; {c['requests_per_client']} requests per client; "
-             f"window {c['batch_window_ms']} ms.", "",
+             f"window {c['batch_window_ms']} ms; load average before {result['loadavg_before'][0]:.1f}, after "
+             f"{result['loadavg_after'][0]:.1f} (shared machine).", "",
              "| server | clients | req/s | tok/s | p50 ms | p99 ms | TTFT p50 ms | vs serial | batch size:count |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -78,18 +78,17 @@ def measure(fns: ModelFns, prompt_len: int, new_tokens: int, *, policy: str = "f
     def run_loop():
         return dec.generate(*loop_args)[0][:, :new_tokens]
 
-    def best(fn):
-        jax.block_until_ready(fn())  # warm-up: compiles every shape used
-        times = []
-        for _ in range(repeats):
+    # Interleaved repeats (loop, step, recompute, loop, ...), best of each: on a shared machine a burst
+    # of load then hits all three paths alike instead of whichever happened to run during it.
+    fns_ = (run_loop, run_cached, run_nocache)
+    outs = [np.asarray(jax.block_until_ready(fn())) for fn in fns_]  # warm-up: compiles every shape used
+    times = [[], [], []]
+    for _ in range(repeats):
+        for k, fn in enumerate(fns_):
             t0 = time.perf_counter()
-            out = jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        return min(times), np.asarray(out)
-
-    t_loop, out_l = best(run_loop)
-    t_cached, out_c = best(run_cached)
-    t_full, out_f = best(run_nocache)
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - t0)
+    (t_loop, t_cached, t_full), (out_l, out_c, out_f) = [min(t) for t in times], outs
     return {"prompt_len": prompt_len, "new_tokens": new_tokens, "cache": policy, "batch": 1,
             "loop_tokens_per_s": new_tokens / t_loop, "cached_tokens_per_s": new_tokens / t_cached,
             "recompute_tokens_per_s": new_tokens / t_full, "loop_vs_step": t_cached / t_loop,
