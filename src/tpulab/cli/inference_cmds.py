@@ -158,7 +158,9 @@ def register(sub) -> None:
 
 def _batching_args(p) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together, at most")
-    p.add_argument("--batch-window-ms", type=float, default=5.0, help="how long a batch gathers requests")
+    p.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="extra wait for more requests before a batch runs (requests arriving during a batch "
+                        "join the next one anyway)")
 
 
 def _check_generate(args) -> None:

@@ -9,8 +9,9 @@ in the background; /healthz answers 503 until it is done and the process exits i
 Requests: the body is parsed here (UTF-8, JSON without NaN/Infinity/overflowing numbers), typed by
 a pydantic contract and validated by ``sampling`` (the bounds the CLI uses too); every refusal is a
 422 with a reason. Valid requests join a bounded queue (full: 503 with Retry-After). One batcher
-thread gathers requests of the same cache policy for ``batch_window_ms`` (or until ``max_batch``)
-and runs them as one dispatch of the compiled loop, each row with its own prompt length, max_new,
+thread takes every waiting request of the oldest one's cache policy (up to ``max_batch``; requests
+that arrived while the previous batch ran are all there), optionally waiting ``batch_window_ms``
+for more (default 0: measured on CPU, a 5 ms window cost more than it gathered), and runs them as one dispatch of the compiled loop, each row with its own prompt length, max_new,
 temperature, top_k and seed; a row's tokens do not depend on its batch-mates. Handlers only await,
 so /healthz stays responsive while the device works, and a slow client (its body is read before it
 is queued) never holds up a batch. A request that is not answered within ``request_timeout_s``
@@ -54,7 +55,8 @@ class ServeConfig:
     """Batching, queueing and time limits of the service."""
 
     max_batch: int = field(16, f"requests decoded together, at most (1..{MAX_BATCH})")
-    batch_window_ms: float = field(5.0, "how long the first request of a batch waits for company")
+    batch_window_ms: float = field(0.0, "how long the first request of a batch waits for company (requests "
+                                        "arriving while a batch runs join the next one anyway)")
     max_queue: int = field(64, "requests waiting beyond this are answered 503 with Retry-After")
     request_timeout_s: float = field(60.0, "server-side time limit of one request (504 after it)")
     retry_after_s: int = field(1, "the Retry-After a 503 carries")
@@ -117,7 +119,8 @@ def parse_request(body: bytes, max_len: int) -> tuple[GenerateRequest, GenReques
         req = GenerateRequest.model_validate(obj)
     except ValidationError as e:
         errs = e.errors(include_url=False, include_input=False, include_context=False)
-        raise TpulabError("; ".join(f"{'.'.join(map(str, x['loc'])) or 'body'}: {x['msg']}" for x in errs[:4])) from None
+        reasons = [f"{'.'.join(map(str, x['loc'])) or 'body'}: {x['msg']}" for x in errs[:4]]
+        raise TpulabError("; ".join(reasons)) from None
     sampling = SamplingConfig(max_new=req.max_new, temperature=req.temperature, top_k=req.top_k, seed=req.seed)
     return req, GenRequest.of(req.prompt, sampling, max_len)
 

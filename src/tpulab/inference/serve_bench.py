@@ -37,7 +37,7 @@ class BenchConfig:
     prompt: str = field("ROMEO:", "the prompt of every request")
     cache: str = field("fp32", "cache policy")
     max_batch: int = field(16, "the batching server's max batch")
-    batch_window_ms: float = field(5.0, "the batching server's window")
+    batch_window_ms: float = field(0.0, "the batching server's window")
     startup_timeout_s: float = field(600.0, "how long a server may take to become ready")
 
     def __post_init__(self):

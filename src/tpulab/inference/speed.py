@@ -71,7 +71,8 @@ def measure(fns: ModelFns, prompt_len: int, new_tokens: int, *, policy: str = "f
         return buf[:, prompt_len:prompt_len + new_tokens]
 
     width = dec.width_for(prompt_len)
-    loop_args = (np.pad(prompt, ((0, 0), (0, width - prompt_len)), constant_values=PAD), np.array([prompt_len], np.int32),
+    loop_args = (np.pad(prompt, ((0, 0), (0, width - prompt_len)), constant_values=PAD),
+                 np.array([prompt_len], np.int32),
                  np.array([new_tokens], np.int32), np.zeros((1,), np.float32), np.zeros((1,), np.int32),
                  np.zeros((1, 2), np.uint32), np.int32(-1))
 
