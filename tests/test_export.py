@@ -335,3 +335,23 @@ def test_run_dir_reverification_and_model_identity(verified_copy, trained_run):
     assert got.identity()["verification"]["weights"] == "bitwise equal to the checkpoint"
     with pytest.raises(TpulabError, match="not verified"):
         load_verified(art)
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["export", "--batch", "0"], "batch=0 must be an integer in [1, 256]"),
+    (["export", "--batch", "257"], "batch=257"),
+    (["serve", "--max-batch", "0"], "max_batch=0 must be in [1, 256]"),
+    (["serve", "--max-batch", "100000"], "max_batch=100000"),
+    (["serve", "--request-timeout", "nan"], "request_timeout=nan"),
+    (["serve", "--max-queue", "0"], "max_queue=0"),
+    (["serve", "--batch-window-ms", "inf"], "batch_window_ms=inf"),
+])
+def test_batch_and_service_bounds_are_one_line_errors(argv, reason, trained_run, tmp_path, capsys):
+    from tpulab.cli.main import main
+
+    where = ["--run-dir", str(trained_run), "--out", str(tmp_path / "out")] if argv[0] == "export" else \
+        ["--artifacts", str(tmp_path / "none")]
+    rc = main([argv[0], *where, *argv[1:]])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and reason in err, err
+    assert not (tmp_path / "out").exists()

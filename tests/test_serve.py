@@ -156,6 +156,20 @@ def test_concurrent_requests_are_batched_and_get_what_they_would_alone(server, v
     assert all(n <= 3 for n in stats["compiled_variants"].values())  # one executable per bucket (1, 2, 4)
 
 
+def test_a_slow_client_does_not_hold_up_others(server):
+    """A client that sends half a body and stalls: the others are served meanwhile (bodies are read
+    before a request is queued, so nothing waits for it)."""
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
+        stalled.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 200\r\n\r\n{\"prompt\": \"slo")
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda i: httpx.post(f"{server}/v1/generate", json={"prompt": "To", "max_new": 4,
+                                                       "seed": i}, timeout=30).status_code, range(4)))
+        assert codes == [200] * 4 and time.monotonic() - t0 < 30
+
+
 def _corrupt(art):
     f = art / "decode_bf16.jaxexport"
     f.write_bytes(f.read_bytes()[:1000])

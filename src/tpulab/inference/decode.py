@@ -225,6 +225,9 @@ class Decoder:
                 "generate": self._generate._cache_size()}
 
 
+MAX_BATCH = 256  # the largest request batch any endpoint or the service is asked to run
+
+
 def width_bucket(n: int, max_len: int, smallest: int = 16) -> int:
     """The prompt width a batch whose longest prompt has ``n`` tokens is padded to (a power of two,
     at least ``smallest``, at most the cache length): prefill cost follows the prompt, compiles stay few."""

@@ -37,7 +37,7 @@ from tpulab.config import to_dict
 from tpulab.data.tokenizer import DEFINITION
 from tpulab.errors import TpulabError
 from tpulab.inference import cache as kv
-from tpulab.inference.decode import Decoder, ModelFns, batch_bucket, pad_prompt, width_bucket
+from tpulab.inference.decode import MAX_BATCH, Decoder, ModelFns, batch_bucket, pad_prompt, width_bucket
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.npz"
@@ -113,6 +113,8 @@ def tensor_record(x) -> dict:
 def export_artifacts(source, run_dir: str | Path, out_dir: str | Path, *, batch: int = 1,
                      platforms: tuple[str, ...] = PLATFORMS) -> dict:
     """Write six endpoints, the weights and the manifest for ``source`` (a ``train.restore.Restored``)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+        raise TpulabError(f"export batch={batch} must be an integer in [1, {MAX_BATCH}]")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fns = ModelFns(source.model)

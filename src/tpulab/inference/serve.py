@@ -40,13 +40,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from tpulab.config import check, field
 from tpulab.errors import TpulabError
 from tpulab.inference import cache as kv
-from tpulab.inference.decode import batch_bucket
+from tpulab.inference.decode import MAX_BATCH, batch_bucket
 from tpulab.inference.export import load_verified, read_key
 from tpulab.inference.generate import Request as GenRequest
 from tpulab.inference.generate import decode_text, generate_batch
 from tpulab.inference.sampling import SamplingConfig
 
-MAX_BATCH = 256
 MAX_BODY_BYTES = 64 * 1024
 
 
