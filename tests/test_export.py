@@ -53,7 +53,7 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
     restored = load_model(trained_run)
     m = _manifest(artifacts)
     assert sorted(a["name"] for a in m["artifacts"]) == sorted(
-        f"{e}_{p}" for e in ("prefill", "decode") for p in ("fp32", "bf16", "int8"))
+        f"{e}_{p}" for e in ("prefill", "decode", "generate") for p in ("fp32", "bf16", "int8"))
     for a in m["artifacts"]:
         assert (artifacts / a["file"]).is_file() and len(a["sha256"]) == 64
         assert a["platforms"] == ["cpu", "tpu", "cuda"]
@@ -63,6 +63,15 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
         assert a["tokenizer"]["vocab_size"] == 258 and a["cache_policy"]["name"] in a["name"]
         assert a["inputs"] and a["outputs"] and all({"path", "shape", "dtype"} <= set(x) for x in a["inputs"])
     assert m["weights"]["passed_as"] == "arguments"
+    from tpulab.inference.decode import ModelFns
+    from tpulab.inference.export import tensor_sha256
+
+    params = ModelFns(restored.model).params
+    assert set(m["weights"]["tensors"]) == set(params)
+    for n, x in params.items():
+        assert m["weights"]["tensors"][n]["sha256"] == tensor_sha256(np.asarray(x))
+    loop = next(a for a in m["artifacts"] if a["name"] == "generate_fp32")
+    assert loop["inputs"][-2]["shape"] == ["b", 2]  # one artifact for every request batch
 
 
 def test_exported_engine_generates_like_the_jitted_model(artifacts, trained_run):
@@ -74,10 +83,14 @@ def test_exported_engine_generates_like_the_jitted_model(artifacts, trained_run)
     cfg = SamplingConfig(max_new=12, temperature=0.9, top_k=40, seed=7)
     art = open_artifacts(artifacts)
     model = load_model(trained_run).model
+    from tpulab.inference.generate import Request, generate_batch
+
     for policy in ("fp32", "int8"):
         got = list(generate_ids(art.engine(policy), "To be", cfg))
         want = list(generate_ids(Decoder.of(model, policy), "To be", cfg))
         assert got == want
+        reqs = [Request.of(p, cfg, 32) for p in ("To be", "ROMEO:", "a")]
+        assert generate_batch(art.engine(policy), reqs)[0] == want
 
 
 def test_wrong_input_shape_or_dtype_is_rejected(artifacts):
@@ -156,7 +169,189 @@ def test_verify_export_in_fresh_process_passes_bitwise(art_copy):
     proc = run_cli("verify-export", str(art_copy))
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "_" in line]
-    assert len(rows) == 6 and all("PASS" in r for r in rows)
+    assert len(rows) == 9 and all("PASS" in r for r in rows)
     assert all("| yes |" in r for r in rows if "fp32" in r)  # bitwise
     record = json.loads((art_copy / "verification.json").read_text())
     assert record["passed"] and record["platform"] == "cpu"
+
+
+# --- Bound weights, corrupt and swapped artifacts, and what generate/serve load -------------------
+
+
+def _rehash(art, *files):
+    from tpulab.checkpoint.files import sha256_file
+
+    m = _manifest(art)
+    for entry in [*m["artifacts"], m["weights"]]:
+        if entry["file"] in files:
+            entry["sha256"] = sha256_file(art / entry["file"])
+    _write_manifest(art, m)
+
+
+def _forge_weights(art, rehash_tensor=True):
+    """Change one weight tensor slightly, keep its checkpoint digest, rehash the manifest to match."""
+    from tpulab.inference.export import tensor_sha256
+
+    with np.load(art / "weights.npz") as z:
+        params = {k: z[k] for k in z.files}
+    name = sorted(k for k in params if "mlp" in k)[0]
+    params[name] = (params[name] * np.float32(1.001)).astype(params[name].dtype)
+    with open(art / "weights.npz", "wb") as f:
+        np.savez(f, **params)
+    if rehash_tensor:
+        m = _manifest(art)
+        m["weights"]["tensors"][name]["sha256"] = tensor_sha256(params[name])
+        _write_manifest(art, m)
+    _rehash(art, "weights.npz")
+    return name
+
+
+def _forge_record(art):
+    """Rewrite verification.json to match whatever the directory now holds (what an attacker can do)."""
+    from tpulab.checkpoint.files import sha256_file
+
+    rec = json.loads((art / "verification.json").read_text())
+    rec.pop("hmac_sha256", None)
+    m = _manifest(art)
+    rec["manifest_sha256"] = sha256_file(art / "manifest.json")
+    rec["files_sha256"] = {e["file"]: sha256_file(art / e["file"]) for e in [*m["artifacts"], m["weights"]]}
+    (art / "verification.json").write_text(json.dumps(rec))
+
+
+@pytest.fixture(scope="module")
+def verified(artifacts, tmp_path_factory):
+    """A copy of the artifacts verified in-process, the record signed with a key."""
+    from tpulab.inference.export import verify_export
+
+    dst = tmp_path_factory.mktemp("verified") / "art"
+    shutil.copytree(artifacts, dst)
+    key = dst.parent / "key"
+    key.write_bytes(b"0123456789abcdef-test-key")
+    assert verify_export(dst, key=key.read_bytes())["passed"]
+    return dst, key
+
+
+@pytest.fixture
+def verified_copy(verified, tmp_path):
+    dst = tmp_path / "verified_art"
+    shutil.copytree(verified[0], dst)
+    return dst, verified[1]
+
+
+def _generate(capsys, art, *extra):
+    from tpulab.cli.main import main
+
+    rc = main(["generate", "--artifacts", str(art), "--prompt", "To", "--max-new", "4", "--temperature", "0",
+               *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_forged_weights_are_refused_tensor_by_tensor(art_copy, capsys):
+    name = _forge_weights(art_copy)  # every hash agrees with the forged file; only the checkpoint can tell
+    _rejects(art_copy, capsys, f"tensor {name} differs from checkpoint step 40")
+
+
+def test_weights_not_matching_their_recorded_tensor_hash_are_refused(art_copy, capsys):
+    name = _forge_weights(art_copy, rehash_tensor=False)
+    _rejects(art_copy, capsys, f"tensor {name} does not have the sha256 recorded")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupted_artifact_with_rehashed_manifest_is_refused(art_copy, capsys, damage):
+    f = art_copy / "decode_bf16.jaxexport"
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        for i in range(len(data) // 3, len(data) // 3 + 64):
+            data[i] ^= 0x5A
+    f.write_bytes(bytes(data))
+    _rehash(art_copy, "decode_bf16.jaxexport")
+    _rejects(art_copy, capsys, "decode_bf16")
+
+
+@pytest.mark.parametrize("a, b", [("prefill_fp32", "prefill_bf16"), ("decode_int8", "generate_int8"),
+                                  ("generate_fp32", "generate_bf16")])
+def test_swapped_artifacts_are_refused_by_name(art_copy, capsys, a, b):
+    fa, fb = art_copy / f"{a}.jaxexport", art_copy / f"{b}.jaxexport"
+    da, db = fa.read_bytes(), fb.read_bytes()
+    fa.write_bytes(db)
+    fb.write_bytes(da)
+    _rehash(art_copy, fa.name, fb.name)
+    err = _rejects(art_copy, capsys, "swapped or foreign artifact")
+    assert a in err or b in err
+
+
+def test_generate_loads_only_verified_artifacts(art_copy, verified_copy, capsys):
+    rc, out, err = _generate(capsys, art_copy)  # exported but never verified
+    assert rc != 0 and out == "" and err.strip() == f"error: artifacts {art_copy}: not verified " \
+        f"(run: tpulab verify-export {art_copy})"
+    art, key = verified_copy
+    rc, out, err = _generate(capsys, art)
+    assert rc == 0 and out.startswith("To") and "verified (record)" in err, err
+    rc, out2, err = _generate(capsys, art, "--key-file", str(key))
+    assert rc == 0 and out2 == out and "verified (record+hmac)" in err, err
+
+
+def test_forged_weights_with_forged_record(verified_copy, trained_run, capsys, tmp_path):
+    """The threat model: without a key a rewritten record is accepted; the key or the checkpoint refuse it."""
+    art, key = verified_copy
+    name = _forge_weights(art)
+    rc, _, err = _generate(capsys, art)  # the record no longer matches the manifest
+    assert rc != 0 and "verification.json is for another manifest" in err, err
+    from tpulab.checkpoint.files import sha256_file
+
+    rec = json.loads((art / "verification.json").read_text())
+    rec["manifest_sha256"] = sha256_file(art / "manifest.json")  # half a forgery: the file hashes still old
+    (art / "verification.json").write_text(json.dumps(rec))
+    rc, _, err = _generate(capsys, art)
+    assert rc != 0 and "does not record these files' sha256 (weights.npz" in err, err
+    _forge_record(art)
+    rc, _, err = _generate(capsys, art)
+    assert rc == 0, err  # no key, no checkpoint: a consistent forgery passes (docs/inference.md says so)
+    rc, _, err = _generate(capsys, art, "--key-file", str(key))
+    assert rc != 0 and err.count("\n") == 1 and "not signed" in err, err
+    rec = json.loads((art / "verification.json").read_text())
+    rec["hmac_sha256"] = "0" * 64
+    (art / "verification.json").write_text(json.dumps(rec))
+    rc, _, err = _generate(capsys, art, "--key-file", str(key))
+    assert rc != 0 and "signature does not match the key" in err, err
+    rc, _, err = _generate(capsys, art, "--run-dir", str(trained_run))
+    assert rc != 0 and err.count("\n") == 1 and f"tensor {name} differs from checkpoint step 40" in err, err
+    bad_key = tmp_path / "short"
+    bad_key.write_bytes(b"abc")
+    rc, _, err = _generate(capsys, art, "--key-file", str(bad_key))
+    assert rc != 0 and "at least 16" in err
+
+
+def test_run_dir_reverification_and_model_identity(verified_copy, trained_run):
+    from tpulab.inference.export import load_verified
+
+    art, key = verified_copy
+    (art / "verification.json").unlink()  # not needed when the checkpoint itself is the reference
+    got = load_verified(art, trained_run)
+    assert got.verification["mode"] == "checkpoint" and got.verification["checkpoint_step"] == 40
+    assert got.identity()["verification"]["weights"] == "bitwise equal to the checkpoint"
+    with pytest.raises(TpulabError, match="not verified"):
+        load_verified(art)
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["export", "--batch", "0"], "batch=0 must be an integer in [1, 256]"),
+    (["export", "--batch", "257"], "batch=257"),
+    (["serve", "--max-batch", "0"], "max_batch=0 must be in [1, 256]"),
+    (["serve", "--max-batch", "100000"], "max_batch=100000"),
+    (["serve", "--request-timeout", "nan"], "request_timeout=nan"),
+    (["serve", "--max-queue", "0"], "max_queue=0"),
+    (["serve", "--batch-window-ms", "inf"], "batch_window_ms=inf"),
+])
+def test_batch_and_service_bounds_are_one_line_errors(argv, reason, trained_run, tmp_path, capsys):
+    from tpulab.cli.main import main
+
+    where = ["--run-dir", str(trained_run), "--out", str(tmp_path / "out")] if argv[0] == "export" else \
+        ["--artifacts", str(tmp_path / "none")]
+    rc = main([argv[0], *where, *argv[1:]])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and reason in err, err
+    assert not (tmp_path / "out").exists()

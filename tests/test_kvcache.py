@@ -51,7 +51,7 @@ def test_decode_compiles_once_and_fp32_matches_full_forward(trained_run):
         logits, cache = dec.decode(cache, tokens[:, pos], pos)
         got.append(np.asarray(logits))
     np.testing.assert_allclose(np.stack(got, 1), full[:, prompt - 1: s - 1], rtol=0, atol=FP32_LOGIT_ATOL)
-    assert dec.compiled_variants() == {"prefill": 1, "decode": 1}
+    assert dec.compiled_variants() == {"prefill": 1, "decode": 1, "generate": 0}
 
 
 def test_kvcache_command_writes_table_within_bounds(trained_run, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Inference subcommands: kvcache, export, verify-export, generate, serve."""
+"""Inference subcommands: kvcache, export, verify-export, generate, serve, serve-bench."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def _export(args) -> int:
 
 
 def _verify(args) -> int:
-    from tpulab.inference.export import verification_table, verify_export
+    from tpulab.inference.export import read_key, verification_table, verify_export
 
-    result = verify_export(args.artifacts, args.run_dir)
+    result = verify_export(args.artifacts, args.run_dir, read_key(args.key_file))
     print(verification_table(result))
     if not result["passed"]:
         failed = [r["artifact"] for r in result["rows"] if not r["passed"]]
@@ -46,18 +46,25 @@ def _verify(args) -> int:
 
 
 def _generate(args) -> int:
-    from tpulab.inference.generate import SamplingConfig, generate_text
+    from tpulab.inference.generate import generate_text
+    from tpulab.inference.sampling import SamplingConfig, prompt_ids
 
+    _check_generate(args)
     cfg = SamplingConfig(max_new=args.max_new, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     if args.artifacts is not None:
-        from tpulab.inference.export import open_artifacts
+        from tpulab.inference.export import load_verified, read_key
 
-        engine = open_artifacts(args.artifacts).engine(args.cache)
+        art = load_verified(args.artifacts, args.run_dir, read_key(args.key_file))
+        print(f"artifacts {art.root}: verified ({art.verification['mode']})", file=sys.stderr)
+        engine = art.engine(args.cache)
     else:
         from tpulab.inference.decode import Decoder
         from tpulab.train.restore import load_model
 
+        if args.key_file is not None:
+            raise TpulabError("--key-file applies to --artifacts (a checkpoint is verified by its own manifest)")
         engine = Decoder.of(load_model(args.run_dir, args.step).model, args.cache)
+    prompt_ids(args.prompt, engine.max_len, cfg.max_new)  # refuse bad input before writing anything
     sys.stdout.write(args.prompt)
     for piece in generate_text(engine, args.prompt, cfg):
         sys.stdout.write(piece)
@@ -67,9 +74,21 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from tpulab.inference.serve import serve
+    from tpulab.inference.serve import ServeConfig, serve
 
-    serve(args.artifacts, args.host, args.port)
+    cfg = ServeConfig(max_batch=args.max_batch, batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
+                      request_timeout_s=args.request_timeout)
+    serve(args.artifacts, args.host, args.port, cfg, run_dir=args.run_dir, key_file=args.key_file)
+    return 0
+
+
+def _serve_bench(args) -> int:
+    from tpulab.inference.serve_bench import BenchConfig, serve_bench
+
+    cfg = BenchConfig(clients=tuple(args.clients), requests_per_client=args.requests, max_new=args.max_new,
+                      prompt=args.prompt, cache=args.cache, max_batch=args.max_batch,
+                      batch_window_ms=args.batch_window_ms)
+    serve_bench(args.artifacts, cfg, args.out)
     return 0
 
 
@@ -98,13 +117,14 @@ def register(sub) -> None:
     p.add_argument("artifacts", type=Path)
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where the checkpoint lives (default: the run dir recorded in the manifest)")
+    p.add_argument("--key-file", type=Path, default=None, help="sign verification.json with this HMAC key")
     p.set_defaults(handler=_verify)
 
-    p = sub.add_parser("generate", help="stream text from a checkpoint or from exported endpoints")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run-dir", type=Path)
-    src.add_argument("--artifacts", type=Path)
-    p.add_argument("--step", type=int, default=None, help="checkpoint step with --run-dir")
+    p = sub.add_parser("generate", help="stream text from a checkpoint or from verified exported endpoints")
+    p.add_argument("--run-dir", type=Path, help="the checkpoint; with --artifacts: re-verify them against it")
+    p.add_argument("--artifacts", type=Path, help="verified artifacts (tpulab verify-export)")
+    p.add_argument("--key-file", type=Path, default=None, help="HMAC key verification.json must be signed with")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step with --run-dir alone")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -117,4 +137,32 @@ def register(sub) -> None:
     p.add_argument("--artifacts", type=Path, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--run-dir", type=Path, default=None, help="re-verify the artifacts against this checkpoint")
+    p.add_argument("--key-file", type=Path, default=None, help="HMAC key verification.json must be signed with")
+    _batching_args(p)
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
+    p.add_argument("--request-timeout", type=float, default=60.0, help="server-side limit per request (s)")
     p.set_defaults(handler=_serve)
+
+    p = sub.add_parser("serve-bench", help="capacity table: the real service over loopback, 1/4/16 clients")
+    p.add_argument("--artifacts", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="writes OUT/serve_bench.{json,md}")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=8, help="requests per client")
+    p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--prompt", default="ROMEO:")
+    p.add_argument("--cache", choices=_POLICIES, default="fp32")
+    _batching_args(p)
+    p.set_defaults(handler=_serve_bench)
+
+
+def _batching_args(p) -> None:
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together, at most")
+    p.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="extra wait for more requests before a batch runs (requests arriving during a batch "
+                        "join the next one anyway)")
+
+
+def _check_generate(args) -> None:
+    if args.artifacts is None and args.run_dir is None:
+        raise TpulabError("generate needs --run-dir or --artifacts")

@@ -10,9 +10,10 @@ import importlib
 _EXPORTS = {
     "KVCache": "cache", "POLICIES": "cache",
     "Decoder": "decode", "ModelFns": "decode",
-    "SamplingConfig": "generate", "generate_text": "generate",
+    "SamplingConfig": "sampling", "generate_text": "generate", "generate_batch": "generate", "Request": "generate",
     "KVEvalConfig": "cache_eval", "write_kvcache_report": "cache_eval",
     "export_artifacts": "export", "open_artifacts": "export", "verify_export": "export",
+    "load_verified": "export",
     "decode_speed": "speed",
     "capstone_stage": "capstone",
 }

@@ -95,6 +95,23 @@ def write(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, star
                    _put(cache.k_scale, layer, sk, start), _put(cache.v_scale, layer, sv, start))
 
 
+def _put_rows(buf: jax.Array, layer: int, x_bt: jax.Array, start_b: jax.Array) -> jax.Array:
+    """One scatter into the whole buffer (in place inside a loop; slicing out the layer would copy it)."""
+    b, t = x_bt.shape[:2]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    slots = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
+    return buf.at[layer, rows, slots].set(x_bt.astype(buf.dtype), mode="promise_in_bounds")
+
+
+def write_rows(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, start_b: jax.Array) -> KVCache:
+    """``write`` with a start slot per row (ragged batches: every row at its own position)."""
+    if cache.k_scale is None:
+        return KVCache(_put_rows(cache.k, layer, k_bthd, start_b), _put_rows(cache.v, layer, v_bthd, start_b))
+    (qk, sk), (qv, sv) = quantize_int8(k_bthd), quantize_int8(v_bthd)
+    return KVCache(_put_rows(cache.k, layer, qk, start_b), _put_rows(cache.v, layer, qv, start_b),
+                   _put_rows(cache.k_scale, layer, sk, start_b), _put_rows(cache.v_scale, layer, sv, start_b))
+
+
 def read(cache: KVCache, layer: int, dtype) -> tuple[jax.Array, jax.Array]:
     """All S slots of one layer's keys and values [B, S, H, Dh], dequantized to ``dtype``."""
     if cache.k_scale is None:

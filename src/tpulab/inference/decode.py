@@ -82,6 +82,79 @@ class ModelFns:
             x_btd, cache = block.apply(x_btd, attn_fn, deterministic=True, rngs=None)
         return model.logits(x_btd), cache
 
+    def forward_rows(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array,
+                     start_b: jax.Array) -> tuple[jax.Array, kv.KVCache]:
+        """``forward_cached`` with a start position per row: the rows of a ragged batch advance together
+        while each sits at its own position (its own RoPE angles, causal mask and cache slots)."""
+        model = self.model(params)
+        b, t = tokens_bt.shape
+        positions_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
+        mask_bts = jnp.arange(self.shape.max_len)[None, None, :] <= positions_bt[:, :, None]
+        x_btd = model.embed(tokens_bt)
+        for layer, block in enumerate(model.blocks):
+            def attn_fn(h_btd, block=block, layer=layer, cache=cache):
+                q, k, v = block.attn.project_qkv(h_btd, positions_bt)
+                cache = kv.write_rows(cache, layer, k, v, start_b)
+                k_all, v_all = kv.read(cache, layer, q.dtype)
+                return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None), cache
+
+            x_btd, cache = block.apply(x_btd, attn_fn, deterministic=True, rngs=None)
+        return model.logits(x_btd), cache
+
+    def prefill_rows(self, policy: str, params: Params, tokens_bs: jax.Array, lengths_b: jax.Array):
+        """Ragged prefill: row b holds its prompt in slots 0..lengths_b[b]-1 (right-padded, positions
+        from 0, causal mask), so each row computes exactly what it would alone; logits at each row's end."""
+        cache = self.shape.init(policy, tokens_bs.shape[0])
+        logits_bsv, cache = self.forward_cached(params, cache, tokens_bs, 0)
+        idx = (lengths_b.astype(jnp.int32) - 1)[:, None, None]
+        return jnp.take_along_axis(logits_bsv, idx, axis=1)[:, 0], cache
+
+    def generate(self, policy: str, params: Params, tokens_bs: jax.Array, lengths_b: jax.Array,
+                 max_new_b: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, keys_b2: jax.Array,
+                 stop_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Prefill and every decode step as one program: a ``lax.while_loop`` that samples on device.
+
+        ``tokens_bs`` is [B, P] with any P <= S (prompts right-padded to a width bucket, so prefill
+        computes P positions, not S). Returns tokens [B, S] (row b's new tokens in columns 0..n_b-1,
+        PAD after) and n [B]. A row stops
+        after ``max_new_b`` tokens or after emitting ``stop_token`` (pass -1 for none); the loop ends
+        when every row has stopped. Callers bound ``lengths_b + max_new_b <= S`` on the host; positions
+        are clamped here so a stopped row can never write out of range.
+        """
+        from tpulab.data.tokenizer import PAD
+        from tpulab.inference.sampling import sample_tokens
+
+        s = self.shape.max_len
+        logits_bv, cache = self.prefill_rows(policy, params, tokens_bs, lengths_b)
+        b = tokens_bs.shape[0]
+        out_bs = jnp.full((b, s), PAD, jnp.int32)
+
+        def emit(i, logits_bv, out_bs, n_b, done_b):
+            tok_b = sample_tokens(logits_bv, keys_b2, i, temperature_b, top_k_b)
+            tok_b = jnp.where(done_b, PAD, tok_b)
+            out_bs = jax.lax.dynamic_update_index_in_dim(out_bs, tok_b, i, axis=1)
+            n_b = n_b + (~done_b).astype(jnp.int32)
+            done_b = done_b | (tok_b == stop_token) | (n_b >= max_new_b)
+            return tok_b, out_bs, n_b, done_b
+
+        done0 = max_new_b <= 0
+        tok_b, out_bs, n_b, done_b = emit(0, logits_bv, out_bs, jnp.zeros((b,), jnp.int32), done0)
+
+        def cond(carry):
+            i, _, _, _, _, done_b = carry
+            return (i < s) & ~jnp.all(done_b)
+
+        def body(carry):
+            i, cache, tok_b, out_bs, n_b, done_b = carry
+            pos_b = jnp.minimum(lengths_b + i - 1, s - 1)
+            logits_b1v, cache = self.forward_rows(params, cache, tok_b[:, None], pos_b)
+            tok_b, out_bs, n_b, done_b = emit(i, logits_b1v[:, 0], out_bs, n_b, done_b)
+            return i + 1, cache, tok_b, out_bs, n_b, done_b
+
+        carry = (jnp.int32(1), cache, tok_b, out_bs, n_b, done_b)
+        _, _, _, out_bs, n_b, _ = jax.lax.while_loop(cond, body, carry)
+        return out_bs, n_b
+
     def prefill(self, policy: str, params: Params, tokens_bs: jax.Array, length: jax.Array):
         """tokens [B, S] (the prompt in slots 0..length-1, anything after) -> (next-token logits [B, V], cache)."""
         cache = self.shape.init(policy, tokens_bs.shape[0])
@@ -93,13 +166,19 @@ class ModelFns:
         logits_b1v, cache = self.forward_cached(params, cache, token_b[:, None], pos)
         return logits_b1v[:, 0], cache
 
-    def example_args(self, endpoint: str, policy: str, batch: int) -> tuple:
-        """Abstract arguments of an endpoint (for jax.export and input checks)."""
+    def example_args(self, endpoint: str, policy: str, batch, prompt_width=None) -> tuple:
+        """Abstract arguments of an endpoint (for jax.export and input checks); ``batch`` and the loop's
+        ``prompt_width`` may be symbolic dimensions."""
         sds = jax.ShapeDtypeStruct
         params = {n: sds(x.shape, x.dtype) for n, x in self.params.items()}
         scalar = sds((), jnp.int32)
         if endpoint == "prefill":
             return params, sds((batch, self.shape.max_len), jnp.int32), scalar
+        if endpoint == "generate":
+            row = lambda dt: sds((batch,), dt)  # noqa: E731
+            width = self.shape.max_len if prompt_width is None else prompt_width
+            return (params, sds((batch, width), jnp.int32), row(jnp.int32), row(jnp.int32),
+                    row(jnp.float32), row(jnp.int32), sds((batch, 2), jnp.uint32), scalar)
         cache = jax.eval_shape(functools.partial(self.shape.init, policy, batch))
         return params, cache, sds((batch,), jnp.int32), scalar
 
@@ -117,6 +196,7 @@ class Decoder:
         self.batch = 1  # generation batch; the jitted functions accept any batch
         self._prefill = jax.jit(functools.partial(fns.prefill, policy))
         self._decode = jax.jit(fns.decode, donate_argnums=(1,))
+        self._generate = jax.jit(functools.partial(fns.generate, policy))
 
     @classmethod
     def of(cls, model: Transformer, policy: str) -> "Decoder":
@@ -128,9 +208,36 @@ class Decoder:
     def decode(self, cache, token_b, pos):
         return self._decode(self.params, cache, jnp.asarray(token_b, jnp.int32), jnp.asarray(pos, jnp.int32))
 
+    def generate(self, tokens_bs, lengths_b, max_new_b, temperature_b, top_k_b, keys_b2, stop_token):
+        return self._generate(self.params, *(jnp.asarray(x) for x in (
+            tokens_bs, lengths_b, max_new_b, temperature_b, top_k_b, keys_b2, stop_token)))
+
+    @staticmethod
+    def batch_for(n: int) -> int:
+        return batch_bucket(n)
+
+    def width_for(self, n: int) -> int:
+        return width_bucket(n, self.max_len)
+
     def compiled_variants(self) -> dict[str, int]:
-        """How many executables each jitted endpoint holds (1 each: no recompiles while decoding)."""
-        return {"prefill": self._prefill._cache_size(), "decode": self._decode._cache_size()}
+        """How many executables each jitted endpoint holds (1 each, per batch bucket for generate)."""
+        return {"prefill": self._prefill._cache_size(), "decode": self._decode._cache_size(),
+                "generate": self._generate._cache_size()}
+
+
+MAX_BATCH = 256  # the largest request batch any endpoint or the service is asked to run
+
+
+def width_bucket(n: int, max_len: int, smallest: int = 16) -> int:
+    """The prompt width a batch whose longest prompt has ``n`` tokens is padded to (a power of two,
+    at least ``smallest``, at most the cache length): prefill cost follows the prompt, compiles stay few."""
+    return min(max_len, max(smallest, batch_bucket(n)))
+
+
+def batch_bucket(n: int) -> int:
+    """The batch a request batch of ``n`` runs at: the next power of two, so a handful of batch
+    shapes (1, 2, 4, 8, ...) covers every batch and each compiles once."""
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def pad_prompt(ids: np.ndarray, max_len: int, batch: int = 1) -> np.ndarray:

@@ -1,73 +1,94 @@
-"""Text generation over any Engine (jitted from a checkpoint, or exported endpoints): prefill once,
-then one decode per new token, streaming UTF-8 text as it completes.
+"""Text generation over any Engine (jitted from a checkpoint, or exported endpoints).
 
-Sampling runs on the host in numpy from a seeded Generator: the logits are on the host anyway to
-stream, and the same seed gives the same text on any backend that gives the same logits.
+Two paths with one sampler (``sampling.sample_tokens``, on device, keyed per row and step):
+``generate_ids`` is the step-by-step path (prefill once, one decode dispatch per new token, tokens
+streamed as they come); ``generate_batch`` is the compiled path (the whole request batch in one
+dispatch of the prefill + ``lax.while_loop`` program). For the same request they give the same
+tokens: bitwise for greedy, and for sampling with the same seed (same key, same logits).
 """
 
 from __future__ import annotations
 
 import codecs
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from tpulab.config import check, field
-from tpulab.data.tokenizer import BOS, VOCAB_SIZE, encode
+from tpulab.data.tokenizer import PAD
 from tpulab.errors import TpulabError
 from tpulab.inference.decode import Engine, pad_prompt
+from tpulab.inference.sampling import SamplingConfig, key_data, prompt_ids, sample_tokens
 
+__all__ = ["SamplingConfig", "Request", "generate_ids", "generate_batch", "generate_text", "prompt_ids",
+           "decode_text"]
 
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    """How the next token is chosen."""
-
-    max_new: int = field(64, "tokens to generate")
-    temperature: float = field(0.8, "softmax temperature; 0 = greedy")
-    top_k: int = field(0, "sample among the k most likely tokens; 0 = all")
-    seed: int = field(0, "sampling seed: the same seed gives the same text")
-
-    def __post_init__(self):
-        check(self.max_new > 0, f"max_new={self.max_new} must be positive")
-        check(0.0 <= self.temperature <= 10.0, f"temperature={self.temperature} must be in [0, 10]")
-        check(0 <= self.top_k <= VOCAB_SIZE, f"top_k={self.top_k} must be in [0, {VOCAB_SIZE}]")
-        check(0 <= self.seed < 2**63, f"seed={self.seed} must be a non-negative integer")
-
-
-def sample(logits_v: np.ndarray, rng: np.random.Generator, temperature: float, top_k: int) -> int:
-    z = np.asarray(logits_v, np.float64)
-    if temperature == 0.0:
-        return int(np.argmax(z))
-    z = z / temperature
-    if 0 < top_k < z.size:
-        z = np.where(z < np.partition(z, -top_k)[-top_k], -np.inf, z)
-    p = np.exp(z - z.max())
-    return int(rng.choice(z.size, p=p / p.sum()))
-
-
-def prompt_ids(prompt: str, max_len: int, max_new: int) -> np.ndarray:
-    """[BOS] + UTF-8 bytes, checked to leave room for ``max_new`` tokens in the cache."""
-    ids = np.concatenate([[BOS], encode(prompt)]).astype(np.int32)
-    if len(ids) + max_new > max_len:
-        raise TpulabError(f"prompt ({len(ids) - 1} bytes + BOS) plus max_new={max_new} exceeds the model's "
-                          f"{max_len} positions")
-    return ids
+_sample = jax.jit(sample_tokens)
 
 
 def generate_ids(engine: Engine, prompt: str, cfg: SamplingConfig) -> Iterator[int]:
-    """Yield ``cfg.max_new`` token ids continuing ``prompt``."""
+    """Yield ``cfg.max_new`` token ids continuing ``prompt``, one decode dispatch per token."""
     ids = prompt_ids(prompt, engine.max_len, cfg.max_new)
     batch = engine.batch
     logits_bv, cache = engine.prefill(pad_prompt(ids, engine.max_len, batch), np.int32(len(ids)))
-    rng = np.random.default_rng(cfg.seed)
+    keys = jnp.asarray(np.tile(key_data(cfg.seed), (batch, 1)))
+    temp = jnp.full((batch,), cfg.temperature, jnp.float32)
+    top_k = jnp.full((batch,), cfg.top_k, jnp.int32)
     pos = len(ids)
     for i in range(cfg.max_new):
-        token = sample(np.asarray(logits_bv[0]), rng, cfg.temperature, cfg.top_k)
-        yield token
+        token_b = _sample(logits_bv, keys, jnp.int32(i), temp, top_k)
+        yield int(token_b[0])
         if i + 1 < cfg.max_new:
-            logits_bv, cache = engine.decode(cache, np.full((batch,), token, np.int32), np.int32(pos))
+            logits_bv, cache = engine.decode(cache, token_b, np.int32(pos))
             pos += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One validated generation request (``prompt_ids`` + ``SamplingConfig`` checked it)."""
+
+    ids: np.ndarray
+    sampling: SamplingConfig
+
+    @classmethod
+    def of(cls, prompt, sampling: SamplingConfig, max_len: int) -> "Request":
+        return cls(prompt_ids(prompt, max_len, sampling.max_new), sampling)
+
+
+def batch_arrays(requests: Sequence[Request], width: int, batch: int) -> tuple:
+    """Right-padded tokens [batch, width], lengths, max_new, temperature, top_k, keys for ``requests``;
+    rows past ``len(requests)`` are idle (max_new 0: the loop never waits for them)."""
+    if not 0 < len(requests) <= batch:
+        raise TpulabError(f"{len(requests)} requests for a batch of {batch}")
+    if max(len(r.ids) for r in requests) > width:
+        raise TpulabError(f"a prompt is longer than the batch width {width}")
+    tokens = np.full((batch, width), PAD, np.int32)
+    lengths = np.ones((batch,), np.int32)
+    max_new = np.zeros((batch,), np.int32)
+    temp = np.zeros((batch,), np.float32)
+    top_k = np.zeros((batch,), np.int32)
+    keys = np.zeros((batch, 2), np.uint32)
+    for b, r in enumerate(requests):
+        tokens[b, : len(r.ids)] = r.ids
+        lengths[b], max_new[b] = len(r.ids), r.sampling.max_new
+        temp[b], top_k[b], keys[b] = r.sampling.temperature, r.sampling.top_k, key_data(r.sampling.seed)
+    return tokens, lengths, max_new, temp, top_k, keys
+
+
+def generate_batch(engine, requests: Sequence[Request], stop_token: int = -1) -> list[list[int]]:
+    """New token ids for every request, in one dispatch of the engine's compiled loop."""
+    width = engine.width_for(max(len(r.ids) for r in requests))
+    args = batch_arrays(requests, width, engine.batch_for(len(requests)))
+    out_bs, n_b = engine.generate(*args, np.int32(stop_token))
+    out_bs, n_b = np.asarray(out_bs), np.asarray(n_b)
+    return [out_bs[b, : n_b[b]].tolist() for b in range(len(requests))]
+
+
+def decode_text(ids: Sequence[int]) -> str:
+    """Generated byte tokens as text (invalid UTF-8 sequences become U+FFFD)."""
+    return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
 
 
 def generate_text(engine: Engine, prompt: str, cfg: SamplingConfig) -> Iterator[str]:
