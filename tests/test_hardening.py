@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, run_cli, tiny_config
+from conftest import TINY, run_cli, tiny_config
 from hooked_train import NanAt
 from tpulab.checkpoint.files import MANIFEST
 from tpulab.errors import TpulabError

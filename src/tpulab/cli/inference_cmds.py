@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import TpulabError
+from tpulab.inference.policies import POLICIES as _POLICIES
 
-_POLICIES = ("fp32", "bf16", "int8")
+
+def _paths_checked(handler):
+    """Every path flag given as "" or too long is one error line before the handler runs
+    (``Path("")`` would silently mean the current directory)."""
+    def run(args) -> int:
+        for name in ("run_dir", "out", "artifacts", "key_file"):
+            value = getattr(args, name, None)
+            if value is not None:
+                setattr(args, name, checked_path(value, "--" + name.replace("_", "-")))
+        return handler(args)
+
+    return run
 
 
 def _kvcache(args) -> int:
@@ -101,29 +113,29 @@ def _port(text: str) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("kvcache", help="KV-cache precision table (fp32/bf16/int8) against the full forward")
-    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--run-dir", type=path_arg, required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest valid)")
-    p.add_argument("--out", type=Path, default=None, help="output dir (default: RUN_DIR/kvcache)")
-    p.set_defaults(handler=_kvcache)
+    p.add_argument("--out", type=path_arg, default=None, help="output dir (default: RUN_DIR/kvcache)")
+    p.set_defaults(handler=_paths_checked(_kvcache))
 
     p = sub.add_parser("export", help="serialize prefill/decode endpoints (jax.export) for cpu, tpu and cuda")
-    p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--run-dir", type=path_arg, required=True)
+    p.add_argument("--out", type=path_arg, required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest valid)")
     p.add_argument("--batch", type=int, default=1, help="batch size the endpoints are lowered for")
-    p.set_defaults(handler=_export)
+    p.set_defaults(handler=_paths_checked(_export))
 
     p = sub.add_parser("verify-export", help="check an artifact set's hashes and outputs against its checkpoint")
-    p.add_argument("artifacts", type=Path)
-    p.add_argument("--run-dir", type=Path, default=None,
+    p.add_argument("artifacts", type=path_arg)
+    p.add_argument("--run-dir", type=path_arg, default=None,
                    help="where the checkpoint lives (default: the run dir recorded in the manifest)")
-    p.add_argument("--key-file", type=Path, default=None, help="sign verification.json with this HMAC key")
-    p.set_defaults(handler=_verify)
+    p.add_argument("--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key")
+    p.set_defaults(handler=_paths_checked(_verify))
 
     p = sub.add_parser("generate", help="stream text from a checkpoint or from verified exported endpoints")
-    p.add_argument("--run-dir", type=Path, help="the checkpoint; with --artifacts: re-verify them against it")
-    p.add_argument("--artifacts", type=Path, help="verified artifacts (tpulab verify-export)")
-    p.add_argument("--key-file", type=Path, default=None, help="HMAC key verification.json must be signed with")
+    p.add_argument("--run-dir", type=path_arg, help="the checkpoint; with --artifacts: re-verify them against it")
+    p.add_argument("--artifacts", type=path_arg, help="verified artifacts (tpulab verify-export)")
+    p.add_argument("--key-file", type=path_arg, default=None, help="HMAC key verification.json must be signed with")
     p.add_argument("--step", type=int, default=None, help="checkpoint step with --run-dir alone")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new", type=int, default=64)
@@ -131,29 +143,29 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
-    p.set_defaults(handler=_generate)
+    p.set_defaults(handler=_paths_checked(_generate))
 
     p = sub.add_parser("serve", help="HTTP generation service over verified artifacts (FastAPI + uvicorn)")
-    p.add_argument("--artifacts", type=Path, required=True)
+    p.add_argument("--artifacts", type=path_arg, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--run-dir", type=Path, default=None, help="re-verify the artifacts against this checkpoint")
-    p.add_argument("--key-file", type=Path, default=None, help="HMAC key verification.json must be signed with")
+    p.add_argument("--run-dir", type=path_arg, default=None, help="re-verify the artifacts against this checkpoint")
+    p.add_argument("--key-file", type=path_arg, default=None, help="HMAC key verification.json must be signed with")
     _batching_args(p)
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
     p.add_argument("--request-timeout", type=float, default=60.0, help="server-side limit per request (s)")
-    p.set_defaults(handler=_serve)
+    p.set_defaults(handler=_paths_checked(_serve))
 
     p = sub.add_parser("serve-bench", help="capacity table: the real service over loopback, 1/4/16 clients")
-    p.add_argument("--artifacts", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True, help="writes OUT/serve_bench.{json,md}")
+    p.add_argument("--artifacts", type=path_arg, required=True)
+    p.add_argument("--out", type=path_arg, required=True, help="writes OUT/serve_bench.{json,md}")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=8, help="requests per client")
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
     _batching_args(p)
-    p.set_defaults(handler=_serve_bench)
+    p.set_defaults(handler=_paths_checked(_serve_bench))
 
 
 def _batching_args(p) -> None:

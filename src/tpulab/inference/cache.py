@@ -13,16 +13,15 @@ over the head dim, ``q = clip(round(x / scale), -127, 127)``. An all-zero vector
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tpulab.errors import TpulabError
+from tpulab.inference.policies import POLICIES, Policy  # noqa: F401 - re-exported
 
-Policy = Literal["fp32", "bf16", "int8"]
-POLICIES: tuple[str, ...] = ("fp32", "bf16", "int8")
 _STORAGE = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
 SCALE_DTYPE = jnp.float32
 INT8_MAX = 127

@@ -31,7 +31,6 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -39,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tpulab.config import check, field
 from tpulab.errors import TpulabError
+from tpulab.inference.policies import Policy
 from tpulab.inference import cache as kv
 from tpulab.inference.decode import MAX_BATCH, batch_bucket
 from tpulab.inference.export import load_verified, read_key
@@ -84,7 +84,7 @@ class GenerateRequest(BaseModel):
     temperature: float = 0.8
     top_k: int = 0
     seed: int = 0
-    cache: Literal["fp32", "bf16", "int8"] = "fp32"
+    cache: Policy = "fp32"
 
 
 class QueueFull(Exception):
