@@ -31,14 +31,18 @@ def load_run_config(args):
 
 
 def cmd_train(args) -> int:
-    from tpulab.train.preemption import Preemption
+    from tpulab.train.distributed import AgreedPreemption
 
-    preemption = Preemption()  # first: a SIGTERM from now until exit is a preemption notice, never a kill
+    preemption = AgreedPreemption()  # first: a SIGTERM from now until exit is a preemption notice, never a kill
     config = load_run_config(args)  # before the heavy imports: a bad config fails fast
+    from tpulab.train.distributed import STALL_TIMEOUT_S, StepWatchdog, initialize_from_env
     from tpulab.train.hooks import HoldAfter
     from tpulab.train.loop import train
 
+    joined = initialize_from_env()  # a launched or TPU-slice process joins its job; otherwise a no-op
     hooks = [HoldAfter(args.hold_after_step)] if args.hold_after_step else []
+    if joined["distributed"] or args.stall_timeout:
+        hooks.append(StepWatchdog(args.stall_timeout or STALL_TIMEOUT_S))
     summary = train(config, args.run_dir, force=args.force, skip_restore=tuple(args.skip_restore),
                     progress=False if args.no_progress else None, compile_cache_dir=args.compile_cache,
                     hooks=hooks, preemption=preemption)
@@ -101,6 +105,9 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)  # negative controls
     p.add_argument("--hold-after-step", type=int, help=argparse.SUPPRESS)  # the proof driver's fixed kill point
+    p.add_argument("--stall-timeout", type=float, help="exit with code 75 (after dumping stacks) when no step "
+                                                       "finished for this many seconds (default: 300 when several "
+                                                       "processes train, else off)")
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, overlaid curves")

@@ -1,0 +1,169 @@
+"""JAX's distributed runtime for a trainer process, and a step-progress watchdog.
+
+A trainer joins a multi-process job from its environment, with no flags:
+- started by ``tpulab launch`` (tpulab.orchestrate.launch): ``TPULAB_COORDINATOR``, ``TPULAB_NUM_PROCESSES``
+  and ``TPULAB_PROCESS_ID`` name the loopback coordinator and this process; CPU collectives use gloo;
+- on a multi-host Cloud TPU slice (``gcloud compute tpus tpu-vm ssh ... --worker=all``): the TPU
+  environment (``TPU_WORKER_HOSTNAMES`` with several hosts, or ``TPULAB_DISTRIBUTED=auto``) and JAX's own
+  cluster detection;
+- otherwise it stays a single process (one host, however many local devices).
+
+Failure detection. A process that dies is noticed by the launcher, which tears the others down (see
+launch.py); without the launcher, JAX's coordination service notices missing heartbeats after
+``HEARTBEAT_TIMEOUT_S``. A process that is alive but stuck (SIGSTOP, a hung filesystem) keeps the
+heartbeat happy while the others wait inside a collective forever (jax-ml/jax#38503): ``StepWatchdog``
+notices that no step finished for ``stall_timeout_s``, dumps every thread's stack to stderr and exits
+with ``EXIT_STALLED``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+from tpulab.errors import TpulabError
+from tpulab.train.hooks import Hooks
+from tpulab.train.preemption import Preemption
+
+ENV_COORDINATOR = "TPULAB_COORDINATOR"
+ENV_NUM_PROCESSES = "TPULAB_NUM_PROCESSES"
+ENV_PROCESS_ID = "TPULAB_PROCESS_ID"
+ENV_MODE = "TPULAB_DISTRIBUTED"  # "auto": let JAX detect the cluster (TPU VM); "off": never initialize
+
+INIT_TIMEOUT_S = 120  # every process must reach the coordinator within this
+HEARTBEAT_TIMEOUT_S = 30  # the coordination service declares a silent process dead after this
+STALL_TIMEOUT_S = 300  # default: no finished step for this long (after the first) -> stack dump, exit
+
+EXIT_STALLED = 75  # a trainer's watchdog fired
+EXIT_PEER_FAILED = 76  # the launcher tore the job down because a process died or failed
+
+
+def _tpu_multihost() -> bool:
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return len([h for h in hosts.split(",") if h.strip()]) > 1
+
+
+def initialize_from_env(init_timeout_s: int = INIT_TIMEOUT_S) -> dict:
+    """Join the job this process belongs to (before any other JAX call); returns what was done."""
+    mode = os.environ.get(ENV_MODE, "")
+    if mode == "off":
+        return {"distributed": False}
+    import jax
+
+    coordinator = os.environ.get(ENV_COORDINATOR)
+    if coordinator:
+        try:
+            n, pid = int(os.environ[ENV_NUM_PROCESSES]), int(os.environ[ENV_PROCESS_ID])
+        except (KeyError, ValueError):
+            raise TpulabError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} are missing or "
+                              "not integers (start multi-process runs with tpulab launch)") from None
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        kwargs = {"coordinator_address": coordinator, "num_processes": n, "process_id": pid}
+        where = f"coordinator {coordinator} (process {pid} of {n})"
+    elif mode == "auto" or _tpu_multihost():
+        kwargs, where = {}, "the TPU slice's coordinator"
+    else:
+        return {"distributed": False}
+    try:
+        jax.distributed.initialize(**kwargs, initialization_timeout=init_timeout_s,
+                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - the runtime's errors are long C++ status dumps
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise TpulabError(f"joining {where} failed within {init_timeout_s}s: {first}. Every process must run the "
+                          "same command at the same time: on a TPU slice use gcloud compute tpus tpu-vm ssh ... "
+                          "--worker=all --command '...'; locally use tpulab launch --processes N") from None
+    return {"distributed": True, "process_index": jax.process_index(), "process_count": jax.process_count()}
+
+
+class StepWatchdog(Hooks):
+    """Exit with EXIT_STALLED (after dumping all stacks) when no step finished for ``timeout_s``.
+
+    Armed at the first finished step (compilation is not a stall), paused during validation and
+    checkpoint writes by being fed after them, disarmed at the end. ``exit`` is injectable for tests.
+    """
+
+    def __init__(self, timeout_s: float = STALL_TIMEOUT_S, exit=os._exit, stream=None):
+        self.timeout_s = timeout_s
+        self._exit = exit
+        self._stream = stream or sys.stderr
+        self._last: float | None = None
+        self._step = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tpulab-step-watchdog", daemon=True)
+        self.fired = False
+
+    def feed(self, step: int | None = None) -> None:
+        self._last = time.monotonic()
+        if step is not None:
+            self._step = step
+
+    def on_start(self, info):
+        self._thread.start()
+
+    def on_metrics(self, step, record):
+        self.feed(step)
+
+    def on_eval(self, step, val_loss):
+        self.feed(step)
+
+    def on_checkpoint(self, step):
+        self.feed()
+
+    def on_end(self, summary):
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 10)):
+            if self._last is not None and time.monotonic() - self._last > self.timeout_s:
+                self.fired = True
+                print(f"error: stalled: no training step finished for {self.timeout_s:.0f}s after step {self._step} "
+                      "(a peer process is stuck or a collective hangs); stacks of every thread follow",
+                      file=self._stream, flush=True)
+                try:
+                    faulthandler.dump_traceback(file=self._stream, all_threads=True)
+                except (ValueError, OSError, AttributeError):  # a stream without a file descriptor
+                    pass
+                self._stream.flush()
+                self._exit(EXIT_STALLED)
+                return
+
+
+class AgreedPreemption(Preemption):
+    """A SIGTERM notice every process acts on at the same step.
+
+    Processes get the signal at slightly different moments; if each stopped on its own notice, one would
+    save at step N while another entered step N+1's collectives and hung. The loop reads ``requested`` at
+    the same points in every process, so every ``every``-th read is an all-gather of the local notices
+    (a host sync, hence not every read) and all processes see the same answer. One process: the plain flag.
+    """
+
+    def __init__(self, every: int = 16):
+        self._local = False
+        self._agreed = False
+        self._reads = 0
+        self.every = every
+        super().__init__()
+
+    @property
+    def requested(self) -> bool:
+        import jax
+
+        if jax.process_count() == 1:
+            return self._local
+        self._reads += 1
+        if not self._agreed and self._reads % self.every == 0:
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            self._agreed = bool(np.any(multihost_utils.process_allgather(np.array(self._local))))
+        return self._agreed
+
+    @requested.setter
+    def requested(self, value: bool) -> None:
+        self._local = bool(value)
