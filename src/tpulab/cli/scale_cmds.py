@@ -55,7 +55,45 @@ def cmd_reshard(args) -> int:
     return 0
 
 
+def cmd_prove_layouts(args) -> int:
+    from tpulab.cli.train_cmds import load_run_config
+
+    config = load_run_config(args)
+    from tpulab.proofs.scaleout import prove_layouts
+
+    v = prove_layouts(config, Path(args.run_dir))
+    print((Path(args.run_dir) / "layouts.md").read_text(), end="")
+    return 0 if v["passed"] else 1
+
+
+def cmd_prove_reshard(args) -> int:
+    from tpulab.cli.train_cmds import load_run_config
+
+    config = load_run_config(args)
+    from tpulab.proofs.scaleout import prove_reshard
+
+    v = prove_reshard(config, Path(args.run_dir), at_step=args.at_step)
+    c = v["continued_vs_reference"]
+    print(f"{'PASSED' if v['passed'] else 'FAILED'}: restored state bitwise equal ({v['reshard']['leaves']} leaves, "
+          f"{v['reshard']['from']} -> {v['reshard']['to']}); continued curve vs 2-process reference: max rel diff "
+          f"{c['max_rel_diff']:.2e} over {c['steps']} steps (rtol {v['rtol']:g}) -> {Path(args.run_dir) / 'overlay.png'}")
+    return 0 if v["passed"] else 1
+
+
 def register(sub) -> None:
+    from tpulab.cli.train_cmds import add_config_args
+
+    p = sub.add_parser("prove-layouts", help="same run on 1x1, 1 proc x 4 dev and 2 proc x 2 dev: loss table")
+    p.add_argument("--run-dir", required=True, type=Path)
+    add_config_args(p)
+    p.set_defaults(handler=cmd_prove_layouts)
+
+    p = sub.add_parser("prove-reshard", help="2 proc x 2 dev checkpoint resharded onto 1 proc x 2 dev, trained on")
+    p.add_argument("--run-dir", required=True, type=Path)
+    add_config_args(p)
+    p.add_argument("--at-step", type=int, required=True, help="reshard the checkpoint of this step")
+    p.set_defaults(handler=cmd_prove_reshard)
+
     p = sub.add_parser("launch", help="run a tpulab command in P local processes on JAX's distributed runtime",
                        description="Start P processes on loopback (coordinator on a free port, gloo CPU collectives, "
                                    "K host devices each), stream process 0's output, forward SIGTERM/SIGINT, and tear "

@@ -55,6 +55,21 @@ def cmd_train(args) -> int:
 
 def cmd_prove_resume(args) -> int:
     config = load_run_config(args)
+    if args.processes:
+        from tpulab.proofs.scaleout import prove_multiprocess_resume
+
+        v = prove_multiprocess_resume(config, Path(args.run_dir), processes=args.processes,
+                                      devices=args.devices_per_process, mode="stall" if args.stall else "kill",
+                                      kill_at=args.kill_at, stall_timeout_s=args.stall_timeout)
+        ok = v["identical"] and v["teardown_ok"]
+        print(f"{'IDENTICAL' if v['identical'] else 'NOT IDENTICAL'}: process {v['event']['victim_process']} of "
+              f"{args.processes} got {v['signal']} after step {v['event']['last_logged_step']}; the job ended in "
+              f"{v['event']['job_end_s']:.1f}s with exit {v['event']['launcher_exit_code']} (expected "
+              f"{v['expected_exit_code']}); resumed from step {v['resumed_from_step']}; curves "
+              f"{'bitwise identical' if v['curves_identical'] else 'differ'}, final state "
+              f"{'bitwise identical' if v['final_state_identical'] else 'differs'} -> "
+              f"{Path(args.run_dir) / ('proof-' + ('stall' if args.stall else 'kill'))}")
+        return 0 if ok else 1
     from tpulab.proofs.driver import verdict_text
     from tpulab.proofs.transformer import prove_transformer_resume
 
@@ -116,6 +131,11 @@ def register(sub) -> None:
     p.add_argument("--kill-at", type=int, help="SIGKILL the second run right after this step (default: between "
                                                "checkpoints, about 60%% of the way)")
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--processes", type=int, help="prove it on a launched multi-process job: SIGKILL one process")
+    p.add_argument("--devices-per-process", type=int, default=2, help="with --processes: host devices each")
+    p.add_argument("--stall", action="store_true", help="with --processes: SIGSTOP one process instead; the "
+                                                        "others' step watchdog must end the job (exit 75)")
+    p.add_argument("--stall-timeout", type=float, default=10.0, help="with --processes: watchdog timeout (s)")
     p.set_defaults(handler=cmd_prove_resume)
 
     p = sub.add_parser("chaos", help="SIGKILL a run at random moments, resume each time, compare the whole state")
