@@ -41,14 +41,15 @@ def cmd_reshard(args) -> int:
             from tpulab.errors import ConfigError
 
             raise ConfigError(f"--mesh {args.mesh} does not split evenly over --processes {args.processes}")
-        return launch(["reshard", "--run-dir", str(args.run_dir), "--out", str(args.out), "--mesh", args.mesh],
+        return launch(["reshard", "--run-dir", str(args.run_dir), "--out", str(args.out), "--mesh", args.mesh,
+                       *(["--step", str(args.step)] if args.step is not None else [])],
                       processes=args.processes, devices_per_process=per, log_dir=Path(args.out) / "launch")
     mesh = parse_mesh(args.mesh)
     from tpulab.train.distributed import initialize_from_env
     from tpulab.train.reshard import reshard
 
     initialize_from_env()
-    result = reshard(Path(args.run_dir), Path(args.out), mesh)
+    result = reshard(Path(args.run_dir), Path(args.out), mesh, args.step)
     print(f"resharded step {result['step']} from {result['from']} onto {result['to']}: {result['leaves']} leaves "
           f"bitwise equal after gathering -> {result['out']} (continue: tpulab train --run-dir {args.out} ...)",
           flush=True)
@@ -112,4 +113,5 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="new run dir (must not hold a run)")
     p.add_argument("--mesh", required=True, help="target mesh, e.g. data=1,fsdp=2")
     p.add_argument("--processes", type=int, help="run the reshard itself in this many launched processes")
+    p.add_argument("--step", type=int, help="checkpoint step to move (default: the newest valid one)")
     p.set_defaults(handler=cmd_reshard)

@@ -122,13 +122,18 @@ class StepWatchdog(Hooks):
         while not self._stop.wait(min(1.0, self.timeout_s / 10)):
             if self._last is not None and time.monotonic() - self._last > self.timeout_s:
                 self.fired = True
-                print(f"error: stalled: no training step finished for {self.timeout_s:.0f}s after step {self._step} "
+                print(f"error: stalled: no training step finished for {self.timeout_s:g}s after step {self._step} "
                       "(a peer process is stuck or a collective hangs); stacks of every thread follow",
                       file=self._stream, flush=True)
-                try:
+                try:  # needs no GIL: works even if a thread holds it inside a hung call
                     faulthandler.dump_traceback(file=self._stream, all_threads=True)
                 except (ValueError, OSError, AttributeError):  # a stream without a file descriptor
-                    pass
+                    import traceback
+
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                    for ident, frame in sys._current_frames().items():
+                        print(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}",
+                              file=self._stream)
                 self._stream.flush()
                 self._exit(EXIT_STALLED)
                 return

@@ -36,8 +36,8 @@ from tpulab.perf import compile_cache
 from tpulab.train.config import RunConfig
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.preemption import Preemption
-from tpulab.train.sharding import topology
-from tpulab.train.step import Steps, make_steps
+from tpulab.train.sharding import check_batch, topology
+from tpulab.train.step import Steps, make_mesh, make_steps
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
@@ -170,6 +170,8 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
         raise TpulabError(f"unknown part to skip on restore: {bad[0]} (known: {', '.join(SKIPPABLE)})")
     clock = PhaseClock()
     hooks = HookList(hooks)
+    mesh = make_mesh(config)  # a mesh that does not fit the devices, or a batch it cannot split: before any write
+    check_batch(config.data.batch_size, mesh)
     run_dir = prepare_run_dir(Path(run_dir))
     compile_cache.enable(compile_cache_dir)
     splits = build_splits(load_corpus(config.data.path), config.data)
@@ -180,7 +182,7 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
     if found.latest is not None:
         check_resume_identity(read_meta(found.directory / str(found.latest)), config, splits.corpus.identity, force)
 
-    steps = make_steps(config)
+    steps = make_steps(config, mesh)
     meta["topology"] = topology(steps.mesh)
     if found.latest is not None:
         check_topology(read_meta(found.directory / str(found.latest)), meta["topology"], force)

@@ -58,8 +58,9 @@ def data_positions(step_dir: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
-def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig) -> dict:
-    step_dir = checkpoint_dir(src_run)
+def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None = None) -> dict:
+    """Reshard checkpoint ``step`` (default: the newest valid one) of ``src_run`` into the new run dir ``dst_run``."""
+    step_dir = checkpoint_dir(src_run, step)
     dst_run = Path(dst_run)
     if (dst_run / "checkpoints").exists() and any((dst_run / "checkpoints").iterdir()):
         raise TpulabError(f"--out {dst_run} already holds checkpoints; choose a new directory")
