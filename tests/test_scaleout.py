@@ -154,3 +154,18 @@ def test_topology_is_recorded_in_the_checkpoint(trained_run):
 
     meta = json.loads((trained_run / "checkpoints" / "40" / "meta" / "metadata").read_text())
     assert meta["topology"] == {"mesh": {"data": 1, "fsdp": 1}, "process_count": 1, "device_count": 1}
+
+
+def test_a_process_that_cannot_reach_its_coordinator_fails_in_one_line_naming_worker_all(tmp_path):
+    from tpulab.orchestrate.launch import free_port
+
+    env = {"TPULAB_COORDINATOR": f"127.0.0.1:{free_port()}", "TPULAB_NUM_PROCESSES": "2", "TPULAB_PROCESS_ID": "1",
+           "JAX_PLATFORMS": "cpu"}
+    t0 = time.monotonic()
+    result = run_cli("train", "--run-dir", str(tmp_path / "run"), "--config", str(TINY), "--no-progress",
+                     "--init-timeout", "3", env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: joining coordinator") and "within 3s" in last and "--worker=all" in last
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "run").exists()

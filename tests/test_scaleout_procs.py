@@ -24,8 +24,8 @@ STEPS, SAVE_EVERY = 20, 5
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("small-corpus")
-    for i in range(7):
-        (d / f"doc{i}.txt").write_text(f"Document {i}. " + "the quick brown fox jumps over the lazy dog " * (3 + i % 3))
+    for i in range(7):  # every word unique, so every window is unique and a hash names one window
+        (d / f"doc{i}.txt").write_text(" ".join(f"d{i}w{j}" for j in range(30 + 5 * (i % 3))))
     return d
 
 
@@ -80,7 +80,7 @@ def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, la
     assert v["event"]["launcher_exit_code"] == EXIT_PEER_FAILED and v["event"]["survivors_after"] == []
     assert v["event"]["job_end_s"] < GRACE_S + 5  # the survivor is gone within the stated bound
     assert v["resumed_from_step"] == 5 and v["kill_step"] == 9
-    # proof 4: an epoch (35 windows, 4.4 steps here) ends between the checkpoint and the kill, so the
+    # proof 4: an epoch (about 4 steps here) ends between the checkpoint and the kill, so the
     # redone steps cross into the next epoch's shuffle
     assert _epoch_of_step(config, 9) > _epoch_of_step(config, 5)
     assert (tmp_path / "proof-kill" / "overlay.png").stat().st_size > 10_000
@@ -129,3 +129,31 @@ def test_windows_of_a_step_are_disjoint_across_processes_and_equal_the_single_pr
     (bad / "windows.p1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     v = ledger_verdict(bad, out / "p1d1")
     assert not v["passed"] and v["steps_with_overlap"] == [3]
+
+
+def test_sigterm_to_the_launcher_preempts_every_process_at_the_same_step(config, tmp_path):
+    import signal
+    import time
+
+    from tpulab.checkpoint.store import scan
+    from tpulab.evidence.metrics import curve, read_records
+    from tpulab.proofs.driver import Proc
+    from tpulab.proofs.scaleout import _with_mesh, launch_argv
+    from tpulab.proofs.transformer import write_child_config
+
+    cfg = write_child_config(_with_mesh(config, 2, 2), tmp_path / "c.yaml")
+    run = tmp_path / "run"
+    with Proc(launch_argv(cfg, run, processes=2, devices=2, extra=("--steps", "400")), tmp_path / "log") as proc:
+        deadline = time.monotonic() + 300
+        while 3 not in curve(read_records(run)):
+            assert proc.p.poll() is None and time.monotonic() < deadline, proc.tail()
+            time.sleep(0.05)
+        proc.p.send_signal(signal.SIGTERM)
+        assert proc.p.wait(timeout=120) == 0, proc.tail()
+    records = read_records(run)
+    stopped = [r for r in records if r.get("event") == "preempted"]
+    assert len(stopped) == 1 and stopped[0]["step"] < 400
+    step = stopped[0]["step"]
+    assert scan(run / "checkpoints").latest == step  # both processes saved that step together
+    assert sorted(p.name for p in (run / "checkpoints" / str(step) / "data").glob("process_*")) == \
+        ["process_0-of-2.json", "process_1-of-2.json"]

@@ -39,7 +39,7 @@ def cmd_train(args) -> int:
     from tpulab.train.hooks import HoldAfter
     from tpulab.train.loop import train
 
-    joined = initialize_from_env()  # a launched or TPU-slice process joins its job; otherwise a no-op
+    joined = initialize_from_env(args.init_timeout)  # a launched or TPU-slice process joins its job; otherwise a no-op
     hooks = [HoldAfter(args.hold_after_step)] if args.hold_after_step else []
     if joined["distributed"] or args.stall_timeout:
         hooks.append(StepWatchdog(args.stall_timeout or STALL_TIMEOUT_S))
@@ -120,6 +120,8 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)  # negative controls
     p.add_argument("--hold-after-step", type=int, help=argparse.SUPPRESS)  # the proof driver's fixed kill point
+    p.add_argument("--init-timeout", type=int, default=120, help="seconds every process of a multi-process job "
+                                                                 "has to reach the coordinator (default 120)")
     p.add_argument("--stall-timeout", type=float, help="exit with code 75 (after dumping stacks) when no step "
                                                        "finished for this many seconds (default: 300 when several "
                                                        "processes train, else off)")

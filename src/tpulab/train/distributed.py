@@ -60,6 +60,8 @@ def initialize_from_env(init_timeout_s: int = INIT_TIMEOUT_S) -> dict:
         except (KeyError, ValueError):
             raise TpulabError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} are missing or "
                               "not integers (start multi-process runs with tpulab launch)") from None
+        if pid != 0:  # the runtime aborts the process (SIGABRT) when it cannot connect: find out first
+            _wait_for_coordinator(coordinator, init_timeout_s, pid, n)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs = {"coordinator_address": coordinator, "num_processes": n, "process_id": pid}
         where = f"coordinator {coordinator} (process {pid} of {n})"
@@ -71,11 +73,30 @@ def initialize_from_env(init_timeout_s: int = INIT_TIMEOUT_S) -> dict:
         jax.distributed.initialize(**kwargs, initialization_timeout=init_timeout_s,
                                    heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - the runtime's errors are long C++ status dumps
-        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise TpulabError(f"joining {where} failed within {init_timeout_s}s: {first}. Every process must run the "
-                          "same command at the same time: on a TPU slice use gcloud compute tpus tpu-vm ssh ... "
-                          "--worker=all --command '...'; locally use tpulab launch --processes N") from None
+        raise _fail_to_join(where, init_timeout_s, (str(e).splitlines() or [type(e).__name__])[0][:200]) from None
     return {"distributed": True, "process_index": jax.process_index(), "process_count": jax.process_count()}
+
+
+def _fail_to_join(where: str, timeout_s: int, why: str) -> TpulabError:
+    return TpulabError(f"joining {where} failed within {timeout_s}s: {why}. Every process must run the same command "
+                       "at the same time: on a TPU slice use gcloud compute tpus tpu-vm ssh ... --worker=all "
+                       "--command '...'; locally use tpulab launch --processes N")
+
+
+def _wait_for_coordinator(address: str, timeout_s: int, pid: int, n: int) -> None:
+    import socket
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except (OSError, ValueError) as e:
+            if time.monotonic() >= deadline:
+                raise _fail_to_join(f"coordinator {address} (process {pid} of {n})", timeout_s,
+                                    f"nothing answers there ({getattr(e, 'strerror', None) or e})") from None
+            time.sleep(0.2)
 
 
 class StepWatchdog(Hooks):
