@@ -92,7 +92,7 @@ def test_stall_one_process_watchdog_tears_down_and_resume_is_bitwise(config, lay
 
     out, _ = layouts
     timeout = 15.0
-    v = prove_multiprocess_resume(_with_mesh(config, 2, 2), tmp_path, mode="stall", kill_at=6,
+    v = prove_multiprocess_resume(_with_mesh(config, 2, 2), tmp_path, mode="stall", kill_at=9,
                                   reference_dir=out / "p2d2", stall_timeout_s=timeout)
     assert v["event"]["launcher_exit_code"] == EXIT_STALLED, v
     assert v["stack_dumped"] and v["event"]["survivors_after"] == []

@@ -27,7 +27,7 @@ from tpulab.evidence import metrics as M
 from tpulab.evidence.ledger import PATTERN as LEDGER_PATTERN, read_ledger
 from tpulab.proofs.driver import Proc, judge, plot_overlay, plot_proof, run_to_completion, tpulab_argv
 from tpulab.proofs.state import final_state_verdict
-from tpulab.proofs.transformer import check_kill_step, write_child_config
+from tpulab.proofs.transformer import check_kill_step, default_kill_step, write_child_config
 from tpulab.train.config import RunConfig
 from tpulab.train.distributed import EXIT_PEER_FAILED, EXIT_STALLED
 
@@ -111,12 +111,17 @@ def _pids(run_dir: Path) -> list[int]:
 
 def interrupt_one(argv: list[str], run_dir: Path, log_path: Path, *, at_step: int, victim: int, mode: str,
                   timeout_s: float) -> dict:
-    """Start a launched job, wait for step ``at_step`` in process 0's metrics, then SIGKILL (``mode='kill'``,
-    the job held there) or SIGSTOP (``mode='stall'``, running) process ``victim``; time until the launcher exits."""
+    """Start a launched job, wait for step ``at_step`` in process 0's metrics and a committed checkpoint, then
+    SIGKILL (``mode='kill'``, the job held there) or SIGSTOP (``mode='stall'``, running) process ``victim``;
+    time until the launcher exits. Waiting for the commit matters: a save that every process finished can
+    still lack its marker if a process stops before Orbax's closing barrier, and is then (rightly) refused."""
+    from tpulab.checkpoint.store import scan
+
     with Proc(argv, log_path) as proc:
         pids = _pids(run_dir)
         deadline = time.monotonic() + timeout_s
-        while at_step not in M.curve(M.read_records(run_dir / M.METRICS)):
+        while at_step not in M.curve(M.read_records(run_dir / M.METRICS)) or \
+                scan(run_dir / "checkpoints").latest is None:
             if proc.p.poll() is not None:
                 raise TpulabError(f"job exited with {proc.p.returncode} before step {at_step}: {proc.tail(1)}")
             if time.monotonic() > deadline:
@@ -150,7 +155,7 @@ def prove_multiprocess_resume(config: RunConfig, out_dir: Path, *, processes: in
     (the others then hang in a collective until their step watchdog fires); a fresh launch that resumes.
     Curves and final whole state compared bitwise with the reference; verdict.json and overlay.png."""
     steps, save_every = config.train.steps, config.checkpoint.save_every
-    kill_at = kill_at or save_every + 1
+    kill_at = kill_at or default_kill_step(steps, save_every)
     check_kill_step(kill_at, steps, save_every)
     if not 0 <= victim < processes:
         raise TpulabError(f"--victim {victim} must name one of the {processes} processes")

@@ -164,16 +164,17 @@ class AgreedPreemption(Preemption):
     """A SIGTERM notice every process acts on at the same step.
 
     Processes get the signal at slightly different moments; if each stopped on its own notice, one would
-    save at step N while another entered step N+1's collectives and hung. The loop reads ``requested`` at
-    the same points in every process, so every ``every``-th read is an all-gather of the local notices
-    (a host sync, hence not every read) and all processes see the same answer. One process: the plain flag.
+    save at step N while another entered step N+1's collectives and hung. Once JAX's distributed runtime
+    is initialized it owns SIGTERM (its preemption notifier replaces Python's handler) and agrees with the
+    other processes through the coordination service on the first sync point that all of them reach:
+    ``multihost_utils.reached_preemption_sync_point``. The loop reads ``requested`` at the same points in
+    every process, so the number of reads is the sync-point id. One process: the plain flag.
     """
 
-    def __init__(self, every: int = 16):
+    def __init__(self):
         self._local = False
         self._agreed = False
         self._reads = 0
-        self.every = every
         super().__init__()
 
     @property
@@ -182,12 +183,13 @@ class AgreedPreemption(Preemption):
 
         if jax.process_count() == 1:
             return self._local
-        self._reads += 1
-        if not self._agreed and self._reads % self.every == 0:
-            import numpy as np
+        # Several processes: only the agreed answer counts (a notice one process saw before the runtime took
+        # SIGTERM over is its own and would split the job).
+        if not self._agreed:
             from jax.experimental import multihost_utils
 
-            self._agreed = bool(np.any(multihost_utils.process_allgather(np.array(self._local))))
+            self._reads += 1
+            self._agreed = bool(multihost_utils.reached_preemption_sync_point(self._reads))
         return self._agreed
 
     @requested.setter
