@@ -44,7 +44,7 @@ CONFIG = ROOT / "configs" / "default.yaml"
 MESHES = (("data parallel", 4, 1), ("hybrid", 2, 2), ("FSDP", 1, 4))
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8, "u64": 8}
-LINE = re.compile(r"=\s*(\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
+LINE = re.compile(r"=\s*(\([^()]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
 SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
@@ -74,6 +74,7 @@ def measure(config: RunConfig, name: str, data: int, fsdp: int, batches: list, n
     mem = compiled.memory_analysis()
     table = layout_table(abstract, mesh)
     state_bytes = sum(int(np.prod(r["per_device"])) * 4 for r in table)
+    param_bytes = sum(int(np.prod(r["shape"])) * 4 for r in table if r["path"].startswith("params/"))
     replicated_fallback = [r["path"] for r in table if "replicated)" in r["rule"] and r["path"].startswith("params")]
     state = steps.init()
     it = itertools.cycle(batches)
@@ -87,7 +88,7 @@ def measure(config: RunConfig, name: str, data: int, fsdp: int, batches: list, n
     return {"layout": name, "mesh": {"data": data, "fsdp": fsdp}, "collectives": collectives(compiled.as_text()),
             "memory_analysis": {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
                                                                    "temp_size_in_bytes", "alias_size_in_bytes")},
-            "state_bytes_per_device": state_bytes, "params_replicated_by_divisibility": replicated_fallback,
+            "state_bytes_per_device": state_bytes, "param_bytes_unsharded": param_bytes, "params_replicated_by_divisibility": replicated_fallback,
             "step_time": summarize(times)}
 
 
@@ -105,6 +106,8 @@ def markdown(rows: list[dict], env: dict, shapes: dict) -> str:
                      f"{r['state_bytes_per_device'] / 2**20:.2f} | {ma['argument_size_in_bytes'] / 2**20:.2f} | "
                      f"{ma['temp_size_in_bytes'] / 2**20:.2f} | {st['median_s'] * 1e3:.1f} ms "
                      f"({st['p10_s'] * 1e3:.1f}-{st['p90_s'] * 1e3:.1f}) |")
+    lines += ["", f"Parameters unsharded: {rows[0]['param_bytes_unsharded'] / 2**20:.2f} MiB (the gradient a data-parallel "
+                  "all-reduce must carry; a parser check: the data-parallel all-reduce bytes should be at least this)."]
     notes = {p for r in rows for p in r["params_replicated_by_divisibility"]}
     if notes:
         lines += ["", f"Replicated because fsdp does not divide the split dimension: {', '.join(sorted(notes))}."]
