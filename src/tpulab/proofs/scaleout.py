@@ -228,8 +228,8 @@ def ledger_verdict(multi_dir: Path, single_dir: Path) -> dict:
 
 def prove_reshard(config: RunConfig, out_dir: Path, *, at_step: int, timeout_s: float = 600,
                   reference_dir: Path | None = None) -> dict:
-    """2 processes x 2 devices {2,2} trained to ``at_step`` -> resharded onto 1 process x 2 devices {1,2}
-    -> trained on to the end; its curve over the uninterrupted 2-process one (not bitwise: the reduction
+    """The 2 processes x 2 devices {2,2} reference's checkpoint ``at_step`` -> resharded onto 1 process x 2
+    devices {1,2} -> trained on to the end; its curve over the uninterrupted 2-process one (not bitwise: the reduction
     order changes with the layout; judged against LAYOUT_RTOL)."""
     out_dir = Path(out_dir)
     two = _with_mesh(config, 2, 2)
@@ -261,5 +261,9 @@ def prove_reshard(config: RunConfig, out_dir: Path, *, at_step: int, timeout_s: 
     atomic_write_json(out_dir / "verdict.json", verdict)
     plot_overlay(ref, before, after, verdict, out_dir / "overlay.png",
                  title=f"2 proc x 2 dev -> resharded at step {at_step} onto 1 proc x 2 dev {{data:1, fsdp:2}}; "
-                       f"max rel diff {cmp_after['max_rel_diff']:.1e} (rtol {LAYOUT_RTOL:g})")
+                       f"max rel diff {cmp_after['max_rel_diff']:.1e} (rtol {LAYOUT_RTOL:g}, not bitwise: "
+                       "another reduction order)",
+                 labels=("2 proc x 2 dev, uninterrupted", f"2 proc x 2 dev, up to its checkpoint at step {at_step}",
+                         f"1 proc x 2 dev, from the resharded checkpoint {at_step}"),
+                 marks=("reshard", ""))
     return verdict
