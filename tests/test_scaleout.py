@@ -3,6 +3,7 @@ watchdog and the topology refusal. The multi-process proofs are in test_scaleout
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -168,4 +169,14 @@ def test_a_process_that_cannot_reach_its_coordinator_fails_in_one_line_naming_wo
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: joining coordinator") and "within 3s" in last and "--worker=all" in last
     assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "run").exists()
+
+
+def test_launcher_passes_on_the_code_when_every_process_fails_alike(tmp_path):
+    result = run_cli("launch", "--processes", "2", "--log-dir", str(tmp_path / "l"), "--", "train", "--run-dir",
+                     str(tmp_path / "run"), "--config", str(TINY), "--set", "mesh.fsdp=0")
+    assert result.returncode == 2, result.stderr
+    assert "error: mesh.fsdp=0 must be >= 1" in result.stderr  # process 0's own line, streamed
+    assert "mesh.fsdp=0 must be >= 1" in (tmp_path / "l" / "p1.log").read_text()
+    assert json.loads((tmp_path / "l" / "teardown.json").read_text())["codes"] == [2, 2]
     assert not (tmp_path / "run").exists()

@@ -9,7 +9,7 @@ pids, so a proof can kill or stop one process.
 
 Teardown is bounded: the launcher polls every ``POLL_S``; when a process exits non-zero or dies by a
 signal, every other one gets SIGCONT and SIGTERM, and SIGKILL after ``grace_s``: nothing outlives the
-launcher by more than ``POLL_S + grace_s`` (a process blocked in a collective cannot run its SIGTERM
+launcher by more than ``POLL_S + grace_s`` (``+ SETTLE_S`` after a clean error exit; a process blocked in a collective cannot run its SIGTERM
 handler, hence the SIGKILL). Children also get SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG).
 SIGTERM and SIGINT sent to the launcher are forwarded to every process (a preemption notice: they agree
 on a step, save and exit 0). Exit codes: 0 all finished; the common code when every process failed the
@@ -37,6 +37,7 @@ from tpulab.train.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PR
 
 POLL_S = 0.1
 GRACE_S = 10.0
+SETTLE_S = 2.0  # after a clean non-zero exit, the others get this long to exit on their own before SIGTERM
 LAUNCH_FILE = "launch.json"
 
 
@@ -158,6 +159,9 @@ def _tear_down(procs: list[subprocess.Popen], first: tuple[int, int], grace_s: f
                t_start: float) -> int:
     index, code = first
     t0 = time.monotonic()
+    if code > 0 and code != EXIT_STALLED:  # a clean error (bad input) usually ends every process alike: let them
+        while time.monotonic() < t0 + SETTLE_S and any(p.poll() is None for p in procs):
+            time.sleep(POLL_S)
     for p in procs:
         if p.poll() is None:
             for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped process must run to see SIGTERM
