@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import numpy as np
@@ -124,7 +123,7 @@ def test_watchdog_fires_when_steps_stop_and_not_while_they_go():
     time.sleep(1.2)  # then nothing for longer than the timeout
     assert exits == [EXIT_STALLED]
     assert "stalled: no training step finished for 0.5s after step 7" in stream.getvalue()
-    assert "Thread MainThread" in stream.getvalue() and "time.sleep" not in stream.getvalue()[:0]
+    assert "Thread MainThread" in stream.getvalue()  # every thread's stack follows the line
     dog.stop()
 
 
@@ -136,7 +135,7 @@ def test_watchdog_is_not_armed_before_the_first_step():
     dog.on_start({})
     time.sleep(0.6)  # compiling: no step yet
     dog.stop()
-    assert exits == [] and not any(t.name == "x" for t in threading.enumerate())
+    assert exits == []
 
 
 def test_a_resume_on_another_topology_is_refused_unless_forced():
