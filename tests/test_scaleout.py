@@ -179,3 +179,18 @@ def test_launcher_passes_on_the_code_when_every_process_fails_alike(tmp_path):
     assert "mesh.fsdp=0 must be >= 1" in (tmp_path / "l" / "p1.log").read_text()
     assert json.loads((tmp_path / "l" / "teardown.json").read_text())["codes"] == [2, 2]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_from_before_meshes_counts_as_the_default_mesh():
+    from conftest import tiny_config
+    from tpulab.config import to_dict
+    from tpulab.data.tokenizer import DEFINITION
+    from tpulab.train.loop import check_resume_identity
+
+    config = tiny_config()
+    old = to_dict(config)
+    old.pop("mesh")
+    meta = {"config": old, "corpus_identity": "c", "tokenizer": DEFINITION, "step": 10}
+    assert check_resume_identity(meta, config, "c", force=False) == []
+    with pytest.raises(TpulabError, match=r"mesh.fsdp: 1 -> 2 .*use tpulab reshard"):  # negative control
+        check_resume_identity(meta, tiny_config("mesh.fsdp=2"), "c", force=False)

@@ -7,6 +7,8 @@ are read one step late (dispatch step N, then read step N-1) so the host never w
 device except where a number is logged, and a step's numbers and state are checked finite before it
 is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the current
 step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks`` (tpulab.train.hooks).
+With several processes (tpulab.train.distributed) every process runs this loop on its own rows of each
+batch and takes part in every save; process 0 alone writes the run's files and checkpoint manifests.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
 from tpulab.model.transformer import param_count
 from tpulab.perf import compile_cache
-from tpulab.train.config import RunConfig
+from tpulab.train.config import MeshConfig, RunConfig
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.preemption import Preemption
 from tpulab.train.sharding import check_batch, topology
@@ -63,7 +65,10 @@ def prepare_run_dir(run_dir: Path) -> Path:
 
 def check_resume_identity(meta: dict, config: RunConfig, corpus_identity: str, force: bool) -> list[str]:
     """Differences that make a resume not the same run; raises unless ``force``."""
-    diffs = identity_diff(RunConfig, meta.get("config", {}), to_dict(config))
+    saved = meta.get("config", {})
+    if "mesh" not in saved:  # written before meshes were configurable: it used the default layout
+        saved = {**saved, "mesh": to_dict(MeshConfig())}
+    diffs = identity_diff(RunConfig, saved, to_dict(config))
     if meta.get("corpus_identity") != corpus_identity:
         diffs.append(f"corpus identity: {str(meta.get('corpus_identity'))[:12]}… -> {corpus_identity[:12]}…")
     if meta.get("tokenizer") != TOKENIZER:
