@@ -139,16 +139,27 @@ class CheckpointStore:
     opening moves refused steps aside and removes Orbax temporary dirs, so a refused resume must never
     get this far. ``allow_commit(step)`` may withhold a marker (a test's save cut short);
     ``on_commit(step)`` is told when a marker is written.
+
+    Several processes: every process opens a store and takes part in each Orbax save (its own shards and
+    its own Grain state file); only the ``primary`` process moves refused steps aside (the others wait for
+    it at a barrier) and writes manifests. Orbax finalizes a step (renames its temporary dir) only after
+    every process's part is written, and the manifest is written only after that, so a marker never
+    covers a step some process has not finished.
     """
 
     def __init__(self, directory: str | Path, *, keep: int, async_save: bool,
-                 allow_commit: Callable[[int], bool] | None = None, on_commit: Callable[[int], None] | None = None):
+                 allow_commit: Callable[[int], bool] | None = None, on_commit: Callable[[int], None] | None = None,
+                 primary: bool = True):
         self.directory = Path(directory).absolute()
         self.reject_dir = self.directory.parent / "rejected_checkpoints"
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.primary = primary
+        if primary:
+            self.directory.mkdir(parents=True, exist_ok=True)
         found = scan(self.directory)
         self.latest = found.latest
-        self._quarantine(found)
+        if primary:
+            self._quarantine(found)
+        _barrier("tpulab-checkpoint-store-open")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(
@@ -227,6 +238,9 @@ class CheckpointStore:
             for step in self._uncommitted:
                 if not self._allow_commit(step):
                     continue
+                if not self.primary:  # process 0 writes the marker; the step is committed for all
+                    self.latest = max(self.latest or 0, step)
+                    continue
                 if self.step_dir(step).is_dir():  # may already be garbage-collected by keep-N
                     try:
                         write_manifest(self.step_dir(step), {"step": step})
@@ -282,6 +296,16 @@ class CheckpointStore:
                 if self._failure is None:  # after a failure the process is about to exit on our one line
                     for name in self._log_filter.LOGGERS:
                         logging.getLogger(name).removeFilter(self._log_filter)
+
+
+def _barrier(name: str) -> None:
+    """Wait for every process of a multi-process job (no-op in a single process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _flat_shapes(tree: Any) -> dict[tuple[str, ...], tuple]:

@@ -48,18 +48,20 @@ def load_run_config(args):
 
 
 def cmd_train(args) -> int:
-    from tpulab.train.preemption import Preemption
+    from tpulab.train.distributed import AgreedPreemption
 
-    preemption = Preemption()  # first: a SIGTERM from now until exit is a preemption notice, never a kill
+    preemption = AgreedPreemption()  # first: a SIGTERM from now until exit is a preemption notice, never a kill
     run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)  # before the heavy imports: a bad config fails fast
     from tpulab.train.memory import check_fits_host
 
     check_fits_host(config)  # train() checks again; here it fails before jax is imported
+    from tpulab.train.distributed import initialize_from_env
     from tpulab.train.hooks import HoldAfter
     from tpulab.train.loop import train
 
-    hooks = run_health_hooks(args)
+    joined = initialize_from_env(args.init_timeout)  # a launched or TPU-slice process joins its job; otherwise a no-op
+    hooks = run_health_hooks(args, run_dir, distributed=joined["distributed"])
     if args.hold_after_step:
         hooks.append(HoldAfter(args.hold_after_step))
     tracker = tracker_for(args, run_dir)
@@ -115,17 +117,37 @@ def tracker_for(args, run_dir: Path, **kwargs):
     return tracker
 
 
-def run_health_hooks(args) -> list:
-    from tpulab.tracking.progress import LogLines
-    from tpulab.train.watchdog import STALL_EXIT_CODE, StallWatchdog
+def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
+    """The stall watchdog and plain progress lines. In a multi-process job a stall always ends the process
+    (exit 75), with a 300 s default: a peer stuck inside a collective never errors by itself."""
+    import jax
 
-    return [StallWatchdog(args.run_dir, exit_code=STALL_EXIT_CODE if args.stall_exit else None,
-                          timeout_s=args.stall_timeout), LogLines()]
+    from tpulab.tracking.progress import LogLines
+    from tpulab.train.watchdog import MULTIPROCESS_STALL_S, STALL_EXIT_CODE, StallWatchdog
+
+    timeout = args.stall_timeout or (MULTIPROCESS_STALL_S if distributed else None)
+    return [StallWatchdog(run_dir, exit_code=STALL_EXIT_CODE if (args.stall_exit or distributed) else None,
+                          timeout_s=timeout, records=jax.process_index() == 0), LogLines()]
 
 
 def cmd_prove_resume(args) -> int:
     run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
+    if args.processes:
+        from tpulab.proofs.scaleout import prove_multiprocess_resume
+
+        v = prove_multiprocess_resume(config, Path(args.run_dir), processes=args.processes,
+                                      devices=args.devices_per_process, mode="stall" if args.stall else "kill",
+                                      kill_at=args.kill_at, stall_timeout_s=args.stall_timeout)
+        ok = v["identical"] and v["teardown_ok"]
+        print(f"{'IDENTICAL' if v['identical'] else 'NOT IDENTICAL'}: process {v['event']['victim_process']} of "
+              f"{args.processes} got {v['signal']} after step {v['event']['last_logged_step']}; the job ended in "
+              f"{v['event']['job_end_s']:.1f}s with exit {v['event']['launcher_exit_code']} (expected "
+              f"{v['expected_exit_code']}); resumed from step {v['resumed_from_step']}; curves "
+              f"{'bitwise identical' if v['curves_identical'] else 'differ'}, final state "
+              f"{'bitwise identical' if v['final_state_identical'] else 'differs'} -> "
+              f"{Path(args.run_dir) / ('proof-' + ('stall' if args.stall else 'kill'))}")
+        return 0 if ok else 1
     from tpulab.proofs.driver import verdict_text
     from tpulab.proofs.transformer import prove_transformer_resume
 
@@ -166,7 +188,7 @@ def cmd_capstone(args) -> int:
 
     report = run_capstone(config, out, CapstoneOptions(
         skip_bridge=args.skip_bridge, skip_inference=args.skip_inference, chaos_kills=args.chaos_kills,
-        compile_cache=args.compile_cache))
+        compile_cache=args.compile_cache, skip_scaleout=args.skip_scaleout))
     print(f"report: {report} and {report.with_suffix('.html')}")
     from tpulab.evidence.goodput import goodput
 
@@ -188,6 +210,8 @@ def register(sub) -> None:
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)  # negative controls
     p.add_argument("--hold-after-step", type=int, help=argparse.SUPPRESS)  # the proof driver's fixed kill point
     add_tracking_args(p)
+    p.add_argument("--init-timeout", type=int, default=120, help="seconds every process of a multi-process job "
+                                                                 "has to reach the coordinator (default 120)")
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, overlaid curves")
@@ -196,6 +220,11 @@ def register(sub) -> None:
     p.add_argument("--kill-at", type=int, help="SIGKILL the second run right after this step (default: between "
                                                "checkpoints, about 60%% of the way)")
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--processes", type=int, help="prove it on a launched multi-process job: SIGKILL one process")
+    p.add_argument("--devices-per-process", type=int, default=2, help="with --processes: host devices each")
+    p.add_argument("--stall", action="store_true", help="with --processes: SIGSTOP one process instead; the "
+                                                        "others' step watchdog must end the job (exit 75)")
+    p.add_argument("--stall-timeout", type=float, default=10.0, help="with --processes: watchdog timeout (s)")
     p.set_defaults(handler=cmd_prove_resume)
 
     p = sub.add_parser("chaos", help="SIGKILL a run at random moments, resume each time, compare the whole state")
@@ -216,4 +245,5 @@ def register(sub) -> None:
     p.add_argument("--skip-bridge", action="store_true", help="leave out the PyTorch bridge stage")
     p.add_argument("--skip-inference", action="store_true", help="leave out the KV-cache and export stage")
     p.add_argument("--chaos-kills", type=int, default=5, help="random kills in the chaos stage (0 leaves it out)")
+    p.add_argument("--skip-scaleout", action="store_true", help="leave out the 2-process kill/resume stage")
     p.set_defaults(handler=cmd_capstone)

@@ -94,17 +94,20 @@ def to_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
 
 def train_dataset(windows: np.ndarray, cfg: DataConfig, process_index: int = 0,
                   process_count: int = 1) -> grain.IterDataset:
-    """Shuffled (reshuffled each epoch), repeated, batched windows; each process reads its own slice.
+    """Shuffled (reshuffled each epoch), repeated, batched windows; each process reads its own rows.
 
-    The returned dataset's iterator exposes ``get_state``/``set_state`` (the data position), which
-    the checkpoint stores per process.
+    The shuffled stream is cut into process-sized blocks and process p takes blocks p, p+P, p+2P, ...:
+    global batch g is blocks gP .. gP+P-1, so the processes' rows of a step are disjoint and together
+    are exactly the batch one process would draw (any process count, epoch boundaries included), and
+    each process reads only its own windows. Its position (``next_index`` = steps taken) is the same
+    in every process. The iterator's ``get_state``/``set_state`` is stored per process by the checkpoint.
     """
     if cfg.batch_size % process_count:
         raise TpulabError(f"data.batch_size={cfg.batch_size} is not divisible by {process_count} processes")
-    ds = grain.MapDataset.source(windows)
+    local = cfg.batch_size // process_count
+    ds = grain.MapDataset.source(windows).shuffle(seed=cfg.shuffle_seed).repeat().batch(local, drop_remainder=True)
     if process_count > 1:
         ds = ds[process_index::process_count]
-    ds = ds.shuffle(seed=cfg.shuffle_seed).repeat().batch(cfg.batch_size // process_count, drop_remainder=True)
     return ds.map(to_batch).to_iter_dataset()
 
 

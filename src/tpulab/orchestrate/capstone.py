@@ -15,7 +15,7 @@ from pathlib import Path
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.orchestrate import report
-from tpulab.proofs.driver import run_to_completion
+from tpulab.proofs.driver import run_to_completion, verdict_text
 from tpulab.proofs.transformer import train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
 
@@ -25,6 +25,7 @@ class CapstoneOptions:
     skip_bridge: bool = False
     skip_inference: bool = False
     chaos_kills: int = 5  # 0 leaves the chaos stage out
+    skip_scaleout: bool = False  # the 2-process kill/resume stage
     compile_cache: Path | None = None
 
 
@@ -46,6 +47,29 @@ def chaos_config(config: RunConfig) -> RunConfig:
     d["train"].update(steps=60, eval_every=30, eval_batches=2)
     d["checkpoint"].update(save_every=5, keep=3)
     return from_dict(RunConfig, d)
+
+
+def scaleout_config(config: RunConfig) -> RunConfig:
+    """The demo's 2-process kill/resume: the tiny shapes of ``chaos_config``, 20 steps, mesh {data: 2, fsdp: 2}."""
+    import dataclasses
+
+    from tpulab.train.config import MeshConfig
+
+    c = chaos_config(config)
+    return dataclasses.replace(c, train=dataclasses.replace(c.train, steps=20, eval_every=10),
+                               mesh=MeshConfig(data=2, fsdp=2))
+
+
+def scaleout_section(v: dict, rel: str) -> str:
+    e = v["event"]
+    return "\n".join([
+        "## Multi-process kill/resume (2 processes x 2 host devices, mesh data=2 fsdp=2)", "",
+        f"Two trainer processes on JAX's distributed runtime (tpulab launch, gloo over loopback). Process "
+        f"{e['victim_process']} was killed with **{e['signal']}** after step {e['last_logged_step']}; the launcher "
+        f"tore the job down in **{e['job_end_s']:.1f} s** (exit {e['launcher_exit_code']}, bound: poll + "
+        f"{v['grace_s']:g} s grace; survivors: {len(e['survivors_after'])}). A fresh 2-process launch resumed from "
+        f"step {v['resumed_from_step']}: {verdict_text(v)}.", "",
+        f"![overlay]({rel}/overlay.png)", "", f"Evidence: `{rel}/verdict.json`."])
 
 
 def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = CapstoneOptions()) -> Path:
@@ -114,6 +138,16 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
             failures.append(f"checks failed: {', '.join(failed)}")
         return text
 
+    def scaleout_stage() -> str:
+        from tpulab.proofs.scaleout import prove_multiprocess_resume
+
+        v = prove_multiprocess_resume(scaleout_config(config), out / "scaleout", mode="kill", kill_at=8,
+                                      stall_timeout_s=120)
+        if not (v["identical"] and v["teardown_ok"]):
+            raise TpulabError(f"the 2-process resume is not identical or the teardown failed; see "
+                              f"{out / 'scaleout' / 'proof-kill'}")
+        return scaleout_section(v, "scaleout/proof-kill")
+
     # One MLflow store for every run the capstone starts (training, proof, chaos): the children inherit it.
     own_uri = "MLFLOW_TRACKING_URI" not in os.environ
     if own_uri:
@@ -128,6 +162,8 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
             if options.chaos_kills > 0:
                 stage("chaos", chaos_stage)
             stage("checks", checks_stage)
+            if not options.skip_scaleout:
+                stage("multi-process resume", scaleout_stage)
             if not options.skip_inference:
                 from tpulab.inference import capstone_stage as inference_stage
 

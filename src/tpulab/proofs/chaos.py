@@ -53,9 +53,9 @@ def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0
     t_ref = time.monotonic() - t0
     walls = [r["wall_s"] for r in M.read_records(reference) if "loss" in r]
     step_s = max(1e-3, (walls[-1] - walls[0]) / max(1, len(walls) - 1)) if len(walls) > 1 else 0.05
-    startup_s = max(0.5, t_ref - (walls[-1] - walls[0] if walls else 0.0))
 
     rng = random.Random(seed)
+    observed_startup: list[float] = []  # a victim lifetime's time from spawn to its first logged step
     victim.mkdir(parents=True)
     kill_log: list[dict] = []
     t_victim = time.monotonic()
@@ -66,12 +66,16 @@ def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0
         finished = (scan(victim / "checkpoints").latest or 0) >= steps  # a kill landed after the final save
         with Proc(argv(victim), log_path, env) as proc:
             if lifetime < kills and not finished:
-                plan = _draw_moment(rng, victim, steps, startup_s, step_s)
+                # Wall-clock moments are drawn within the start-up a victim lifetime was *seen* to take (the
+                # reference's, with a cold compile cache or a loaded machine, can exceed a whole warm run).
+                plan = _draw_moment(rng, victim, steps, min(observed_startup) if observed_startup else None, step_s)
                 t_start = time.monotonic()
                 if not _wait_for(proc, victim, plan, n_before, t_start, timeout_s):
                     raise TpulabError(f"victim process {lifetime} ended (exit {proc.p.returncode}) before its drawn "
                                       f"kill moment ({plan}): {proc.tail(1)} (log: {log_path})")
                 proc.kill(signal.SIGKILL)
+                if "first_step_s" in plan:
+                    observed_startup.append(plan.pop("first_step_s"))
                 logged = M.curve(M.read_records(victim)[n_before:])
                 kill_log.append({**plan, "at_s": round(time.monotonic() - t_start, 3),
                                  "in_flight": saves_in_flight(victim / "checkpoints"),
@@ -99,12 +103,12 @@ def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0
     return verdict
 
 
-def _draw_moment(rng: random.Random, victim: Path, steps: int, startup_s: float, step_s: float) -> dict:
-    """A kill moment: one in five a pure wall-clock delay from process start (imports, compile, restore or
-    early steps), else a random step after the
-    newest committed checkpoint plus a random fraction of a step (so a kill can land anywhere in a step,
-    or while a background save is in flight). Drawn so the run always has steps left to be killed in."""
-    if rng.random() < 0.2:
+def _draw_moment(rng: random.Random, victim: Path, steps: int, startup_s: float | None, step_s: float) -> dict:
+    """A kill moment: one in five a pure wall-clock delay from process start, within the start-up time seen
+    so far (imports, compile, restore), else a random step after the newest committed checkpoint plus a
+    random fraction of a step (so a kill can land anywhere in a step, or while a background save is in
+    flight). Drawn so the run always has steps left to be killed in."""
+    if startup_s is not None and rng.random() < 0.2:
         return {"phase": "wall-clock", "delay_s": round(rng.uniform(0.0, startup_s), 3)}
     lo = (scan(victim / "checkpoints").latest or 0) + 1
     return {"phase": "training", "after_step": rng.randint(min(lo, steps - 1), steps - 1),
@@ -120,8 +124,10 @@ def _wait_for(proc: Proc, victim: Path, plan: dict, n_before: int, t_start: floa
         except Exception:  # noqa: BLE001 - TimeoutExpired: alive at the moment
             return True
     while True:  # the drawn step logged by *this* lifetime (records appended after it started)
-        recs = M.read_records(victim)
-        if any(r.get("step") == plan["after_step"] and "loss" in r for r in recs[n_before:]):
+        recs = M.read_records(victim)[n_before:]
+        if "first_step_s" not in plan and any("loss" in r for r in recs):
+            plan["first_step_s"] = round(time.monotonic() - t_start, 3)
+        if any(r.get("step") == plan["after_step"] and "loss" in r for r in recs):
             break
         if proc.p.poll() is not None or time.monotonic() - t_start > timeout_s:
             return False

@@ -212,8 +212,10 @@ def plot_proof(reference_dir: Path, run_dir: Path, verdict: dict, path: Path, ti
                  M.curve(recs, segment=segs[-1]["segment"]), verdict, path, title)
 
 
-def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Path, title: str) -> None:
-    """Two panels: the three curves overlaid (checkpoint and kill marked), and |resumed - reference|."""
+def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Path, title: str,
+                 labels: tuple[str, str, str] | None = None, marks: tuple[str, str] = ("checkpoint", "kill")) -> None:
+    """Two panels: the three curves overlaid (checkpoint and kill marked), and |resumed - reference|.
+    ``labels`` (reference, first segment, second segment) and ``marks`` rename them for other proofs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,17 +223,19 @@ def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Pa
 
     fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
     rs = sorted(ref)
-    ax.plot(rs, [ref[s] for s in rs], color="0.55", lw=4.0, alpha=0.6, label="reference (uninterrupted)")
+    labels = labels or ("reference (uninterrupted)", f"killed run (SIGKILL after step {verdict['kill_step']})",
+                        f"fresh process, resumed from step {verdict['resumed_from_step']}")
+    ax.plot(rs, [ref[s] for s in rs], color="0.55", lw=4.0, alpha=0.6, label=labels[0])
     ks = sorted(killed)
-    ax.plot(ks, [killed[s] for s in ks], color="tab:blue", lw=1.3, label=f"killed run (SIGKILL after step {verdict['kill_step']})")
+    ax.plot(ks, [killed[s] for s in ks], color="tab:blue", lw=1.3, label=labels[1])
     us = sorted(resumed)
-    ax.plot(us, [resumed[s] for s in us], color="tab:red", lw=1.3, ls="--", label=f"fresh process, resumed from step {verdict['resumed_from_step']}")
+    ax.plot(us, [resumed[s] for s in us], color="tab:red", lw=1.3, ls="--", label=labels[2])
     for a in (ax, ax_d):
         a.axvline(verdict["resumed_from_step"], color="tab:green", ls=":", lw=1.2)
         a.axvline(verdict["kill_step"], color="k", ls=":", lw=1.2)
-    ax.annotate(" checkpoint", (verdict["resumed_from_step"], 0.98), xycoords=("data", "axes fraction"),
+    ax.annotate(f" {marks[0]}", (verdict["resumed_from_step"], 0.98), xycoords=("data", "axes fraction"),
                 color="tab:green", va="top", ha="right", fontsize=8)
-    ax.annotate(" kill", (verdict["kill_step"], 0.98), xycoords=("data", "axes fraction"), va="top", fontsize=8)
+    ax.annotate(f" {marks[1]}", (verdict["kill_step"], 0.98), xycoords=("data", "axes fraction"), va="top", fontsize=8)
     ax.set_ylabel("train loss")
     ax.set_title("\n".join(textwrap.wrap(f"{title}: {verdict_text(verdict)}", 90)), fontsize=10)
     ax.legend(fontsize=8)

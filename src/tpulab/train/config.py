@@ -78,6 +78,22 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh: batch split over data x fsdp, parameters and Adam moments split over fsdp.
+
+    Part of the run's identity (the layout changes the reduction order, hence the bits); moving a
+    checkpoint to another layout is ``tpulab reshard``.
+    """
+
+    data: int = field(0, "data-parallel size; 0 = every device that fsdp leaves (the default: all devices)")
+    fsdp: int = field(1, "fully-sharded size: parameters and both Adam moments are split over it")
+
+    def __post_init__(self):
+        check(self.data >= 0, f"mesh.data={self.data} must be >= 0 (0 = all devices not used by fsdp)")
+        check(self.fsdp >= 1, f"mesh.fsdp={self.fsdp} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything that defines a Transformer training run."""
 
@@ -88,6 +104,7 @@ class RunConfig:
     optim: OptimConfig = nested(OptimConfig)
     train: TrainConfig = nested(TrainConfig)
     checkpoint: CheckpointConfig = nested(CheckpointConfig)
+    mesh: MeshConfig = nested(MeshConfig)
 
     def __post_init__(self):
         # With 32-bit JAX, PRNGKey keeps only the low 32 bits: seed 2**32 would silently equal seed 0,

@@ -7,6 +7,8 @@ are read one step late (dispatch step N, then read step N-1) so the host never w
 device except where a number is logged, and a step's numbers and state are checked finite before it
 is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the current
 step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks`` (tpulab.train.hooks).
+With several processes (tpulab.train.distributed) every process runs this loop on its own rows of each
+batch and takes part in every save; process 0 alone writes the run's files and checkpoint manifests.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
 from tpulab.model.transformer import param_count
 from tpulab import compile_cache
-from tpulab.train.config import RunConfig
+from tpulab.train.config import MeshConfig, RunConfig
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
-from tpulab.train.step import Steps, make_steps
+from tpulab.train.sharding import check_batch, topology
+from tpulab.train.step import Steps, make_mesh, make_steps
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
@@ -63,15 +66,47 @@ def prepare_run_dir(run_dir: Path) -> Path:
 
 def check_resume_identity(meta: dict, config: RunConfig, corpus_identity: str, force: bool) -> list[str]:
     """Differences that make a resume not the same run; raises unless ``force``."""
-    diffs = identity_diff(RunConfig, meta.get("config", {}), to_dict(config))
+    saved = meta.get("config", {})
+    if "mesh" not in saved:  # written before meshes were configurable: it used the default layout
+        saved = {**saved, "mesh": to_dict(MeshConfig())}
+    diffs = identity_diff(RunConfig, saved, to_dict(config))
     if meta.get("corpus_identity") != corpus_identity:
         diffs.append(f"corpus identity: {str(meta.get('corpus_identity'))[:12]}… -> {corpus_identity[:12]}…")
     if meta.get("tokenizer") != TOKENIZER:
         diffs.append("tokenizer definition")
     if diffs and not force:
+        hint = "tpulab reshard to move it to another mesh, or " if any(d.startswith("mesh.") for d in diffs) else ""
         raise TpulabError(f"refusing to resume step {meta.get('step')}: it was trained with a different "
-                          f"{'; '.join(diffs[:3])}{' …' if len(diffs) > 3 else ''} (use --force to resume anyway)")
+                          f"{'; '.join(diffs[:3])}{' …' if len(diffs) > 3 else ''} (use {hint}--force to resume anyway)")
     return diffs
+
+
+def check_topology(meta: dict, here: dict, force: bool) -> None:
+    """A checkpoint written on another mesh, process count or device count is resumed only through
+    ``tpulab reshard`` or ``--force`` (the math would differ in the last bits), never silently."""
+    saved = meta.get("topology")
+    if saved is not None and saved != here and not force:
+        raise TpulabError(f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, this job "
+                          f"is {_topo(here)} (use tpulab reshard to move it, or --force)")
+
+
+def _topo(t: dict) -> str:
+    m = t.get("mesh", {})
+    return (f"{t.get('process_count')} process(es) x {t.get('device_count')} device(s), mesh data={m.get('data')} "
+            f"fsdp={m.get('fsdp')}")
+
+
+class _NullLog:
+    """What processes other than 0 log: nothing (process 0 alone writes the run's files)."""
+
+    def log(self, *a, **k):
+        pass
+
+    def event(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
 
 
 def _progress(total: int, initial: int, enabled: bool | None):
@@ -83,7 +118,7 @@ def _progress(total: int, initial: int, enabled: bool | None):
 
 
 def evaluate(steps: Steps, params, batches) -> float:
-    sums = [steps.eval(params, steps.put_batch(b)) for b in batches]
+    sums = [steps.eval(params, steps.put_global(b)) for b in batches]
     total = sum(float(s) for s, _ in sums)
     count = sum(float(c) for _, c in sums)
     return total / max(count, 1.0)
@@ -142,6 +177,8 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
     clock = PhaseClock()
     hooks = HookList(hooks)
     check_fits_host(config)  # bad input is refused before anything is created
+    mesh = make_mesh(config)  # a mesh that does not fit the devices, or a batch it cannot split: before any write
+    check_batch(config.data.batch_size, mesh)
     splits = build_splits(load_corpus(config.data.path), config.data)
     run_dir = prepare_run_dir(Path(run_dir))
     compile_cache.enable(compile_cache_dir)
@@ -152,7 +189,11 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
     if found.latest is not None:
         check_resume_identity(read_meta(found.directory / str(found.latest)), config, splits.corpus.identity, force)
 
-    steps = make_steps(config)
+    steps = make_steps(config, mesh)
+    meta["topology"] = topology(steps.mesh)
+    if found.latest is not None:
+        check_topology(read_meta(found.directory / str(found.latest)), meta["topology"], force)
+    primary = jax.process_index() == 0  # process 0 alone writes metrics, run files and manifests
     own_preemption = preemption is None
     preempt = preemption or Preemption()
     store = log = ledger = bar = None
@@ -160,7 +201,7 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
     try:
         store = CheckpointStore(run_dir / "checkpoints", keep=config.checkpoint.keep,
                                 async_save=config.checkpoint.async_save, allow_commit=hooks.allow_commit,
-                                on_commit=hooks.on_checkpoint)
+                                on_commit=hooks.on_checkpoint, primary=primary)
         data_iter = iter(train_dataset(splits.train_windows, config.data, jax.process_index(), jax.process_count()))
         resume = None
         if store.latest is not None:
@@ -174,8 +215,8 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
         if start != (resume.step if resume else 0):
             raise CheckpointError(f"checkpoint step {resume.step} holds a state at step {start}")
 
-        env = write_run_files(run_dir, config, splits, param_count(steps.model(state.params)))
-        log = MetricsLog(run_dir, resumed_from=resume.step if resume else None,
+        env = write_run_files(run_dir, config, splits, param_count(steps.model(state.params))) if primary else {}
+        log = _NullLog() if not primary else MetricsLog(run_dir, resumed_from=resume.step if resume else None,
                          checkpoint_digest=resume.digest if resume else None, skip_restore=list(skip_restore),
                          backend=env["backend"], device_kind=env["device_kind"],
                          process_index=jax.process_index(), process_count=jax.process_count())
@@ -184,7 +225,7 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
         ledger.record_eval(val_batches)
         total = config.train.steps
         tokens_per_step = config.data.batch_size * config.data.seq_len
-        bar = _progress(total, start, progress)
+        bar = _progress(total, start, progress if primary else False)
         summary = {"resumed_from": resume.step if resume else None, "start_step": start}
         hooks.on_start({"run_dir": str(run_dir), "config": config, "start_step": start, "total_steps": total,
                         "resumed_from": summary["resumed_from"],
@@ -276,5 +317,6 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
                         raise
         if own_preemption:
             preempt.restore()
-    atomic_write_json(run_dir / "summary.json", summary)
+    if primary:
+        atomic_write_json(run_dir / "summary.json", summary)
     return summary

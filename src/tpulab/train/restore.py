@@ -15,7 +15,7 @@ from tpulab.config import from_dict
 from tpulab.errors import CheckpointError, TpulabError
 from tpulab.model.transformer import Transformer
 from tpulab.train.config import RunConfig
-from tpulab.train.step import TrainState, make_steps
+from tpulab.train.step import TrainState, make_mesh, make_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,6 @@ def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
 def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
     step_dir = checkpoint_dir(run_dir, step)
     config = from_dict(RunConfig, read_meta(step_dir)["config"])
-    steps = make_steps(config)
+    steps = make_steps(config, make_mesh())  # replicated on the devices here, whatever mesh trained it
     state = read_state(step_dir, steps.abstract_state())
     return Restored(steps.model(state.params), config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)

@@ -3,9 +3,10 @@
 ``TrainState`` is the whole training state as one pytree: step, parameters, optimizer state
 (both Adam moments and the count) and the dropout RNG key, which is split every step and
 carried, like a torch generator, so it must come back on resume for the masks to match.
-Steps are built once per run (``make_steps``) and jitted with explicit shardings: the state is
-replicated and the batch is split along the mesh's ``data`` axis, so the same code runs on one
-CPU, several devices or several processes. The train step donates the incoming state.
+Steps are built once per run (``make_steps``) and jitted with explicit shardings from the one table in
+``tpulab.train.sharding`` (parameters and Adam moments over ``fsdp``, the batch over ``data`` x ``fsdp``),
+so the same code runs on one CPU, several devices or several processes. The train step donates the
+incoming state.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tpulab.model.transformer import Transformer
+from tpulab.train import sharding
 from tpulab.train.config import OptimConfig, RunConfig
-
-DATA_AXIS = "data"
+from tpulab.train.sharding import DATA_AXIS  # noqa: F401 - re-exported for older callers
 
 
 class TrainState(NamedTuple):
@@ -60,8 +61,8 @@ def tree_all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def make_mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()), (DATA_AXIS,))
+def make_mesh(config: RunConfig | None = None) -> Mesh:
+    return sharding.make_mesh(config.mesh if config is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +89,18 @@ class Steps:
         return nnx.merge(self.graphdef, params)
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return jax.device_put(batch, self.batch_sharding)
+        """This process's rows of the global batch (all rows on one process) -> global arrays."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+
+    def put_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """A batch every process holds whole (validation) -> global arrays; each device takes its rows."""
+        return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
+                for k, v in batch.items()}
 
 
 def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
-    mesh = mesh or make_mesh()
+    mesh = mesh or make_mesh(config)
+    sharding.check_batch(config.data.batch_size, mesh)
     tx = optimizer(config.optim)
     schedule = lr_schedule(config.optim)
 
@@ -125,8 +133,8 @@ def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
         return mean * count, count
 
     replicated = NamedSharding(mesh, P())
-    state_sharding = jax.tree.map(lambda _: replicated, jax.eval_shape(init))
-    batch_sharding = NamedSharding(mesh, P(DATA_AXIS))
+    state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
+    batch_sharding = NamedSharding(mesh, sharding.BATCH_SPEC)
     return Steps(
         graphdef=graphdef, tx=tx, mesh=mesh,
         init=jax.jit(init, out_shardings=state_sharding),

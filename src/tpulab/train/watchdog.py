@@ -27,6 +27,7 @@ from tpulab.evidence import metrics as M
 from tpulab.train.hooks import Hooks
 
 STALL_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; distinct from errors (1, 2, 3) and signals (128+n)
+MULTIPROCESS_STALL_S = 300  # default in a multi-process job, where a stuck peer hangs the others in a collective
 
 
 class Watchdog:
@@ -110,11 +111,13 @@ def dump_stacks(path: Path, header: str) -> Path:
 
 
 class StallWatchdog(Hooks):
-    """The training hook (see the module docstring). ``exit_code=None`` only records the stall."""
+    """The training hook (see the module docstring). ``exit_code=None`` only records the stall; ``records=False``
+    (processes other than 0 of a multi-process job) leaves metrics.jsonl to process 0 and only dumps stacks."""
 
-    def __init__(self, run_dir: str | Path, *, exit_code: int | None = None, **watchdog_args):
+    def __init__(self, run_dir: str | Path, *, exit_code: int | None = None, records: bool = True, **watchdog_args):
         self.run_dir = Path(run_dir)
         self.exit_code = exit_code
+        self.records = records
         self.dog = Watchdog(self._stalled, **watchdog_args)
         self.stalls: list[dict] = []
 
@@ -142,14 +145,15 @@ class StallWatchdog(Hooks):
         records = M.read_records(self.run_dir)
         segment = M.starts(records)[-1]["segment"] if M.starts(records) else None
         n = sum(1 for r in records if r.get("event") == "stall")
-        path = dump_stacks(self.run_dir / f"stall-{n}.txt",
+        path = dump_stacks(self.run_dir / (f"stall-{n}.txt" if self.records else f"stall-{n}-pid{os.getpid()}.txt"),
                            f"tpulab stall watchdog: no step completed for {info['waited_s']:.1f} s "
                            f"(timeout {info['timeout_s']:.1f} s) after step {info['last_step']}; pid {os.getpid()}")
         event = {"event": "stall", "segment": segment, "pid": os.getpid(), "last_step": info["last_step"],
                  "waited_s": info["waited_s"], "timeout_s": info["timeout_s"], "stacks": path.name,
                  "exit_code": self.exit_code}
-        with open(self.run_dir / M.METRICS, "a") as f:  # one short O_APPEND line: safe beside the loop's writer
-            f.write(json.dumps(event) + "\n")
+        if self.records:
+            with open(self.run_dir / M.METRICS, "a") as f:  # one short O_APPEND line: safe beside the loop's writer
+                f.write(json.dumps(event) + "\n")
         self.stalls.append(event)
         print(f"error: stalled: no step completed for {info['waited_s']:.0f} s after step {info['last_step']}; "
               f"stacks in {path}" + (f"; exiting with {self.exit_code}" if self.exit_code is not None else ""),

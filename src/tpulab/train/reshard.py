@@ -1,0 +1,119 @@
+"""``tpulab reshard``: move a run's newest checkpoint onto another mesh / process count, verified bitwise.
+
+The state is restored by Orbax straight into the new layout's shardings (the sharding table applied to
+the new mesh), then gathered and compared byte for byte with a second, fully replicated restore of the
+same checkpoint, so a resharding that moved or mixed up a shard is caught. The Grain position is the
+same in every process by construction (tpulab.data.pipeline: process p reads blocks p, p+P, ... of one
+shuffled stream, ``next_index`` = steps taken), so it carries over to any process count: the saved
+per-process positions are checked equal and set on the new processes' iterators. The new run dir gets
+the config with the new mesh, and a checkpoint (same step, manifest, topology) that ``tpulab train``
+resumes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.store import CheckpointStore, read_meta, read_state
+from tpulab.config import from_dict, to_dict
+from tpulab.data.corpus import load_corpus
+from tpulab.data.pipeline import build_splits, train_dataset
+from tpulab.data.tokenizer import DEFINITION as TOKENIZER
+from tpulab.errors import CheckpointError, TpulabError
+from tpulab.train.config import MeshConfig, RunConfig
+from tpulab.train.restore import checkpoint_dir
+from tpulab.train.sharding import make_mesh, topology
+from tpulab.train.step import make_steps
+
+
+def _gathered(tree):
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
+
+def _first_difference(a, b) -> tuple[int, str | None]:
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten_with_path(b)
+    if ta != tb:
+        return 0, "<tree structure>"
+    for (path, x), (_, y) in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+            return len(la), jax.tree_util.keystr(path)
+    return len(la), None
+
+
+def data_positions(step_dir: Path) -> list[dict]:
+    files = sorted((Path(step_dir) / "data").glob("process_*-of-*.json"))
+    if not files:
+        raise CheckpointError(f"{step_dir} holds no Grain data position")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None = None) -> dict:
+    """Reshard checkpoint ``step`` (default: the newest valid one) of ``src_run`` into the new run dir ``dst_run``."""
+    step_dir = checkpoint_dir(src_run, step)
+    dst_run = Path(dst_run)
+    if (dst_run / "checkpoints").exists() and any((dst_run / "checkpoints").iterdir()):
+        raise TpulabError(f"--out {dst_run} already holds checkpoints; choose a new directory")
+    meta = read_meta(step_dir)
+    config = dataclasses.replace(from_dict(RunConfig, meta["config"]), mesh=mesh_cfg)
+    mesh = make_mesh(mesh_cfg)  # an impossible layout fails here, before anything is written
+    steps = make_steps(config, mesh)
+    positions = data_positions(step_dir)
+    if any(p != positions[0] for p in positions):
+        raise CheckpointError(f"{step_dir}: the processes' data positions differ ({positions}); cannot reshard")
+    step = int(step_dir.name)
+
+    abstract = steps.abstract_state()
+    state = read_state(step_dir, abstract)
+    replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+                              abstract)
+    whole = read_state(step_dir, replicated)
+    n, first = _first_difference(_gathered(state), _gathered(whole))
+    if first is not None:
+        raise CheckpointError(f"resharded leaf {first} differs from the saved one; nothing written")
+    if int(_gathered(state.step)) != step:
+        raise CheckpointError(f"checkpoint step {step} holds a state at step {int(_gathered(state.step))}")
+
+    splits = build_splits(load_corpus(config.data.path), config.data)
+    if meta.get("corpus_identity") != splits.corpus.identity:
+        raise TpulabError(f"the corpus at {config.data.path} is not the one {src_run} was trained on")
+    data_iter = iter(train_dataset(splits.train_windows, config.data, jax.process_index(), jax.process_count()))
+    data_iter.set_state(positions[0])
+    here = topology(mesh)
+    new_meta = {"config": to_dict(config), "corpus_identity": splits.corpus.identity, "tokenizer": TOKENIZER,
+                "topology": here, "resharded_from": {"run_dir": str(Path(src_run).absolute()), "step": step,
+                                                      "topology": meta.get("topology")}}
+    primary = jax.process_index() == 0
+    if primary:
+        dst_run.mkdir(parents=True, exist_ok=True)
+    store = CheckpointStore(dst_run / "checkpoints", keep=config.checkpoint.keep, async_save=False, primary=primary)
+    try:
+        store.save(step, state, data_iter, new_meta)
+        store.wait()
+    finally:
+        store.close()
+    result = {"step": step, "from": _describe(meta.get("topology")), "to": _describe(here), "leaves": n,
+              "bitwise_equal": True, "out": str(dst_run), "source_checkpoint": str(step_dir)}
+    if primary:
+        import yaml
+
+        atomic_write_bytes(dst_run / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode())
+        atomic_write_json(dst_run / "reshard.json", result)
+    return result
+
+
+def _describe(t: dict | None) -> str:
+    if not t:
+        return "an unrecorded topology"
+    m = t["mesh"]
+    return f"{t['process_count']} proc x {t['device_count']} dev {{data:{m['data']}, fsdp:{m['fsdp']}}}"
