@@ -185,9 +185,11 @@ def prove_multiprocess_resume(config: RunConfig, out_dir: Path, *, processes: in
     verdict.update(final_state_verdict(Path(reference_dir), run_dir))
     teardown = json.loads((run_dir / "launch" / "teardown.json").read_text()) \
         if (run_dir / "launch" / "teardown.json").exists() else {}
-    stalled_log = (run_dir / "launch").glob("p*.log")
-    stack_dumped = any("stalled: no training step finished" in p.read_text(errors="replace") for p in stalled_log) \
-        or "stalled: no training step finished" in (proof_dir / "interrupted.log").read_text(errors="replace")
+    # the watchdog's one line names the stack file it wrote (tpulab.train.watchdog.StallWatchdog)
+    logs = [*(run_dir / "launch").glob("p*.log"), proof_dir / "interrupted.log"]
+    said = any("error: stalled: no step completed" in p.read_text(errors="replace") for p in logs if p.exists())
+    stack_dumped = said and any("Thread 0x" in p.read_text(errors="replace") or "Current thread" in
+                                p.read_text(errors="replace") for p in run_dir.glob("stall-*.txt"))
     verdict.update(event=event, teardown=teardown, expected_exit_code=expected, processes=processes,
                    devices_per_process=devices, stall_timeout_s=stall_timeout_s, grace_s=GRACE_S,
                    stack_dumped=stack_dumped if mode == "stall" else None, signal=event["signal"],

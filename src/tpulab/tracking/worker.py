@@ -19,6 +19,12 @@ def main() -> int:
     # our stdin, so its last steps still get logged. A kill of the trainer closes stdin too.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # MLflow logs a failing store call with a long traceback before raising it; the tracker turns the raise
+    # into its one warning line, so MLflow's own logging is kept to what cannot be reported otherwise.
+    import logging
+    import os
+
+    os.environ["MLFLOW_LOGGING_LEVEL"] = "CRITICAL"
     from tpulab.tracking.mlflow_hook import MlflowTracker
 
     first = sys.stdin.readline()
@@ -26,6 +32,8 @@ def main() -> int:
         return 0
     cfg = json.loads(first)
     tracker = MlflowTracker(cfg["run_dir"], cfg["uri"], kind=cfg["kind"], extra_tags=cfg["extra_tags"])
+    for name in ("mlflow", "alembic", "sqlalchemy"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     for line in sys.stdin:
         if not tracker._enabled:
             continue
