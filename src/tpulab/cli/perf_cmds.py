@@ -1,0 +1,38 @@
+"""Performance and decision subcommands: budget, bench, profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tpulab.cli.train_cmds import add_config_args, load_run_config
+
+
+def _quiet_libtpu() -> None:
+    from tpulab.perf.libtpu_env import quiet_libtpu_off_tpu
+
+    quiet_libtpu_off_tpu()
+
+
+def _budget(args) -> int:
+    config = load_run_config(args)
+    _quiet_libtpu()
+    from tpulab.perf.aot import parse_targets
+    from tpulab.perf.budget import table, write_budget
+
+    parse_targets(args.target)  # a bad name fails before any heavy work
+    out = args.out or Path("runs") / "budget"
+    result = write_budget(config, args.target, out, serve_batch=args.serve_batch, serve_context=args.serve_context)
+    print(table(result))
+    print(f"wrote {out}/budget.json, budget.md")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("budget", help="HBM budget per TPU target: analytic and compiled for the topology via libtpu")
+    add_config_args(p)
+    p.add_argument("--target", default="v5e:2x2,v5p:2x2x1,v6e:2x2",
+                   help="comma-separated GENERATION:TOPOLOGY targets (default: %(default)s)")
+    p.add_argument("--serve-batch", type=int, default=8, help="sequences served at once (KV-cache budget)")
+    p.add_argument("--serve-context", type=int, help="tokens per served sequence (default: model.max_seq_len)")
+    p.add_argument("--out", type=Path, help="where budget.json/md go (default: runs/budget)")
+    p.set_defaults(handler=_budget)
