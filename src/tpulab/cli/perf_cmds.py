@@ -27,7 +27,43 @@ def _budget(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from tpulab.config import load
+    from tpulab.perf.bench import sweep_configs, summary_table, sweep_table
+    from tpulab.train.config import RunConfig
+
+    config = load_run_config(args)
+    sweep = None
+    if args.sweep:  # every value validated before anything runs
+        base = [*args.overrides]
+        sweep = sweep_configs(lambda extra: load(RunConfig, args.config or _default_config(), base + extra),
+                              args.sweep)
+    from tpulab.perf.bench import parse_sweep, run_bench
+
+    key = parse_sweep(args.sweep)[0] if args.sweep else None
+    result = run_bench(config, args.run_dir, steps=args.timed_steps, sweep=sweep, sweep_key=key)
+    print(summary_table(result["bench"]))
+    if sweep:
+        print(sweep_table(key, [(r["value"], r) for r in result["sweep"]["rows"]]))
+    print(f"wrote {args.run_dir}/bench/bench.json, bench.md")
+    return 0
+
+
+def _default_config():
+    from tpulab.cli.train_cmds import DEFAULT_CONFIG
+
+    return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+
+
 def register(sub) -> None:
+    p = sub.add_parser("bench", help="compile, first step and synchronized steady-state step time; "
+                                     "utilization vs this host's matmul rate at the step's GEMM shapes")
+    p.add_argument("--run-dir", required=True, type=Path, help="results go to RUN_DIR/bench/")
+    add_config_args(p)
+    p.add_argument("--timed-steps", type=int, default=20, help="synchronized steady-state steps (>= 20)")
+    p.add_argument("--sweep", metavar="KEY=v1,v2,...", help="also bench each value of one config key")
+    p.set_defaults(handler=_bench)
+
     p = sub.add_parser("budget", help="HBM budget per TPU target: analytic and compiled for the topology via libtpu")
     add_config_args(p)
     p.add_argument("--target", default="v5e:2x2,v5p:2x2x1,v6e:2x2",
