@@ -55,6 +55,15 @@ def _default_config():
     return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
 
 
+def _profile(args) -> int:
+    from tpulab.perf.profile import markdown, profile_run
+
+    result = profile_run(args.run_dir, steps=args.steps)
+    print(markdown(result))
+    print(f"wrote {args.run_dir}/profile/profile.json, profile.md and the trace")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="compile, first step and synchronized steady-state step time; "
                                      "utilization vs this host's matmul rate at the step's GEMM shapes")
@@ -63,6 +72,11 @@ def register(sub) -> None:
     p.add_argument("--timed-steps", type=int, default=20, help="synchronized steady-state steps (>= 20)")
     p.add_argument("--sweep", metavar="KEY=v1,v2,...", help="also bench each value of one config key")
     p.set_defaults(handler=_bench)
+
+    p = sub.add_parser("profile", help="trace K warmed train steps of a trained run; top-ops table from the trace")
+    p.add_argument("--run-dir", required=True, type=Path, help="a trained run (its newest checkpoint and config)")
+    p.add_argument("--steps", type=int, default=5, help="profiled steps (default: %(default)s)")
+    p.set_defaults(handler=_profile)
 
     p = sub.add_parser("budget", help="HBM budget per TPU target: analytic and compiled for the topology via libtpu")
     add_config_args(p)
