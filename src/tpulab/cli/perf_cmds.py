@@ -64,6 +64,15 @@ def _profile(args) -> int:
     return 0
 
 
+def _precision(args) -> int:
+    from tpulab.perf.precision import markdown, write_precision
+
+    result = write_precision(args.run_dir)
+    print(markdown(result))
+    print(f"wrote {args.run_dir}/precision/precision.json, precision.md")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="compile, first step and synchronized steady-state step time; "
                                      "utilization vs this host's matmul rate at the step's GEMM shapes")
@@ -77,6 +86,10 @@ def register(sub) -> None:
     p.add_argument("--run-dir", required=True, type=Path, help="a trained run (its newest checkpoint and config)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps (default: %(default)s)")
     p.set_defaults(handler=_profile)
+
+    p = sub.add_parser("precision", help="fp32 / bf16 / int8 policies of a trained run against fp32, one table")
+    p.add_argument("--run-dir", required=True, type=Path, help="a trained fp32 run")
+    p.set_defaults(handler=_precision)
 
     p = sub.add_parser("budget", help="HBM budget per TPU target: analytic and compiled for the topology via libtpu")
     add_config_args(p)
