@@ -73,6 +73,18 @@ def _precision(args) -> int:
     return 0
 
 
+def _hypothesis(args) -> int:
+    config = load_run_config(args)
+    from tpulab.perf.hypothesis import markdown, predicted_change, run_hypothesis
+
+    predicted_change(args.predict)  # fails fast, before any work
+    result = run_hypothesis(config, args.change, args.predict, args.run_dir / "hypothesis", steps=args.steps_each,
+                            loss_tol=args.loss_tol)
+    print(markdown(result))
+    print(f"wrote {args.run_dir}/hypothesis/hypothesis.json, hypothesis.md, hypothesis.png")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="compile, first step and synchronized steady-state step time; "
                                      "utilization vs this host's matmul rate at the step's GEMM shapes")
@@ -90,6 +102,16 @@ def register(sub) -> None:
     p = sub.add_parser("precision", help="fp32 / bf16 / int8 policies of a trained run against fp32, one table")
     p.add_argument("--run-dir", required=True, type=Path, help="a trained fp32 run")
     p.set_defaults(handler=_precision)
+
+    p = sub.add_parser("hypothesis", help="test one predicted speed-up: baseline and changed config side by side")
+    p.add_argument("--run-dir", required=True, type=Path, help="results go to RUN_DIR/hypothesis/")
+    add_config_args(p)
+    p.add_argument("--change", required=True, metavar="KEY=VALUE", help="the config switch under test")
+    p.add_argument("--predict", required=True, help="the prediction, ending in the step-time change, e.g. "
+                                                    "'dropout RNG is 20%% of the step; step time -20%%'")
+    p.add_argument("--steps-each", type=int, default=30, help="train steps per side (default: %(default)s)")
+    p.add_argument("--loss-tol", type=float, default=0.05, help="allowed |val loss difference| (nats)")
+    p.set_defaults(handler=_hypothesis)
 
     p = sub.add_parser("budget", help="HBM budget per TPU target: analytic and compiled for the topology via libtpu")
     add_config_args(p)
