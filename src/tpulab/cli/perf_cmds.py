@@ -85,6 +85,18 @@ def _hypothesis(args) -> int:
     return 0
 
 
+def _dossier(args) -> int:
+    config = load_run_config(args)
+    _quiet_libtpu()
+    from tpulab.orchestrate.dossier import DossierPlan, build_dossier
+
+    plan = DossierPlan(train_steps=args.train_steps, targets=args.target, target_overrides=tuple(args.target_set),
+                       batch_sweep=args.batch_sweep)
+    result = build_dossier(config, args.out, plan)
+    print(f"dossier: {result['md']} and {result['html']}")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="compile, first step and synchronized steady-state step time; "
                                      "utilization vs this host's matmul rate at the step's GEMM shapes")
@@ -112,6 +124,17 @@ def register(sub) -> None:
     p.add_argument("--steps-each", type=int, default=30, help="train steps per side (default: %(default)s)")
     p.add_argument("--loss-tol", type=float, default=0.05, help="allowed |val loss difference| (nats)")
     p.set_defaults(handler=_hypothesis)
+
+    p = sub.add_parser("dossier", help="receipt, bench, profile, TPU budget, precision and a tested hypothesis: "
+                                       "dossier.md + self-contained dossier.html")
+    p.add_argument("--out", required=True, type=Path)
+    add_config_args(p)
+    p.add_argument("--train-steps", type=int, default=100, help="steps of the run that provides trained weights")
+    p.add_argument("--batch-sweep", default="data.batch_size=8,16,32", help="the bench sweep (default: %(default)s)")
+    p.add_argument("--target", default="v5e:2x2,v5p:2x2x1,v6e:2x2", help="TPU targets for the budget")
+    p.add_argument("--target-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for the target model of the budget (default: the run's model), repeatable")
+    p.set_defaults(handler=_dossier)
 
     p = sub.add_parser("budget", help="HBM budget per TPU target: analytic and compiled for the topology via libtpu")
     add_config_args(p)

@@ -7,7 +7,7 @@ needs no extra package: ``jax.profiler.ProfileData`` reads the xplane in-process
 an ``hlo_op`` stat from the train step's module is one HLO op or fusion executing. Its category is
 read from the compiled step's own HLO (not guessed from names: on XLA:CPU a ``ynn_fusion`` may be
 a GEMM or a reduction): matmul (a dot or convolution, alone or inside a fusion), copy/transposition,
-collective, fusion (other fused elementwise/reduction work), other; host is the rest of the
+collective, rng (random-bit generation, i.e. dropout masks), fusion (other fused elementwise/reduction work), other; host is the rest of the
 step's wall time that no HLO op covers (dispatch, Python, waiting).
 
 The same steps are also timed without the profiler, half before and half after the trace (so a
@@ -30,6 +30,7 @@ AGREEMENT = 0.10
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                 "collective-broadcast")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+.*?\s([a-z][\w\-]*)\((.*)$")
+_CALLEE = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
@@ -39,7 +40,7 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
     current = None
     for line in hlo_text.splitlines():
         m = _COMP.match(line)
-        if m and "=" not in line.split("{")[0]:
+        if m and not line[:1].isspace():  # computation headers are unindented; instructions are indented
             current = m.group(1)
             continue
         if current is None:
@@ -52,7 +53,7 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
         kinds = set()
         for _, opcode, rest in comps.get(name, []):
             kinds.add(opcode)
-            for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", rest):
+            for callee in re.findall(_CALLEE, rest):
                 if callee not in seen:
                     kinds |= kind_of_comp(callee, seen + (name,))
         return kinds
@@ -61,7 +62,7 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
     for comp in comps.values():
         for name, opcode, rest in comp:
             kinds = {opcode}
-            for callee in re.findall(r"calls=%?([\w.\-]+)", rest):
+            for callee in re.findall(_CALLEE, rest):
                 kinds |= kind_of_comp(callee)
             out[name] = _category(opcode, kinds)
     return out
@@ -72,6 +73,8 @@ def _category(opcode: str, kinds: set[str]) -> str:
         return "matmul"
     if any(k.startswith(c) for k in kinds for c in _COLLECTIVES):
         return "collective"
+    if {"xor", "shift-right-logical"} <= kinds or "rng-bit-generator" in kinds:
+        return "rng (random bits)"  # threefry lowers to u32 shifts and xors; dropout masks start here
     if opcode in ("copy", "transpose") or (opcode == "fusion" and kinds - {"fusion", "parameter", "bitcast"}
                                            <= {"copy", "transpose"}):
         return "copy/transposition"
