@@ -104,6 +104,21 @@ def _no_persistent_cache():
         jax.config.update("jax_enable_compilation_cache", before)
 
 
+class CompilerOutOfMemory(TpulabError):
+    """XLA:TPU refused the program: it needs more HBM than one device has (a verdict, not a crash)."""
+
+
+@contextlib.contextmanager
+def _oom_as_verdict(target_name: str):
+    try:
+        yield
+    except Exception as e:  # JaxRuntimeError; matched on the compiler's own status
+        msg = str(e).splitlines()[0] if str(e) else ""
+        if "RESOURCE_EXHAUSTED" in msg:
+            raise CompilerOutOfMemory(f"{target_name}: {msg}") from None
+        raise
+
+
 def read_compiled(compiled) -> dict:
     """The compiler's own numbers for one device's program."""
     mem = compiled.memory_analysis()
@@ -138,7 +153,7 @@ def compile_train_step(config, target_name: str) -> dict:
     sds = lambda dtype: jax.ShapeDtypeStruct((b, t), dtype, sharding=steps.batch_sharding)  # noqa: E731
     batch = {"inputs": sds(np.int32), "targets": sds(np.int32), "mask": sds(np.float32)}
     t0 = time.perf_counter()
-    with _no_persistent_cache():
+    with _no_persistent_cache(), _oom_as_verdict(target_name):
         compiled = steps.train.lower(steps.abstract_state(), batch).compile()
     return {**read_compiled(compiled), "compile_s": time.perf_counter() - t0, "devices": len(devices),
             "device_kind": devices[0].device_kind}
@@ -169,7 +184,7 @@ def compile_decode_step(config, target_name: str, batch: int, policy: str) -> di
                                            NamedSharding(mesh, P("data")), rep),
                  out_shardings=(NamedSharding(mesh, P("data")), cache_sh), donate_argnums=(1,))
     t0 = time.perf_counter()
-    with _no_persistent_cache():
+    with _no_persistent_cache(), _oom_as_verdict(target_name):
         compiled = fn.lower(params, cache, token, pos).compile()
     return {**read_compiled(compiled), "compile_s": time.perf_counter() - t0, "devices": len(devices),
             "device_kind": devices[0].device_kind}

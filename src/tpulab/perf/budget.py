@@ -139,14 +139,24 @@ def budget(config, targets: str, *, serve_batch: int = 8, serve_context: int | N
                "ridge_bf16": target.chip.ridge("bf16"), "ridge_int8": target.chip.ridge("int8"),
                "chip_source": target.chip.source}
         if compile_steps:
-            c = aot.compile_train_step(config, target.name)
+            try:
+                c = aot.compile_train_step(config, target.name)
+            except aot.CompilerOutOfMemory as e:
+                c = None
+                row["compiler_refused"] = str(e)
             serve_cfg = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=context),
                                             data=dataclasses.replace(config.data,
                                                                      seq_len=min(config.data.seq_len, context)))
-            d = aot.compile_decode_step(serve_cfg, target.name, _round_up(serve_batch, devices), "bf16")
+            try:
+                row["compiled_decode_bf16"] = aot.compile_decode_step(serve_cfg, target.name,
+                                                                      _round_up(serve_batch, devices), "bf16")
+            except aot.CompilerOutOfMemory as e:
+                row["compiled_decode_bf16"] = {"refused": str(e)}
+        else:
+            c = None
+        if c is not None:
             intensity = c["flops"] / c["bytes_accessed"] if c["bytes_accessed"] else None
             row["compiled_train"] = c
-            row["compiled_decode_bf16"] = d
             row["arithmetic_intensity"] = intensity
             row["bound"] = None if intensity is None else (
                 "compute-bound" if intensity >= row["ridge_bf16"] else "memory-bound")
@@ -158,9 +168,9 @@ def budget(config, targets: str, *, serve_batch: int = 8, serve_context: int | N
             row["compiled_vs_analytic_flops"] = _ratio(c["flops"], analytic_flops)
         need = max(train["total"], row.get("compiled_train", {}).get("peak_bytes", 0))
         need_remat = train["total_remat"]
-        row["train_fits"] = need <= hbm
+        row["train_fits"] = need <= hbm and "compiler_refused" not in row
         row["train_fits_remat"] = need_remat <= hbm
-        row["train_fits_with_headroom"] = need <= (1 - HEADROOM) * hbm
+        row["train_fits_with_headroom"] = row["train_fits"] and need <= (1 - HEADROOM) * hbm
         row["serve_fits"] = {pol: b <= hbm for pol, b in serve.items()}
         rows.append(row)
     return {"rows": rows, "recommendation": recommend(rows), "margin": WORKSPACE_MARGIN, "headroom": HEADROOM,
@@ -215,11 +225,13 @@ def table(result: dict) -> str:
         ai = f"{r['arithmetic_intensity']:.1f} vs {r['ridge_bf16']:.0f} ({r['bound']})" if c else "-"
         flops = (f"{c['flops'] / 1e9:.2f} vs {r['analytic_flops_per_device'] / 1e9:.2f}" if c else
                  f"- vs {r['analytic_flops_per_device'] / 1e9:.2f}")
-        notes = "; ".join(n for n in (r.get("memory_note"), r.get("flops_note")) if n)
+        refused = r.get("compiler_refused")
+        notes = "; ".join(n for n in (r.get("memory_note"), r.get("flops_note"),
+                                      refused and "XLA:TPU refused to compile: " + refused.split(": ", 1)[-1]) if n)
         s = r["serve"]["bytes_per_device"]
         lines.append(f"| {r['target']} | {r['devices']} | {_gib(r['hbm_per_device'])} | {_gib(state)} | "
                      f"{_gib(t['activations'])} ({_gib(t['activations_remat'])}) | {_gib(t['total'])} "
-                     f"({_gib(t['total_remat'])}) | {_gib(c['peak_bytes']) if c else '-'} | {fits} | "
+                     f"({_gib(t['total_remat'])}) | {_gib(c['peak_bytes']) if c else ('OOM' if refused else '-')} | {fits} | "
                      f"{_gib(s['bf16'])} / {_gib(s['int8'])} | {flops} | {ai} | {notes} |")
     rec = result["recommendation"]
     lines.append("")
