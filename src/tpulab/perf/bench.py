@@ -22,7 +22,6 @@ tokens they are, and the bench needs no corpus.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
