@@ -15,7 +15,10 @@ Serving: replicated weights plus the KV cache (``inference.cache`` layout) for B
 tokens in fp32, bf16 or int8 (int8 with its fp32 scales). Each target also gets the real train
 step and decode step compiled for its topology with libtpu (``tpulab.perf.aot``), and the step is
 placed against the chip's ridge point (peak FLOP/s / HBM bandwidth) using the compiler's FLOPs and
-bytes accessed.
+bytes accessed. The fit verdict uses the compiler's peak where the compile succeeded (it is the
+program that would run; the analytic activation count overstates what XLA keeps live) and the
+analytic total elsewhere; "does not fit anywhere" is decided analytically, with rematerialization,
+before anything is compiled.
 """
 
 from __future__ import annotations
@@ -166,7 +169,8 @@ def budget(config, targets: str, *, serve_batch: int = 8, serve_context: int | N
             row["flops_note"] = _explain("flops", analytic_flops, c["flops"])
             row["compiled_vs_analytic_memory"] = _ratio(c["peak_bytes"], train["total"])
             row["compiled_vs_analytic_flops"] = _ratio(c["flops"], analytic_flops)
-        need = max(train["total"], row.get("compiled_train", {}).get("peak_bytes", 0))
+        need = _need(row)
+        row["need_bytes"] = need
         need_remat = train["total_remat"]
         row["train_fits"] = need <= hbm and "compiler_refused" not in row
         row["train_fits_remat"] = need_remat <= hbm
@@ -175,6 +179,13 @@ def budget(config, targets: str, *, serve_batch: int = 8, serve_context: int | N
         rows.append(row)
     return {"rows": rows, "recommendation": recommend(rows), "margin": WORKSPACE_MARGIN, "headroom": HEADROOM,
             "libtpu": aot.libtpu_version()}
+
+
+def _need(row: dict) -> int:
+    """Bytes per device the train step needs: the compiler's peak when it compiled (it is the program
+    that will run, temporaries included), else the analytic total (margin included)."""
+    compiled = row.get("compiled_train")
+    return compiled["peak_bytes"] if compiled else row["train"]["total"]
 
 
 def _round_up(x: int, k: int) -> int:
@@ -187,13 +198,15 @@ def recommend(rows: list[dict]) -> dict:
     for key, how in (("train_fits_with_headroom", "as configured"), ("train_fits_remat", "with rematerialization")):
         for r in order:
             if r[key]:
-                need = max(r["train"]["total"], r.get("compiled_train", {}).get("peak_bytes", 0))
+                need = r["need_bytes"]
+                basis = "the XLA:TPU compiler's peak" if "compiled_train" in r else "the analytic estimate"
                 if how != "as configured":
-                    need = r["train"]["total_remat"]
+                    need, basis = r["train"]["total_remat"], "the analytic estimate with rematerialization"
                 return {"target": r["target"], "how": how,
                         "why": f"fewest chips among the targets that hold the train step {how}: needs "
                                f"{_gib(need)} of {_gib(r['hbm_per_device'])} HBM per device "
-                               f"({100 * need / r['hbm_per_device']:.1f}%, headroom target {100 * HEADROOM:.0f}%)"}
+                               f"({100 * need / r['hbm_per_device']:.1f}% by {basis}; at most {100 * (1 - HEADROOM):.0f}% "
+                               "leaves the headroom)"}
     return {"target": None, "how": None, "why": "fits none of the targets"}
 
 
