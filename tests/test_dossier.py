@@ -39,3 +39,21 @@ def test_dossier_refuses_bad_input_before_writing(tmp_path):
         r = run_cli("dossier", "--out", str(tmp_path / "new"), "--config", "configs/tiny.yaml", *extra)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and expect in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "new").exists()
+
+
+def test_precision_and_batch_decisions_follow_the_measurements():
+    from tpulab.orchestrate.dossier import recommend_batch, recommend_precision
+
+    def row(policy, kl, weight, kv, train=True):
+        r = {"policy": policy, "mean_kl": kl, "greedy_agreement": 1.0, "heldout_loss": 2.0, "weight_bytes": weight,
+             "kv_bytes_per_token": kv}
+        return {**r, "train_step_ms": 1.0} if train else r
+
+    rows = [row("fp32", 0.0, 4, 4), row("bf16-compute", 1e-6, 4, 2), row("bf16-params", 1e-6, 2, 2),
+            row("int8-weights", 1e-6, 1, 4, train=False), row("int8-cache", 1e-6, 4, 1, train=False)]
+    got = recommend_precision(rows, context=128)
+    assert got["train"] == "bf16-compute" and got["serve"] == "int8-cache"
+    rows[1]["mean_kl"] = 0.1  # control: bf16 compute outside the bounds falls back to fp32
+    assert recommend_precision(rows, context=128)["train"] == "fp32"
+    assert recommend_batch([{"value": "8", "tokens_per_s": 10.0}, {"value": "16", "tokens_per_s": 12.0}])[
+        "batch_size"] == "16"

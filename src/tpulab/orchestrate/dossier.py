@@ -44,8 +44,12 @@ def recommend_precision(rows: list[dict], context: int, serve_batch: int = 8) ->
     Serving cost = weights + KV cache for ``serve_batch`` sequences of ``context`` tokens."""
     ok = [r for r in rows if r["mean_kl"] <= KL_OK and r["greedy_agreement"] >= AGREE_OK
           and abs(r["heldout_loss"] - rows[0]["heldout_loss"]) <= LOSS_OK]
-    train = [r for r in ok if "train_step_ms" in r]
-    best_train = min(train, key=lambda r: (r["weight_bytes"], r["policy"] != "bf16-compute")) if train else rows[0]
+    # Training: mixed precision (bf16 compute, fp32 master weights and moments) when its error is within
+    # bounds. bf16-params is not preferred even when accepted: the table measures the forward error of
+    # trained weights, not whether bf16 updates and moments keep a long run on track.
+    train_ok = {r["policy"] for r in ok if "train_step_ms" in r}
+    choice = next((p for p in ("bf16-compute", "fp32") if p in train_ok), "fp32")
+    best_train = next(r for r in rows if r["policy"] == choice)
     serve = min(ok, key=lambda r: r["weight_bytes"] + r["kv_bytes_per_token"] * context * serve_batch) if ok \
         else rows[0]
     bounds = f"mean KL <= {KL_OK:g}, greedy agreement >= {AGREE_OK}, |held-out loss diff| <= {LOSS_OK}"
