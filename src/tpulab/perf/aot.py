@@ -94,12 +94,18 @@ def libtpu_version() -> str | None:
 def _no_persistent_cache():
     """A TPU executable compiled without a TPU client can be written to JAX's persistent cache but not
     read back (``DeserializeLoadedExecutable`` needs a client): keep AOT compiles out of it."""
+    import warnings
+
     import jax
 
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        yield
+        with warnings.catch_warnings():
+            # Once a process has used the cache (CPU compiles earlier in `tpulab dossier`), JAX keeps
+            # consulting it; the failed read of a TPU entry is then harmless (it compiles) but noisy.
+            warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
+            yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
 
