@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tpulab.perf.libtpu_env import quiet_libtpu_off_tpu
+
+quiet_libtpu_off_tpu()  # libtpu is installed for the AOT tests; off a TPU it must not print on every jax init
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 

@@ -17,8 +17,9 @@ LAYERS = [
     {"checkpoint"},
     {"evidence"},
     {"train"},
-    {"proofs", "perf"},
+    {"proofs"},
     {"inference", "bridge", "cloud", "tracking"},
+    {"perf"},
     {"orchestrate"},
     {"cli"},
 ]

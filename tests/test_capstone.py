@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def test_capstone_writes_report_overlay_and_verdict(tmp_path):
     out = tmp_path / "cap"
     result = run_cli("capstone", "--out", str(out), "--config", str(TINY), "--skip-bridge", "--skip-inference",
-                     "--chaos-kills", "1", "--skip-scaleout")  # the 2-process stage has its own slow test
+                     "--chaos-kills", "1", "--skip-scaleout", "--skip-dossier")  # both have their own slow tests
     assert result.returncode == 0, result.stderr
     report = (out / "report.md").read_text()
     assert "Status: **PASS**" in report and "bitwise identical" in report and "not a TPU" in report

@@ -16,6 +16,10 @@ import jax
 
 ENV = "TPULAB_COMPILE_CACHE"
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Tracing to a jaxpr, lowering to StableHLO and the XLA compile: together, what a first call pays
+# before it computes anything.
+COMPILE_PHASE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                        _BACKEND_COMPILE_EVENT)
 
 
 def default_dir() -> Path:
@@ -35,12 +39,15 @@ def enable(path: str | Path | None = None) -> Path:
 
 @contextlib.contextmanager
 def count_compiles():
-    """Yields a dict whose ``n`` counts XLA backend compiles inside the block (cache hits included)."""
-    counter = {"n": 0}
+    """Yields a dict whose ``n`` counts XLA backend compiles inside the block (cache hits included)
+    and whose ``seconds`` sums the trace, lowering and compile phases."""
+    counter = {"n": 0, "seconds": 0.0}
 
     def listener(event: str, duration: float, **_):
         if event == _BACKEND_COMPILE_EVENT:
             counter["n"] += 1
+        if event in COMPILE_PHASE_EVENTS:
+            counter["seconds"] += duration
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:

@@ -188,7 +188,8 @@ def cmd_capstone(args) -> int:
 
     report = run_capstone(config, out, CapstoneOptions(
         skip_bridge=args.skip_bridge, skip_inference=args.skip_inference, chaos_kills=args.chaos_kills,
-        compile_cache=args.compile_cache, skip_scaleout=args.skip_scaleout))
+        compile_cache=args.compile_cache, skip_scaleout=args.skip_scaleout,
+        skip_dossier=args.skip_dossier))
     print(f"report: {report} and {report.with_suffix('.html')}")
     from tpulab.evidence.goodput import goodput
 
@@ -246,4 +247,5 @@ def register(sub) -> None:
     p.add_argument("--skip-inference", action="store_true", help="leave out the KV-cache and export stage")
     p.add_argument("--chaos-kills", type=int, default=5, help="random kills in the chaos stage (0 leaves it out)")
     p.add_argument("--skip-scaleout", action="store_true", help="leave out the 2-process kill/resume stage")
+    p.add_argument("--skip-dossier", action="store_true", help="leave out the decision dossier stage")
     p.set_defaults(handler=cmd_capstone)

@@ -26,6 +26,7 @@ class CapstoneOptions:
     skip_inference: bool = False
     chaos_kills: int = 5  # 0 leaves the chaos stage out
     skip_scaleout: bool = False  # the 2-process kill/resume stage
+    skip_dossier: bool = False  # the decision dossier (bench, profile, TPU budget, precision, hypothesis)
     compile_cache: Path | None = None
 
 
@@ -148,6 +149,16 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
                               f"{out / 'scaleout' / 'proof-kill'}")
         return scaleout_section(v, "scaleout/proof-kill")
 
+    def dossier_stage() -> str:
+        from tpulab.orchestrate.dossier import DossierPlan, build_dossier
+
+        # Sized for `make demo`: fewer training and hypothesis steps, two batch sizes in the sweep.
+        build_dossier(config, out / "dossier", DossierPlan(train_steps=50, batch_sweep="data.batch_size=8,16",
+                                                           hypothesis_steps=20))  # raises, naming what failed
+        return ("## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU targets, precision "
+                "policy and one tested hypothesis, each with its evidence: [dossier/dossier.md](dossier/dossier.md) "
+                "([html](dossier/dossier.html)).")
+
     # One MLflow store for every run the capstone starts (training, proof, chaos): the children inherit it.
     own_uri = "MLFLOW_TRACKING_URI" not in os.environ
     if own_uri:
@@ -164,6 +175,8 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
             stage("checks", checks_stage)
             if not options.skip_scaleout:
                 stage("multi-process resume", scaleout_stage)
+            if not options.skip_dossier:
+                stage("dossier", dossier_stage)
             if not options.skip_inference:
                 from tpulab.inference import capstone_stage as inference_stage
 

@@ -1,0 +1,293 @@
+"""`tpulab bench`: the train step's compile, first step and steady state, against a matmul rate measured here.
+
+What is measured, in one process:
+
+- compile: trace + lowering + XLA compile of the jitted train step on its first call (JAX's own
+  monitoring events), apart from the rest of that first call (``first_step_s``) and from the
+  steady state;
+- steady state: at least ``MIN_TIMED_STEPS`` steps after warm-up, each synchronized with
+  ``block_until_ready`` (one host sync per step, counted), with implicit device-to-host transfers
+  disallowed (``jax.transfer_guard``) so a hidden sync would fail the run rather than slow it;
+- recompiles after warm-up, counted from XLA compile events (must be 0: ``check_no_recompiles``);
+- FLOPs per step from XLA's cost analysis of the compiled step next to the analytic count
+  (6 N tokens + attention, ``tpulab.perf.budget.train_flops``);
+- the matmul rate of this host at the step's own GEMM shapes (forward, input-gradient and
+  weight-gradient product of every Dense, the head and the attention products), measured in the
+  same run, so utilization is a same-host ratio; a TPU's published peak is added only when JAX
+  reports a TPU.
+
+Batches are fixed random token ids of the configured shape: step time does not depend on which
+tokens they are, and the bench needs no corpus.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tpulab.errors import TpulabError
+from tpulab.perf.timing import MIN_TIMED_STEPS, summarize
+
+DEFAULT_WARMUP = 3
+
+
+class RecompileError(TpulabError):
+    """The jitted step compiled again after warm-up (a shape, dtype, sharding or weak-type change)."""
+
+
+def synthetic_batch(config, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    b, t = config.data.batch_size, config.data.seq_len
+    tokens = rng.integers(0, 256, size=(b, t + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((b, t), np.float32)}
+
+
+def gemm_shapes(config) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
+    """(name, lhs shape, rhs shape, count per step) of every matrix product in one train step."""
+    m, b, t = config.model, config.data.batch_size, config.data.seq_len
+    rows, d, hid, v, h, dh = b * t, m.d_model, m.mlp_ratio * m.d_model, m.vocab_size, m.n_heads, m.head_dim
+    out = []
+    for name, k, n, count in (("qkv", d, 3 * d, m.n_layers), ("out", d, d, m.n_layers), ("up", d, hid, m.n_layers),
+                              ("down", hid, d, m.n_layers), ("head", d, v, 1)):
+        out.append((f"{name} fwd", (rows, k), (k, n), count))
+        out.append((f"{name} dgrad", (rows, n), (n, k), count))
+        out.append((f"{name} wgrad", (k, rows), (rows, n), count))
+    # attention: scores q.k^T and probs.v, forward and their two backward products each
+    out.append(("attn scores/probs", (b * h, t, dh), (b * h, dh, t), 3 * m.n_layers))
+    out.append(("attn values", (b * h, t, t), (b * h, t, dh), 3 * m.n_layers))
+    return out
+
+
+def matmul_rate(config, repeats: int = 15, dtype=None, min_flops_per_call: float = 2e8) -> dict:
+    """FLOP/s of this backend on the step's own GEMM shapes (median time per shape, weighted by use).
+
+    Small shapes are batched (``R`` independent products of the same shape in one call, a batched
+    dot) so that one dispatch is shared by at least ``min_flops_per_call`` FLOPs: a lone 0.03 ms
+    GEMM would otherwise be timed mostly as call overhead, which the train step pays once per step,
+    not once per GEMM.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    dtype = dtype or jnp.dtype(config.precision.compute_dtype)
+    mm = jax.jit(jnp.matmul)
+    rows, total_flops, total_time = [], 0.0, 0.0
+    key = jax.random.PRNGKey(0)
+    for name, a_shape, b_shape, count in gemm_shapes(config):
+        flops = 2.0 * np.prod(a_shape[:-1]) * a_shape[-1] * b_shape[-1]
+        r = int(min(64, max(1, np.ceil(min_flops_per_call / flops))))
+        ka, kb = jax.random.split(jax.random.fold_in(key, len(rows)))
+        a = jax.random.normal(ka, (r, *a_shape), dtype)
+        b = jax.random.normal(kb, (r, *b_shape), dtype)
+        mm(a, b).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mm(a, b).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times) / r
+        rows.append({"gemm": name, "lhs": list(a_shape), "rhs": list(b_shape), "count": count, "batched": r,
+                     "median_s": med, "flop_per_s": flops / med})
+        total_flops += flops * count
+        total_time += med * count
+    return {"flop_per_s": total_flops / total_time, "gemm_flops_per_step": total_flops,
+            "gemm_time_per_step_s": total_time, "dtype": jnp.dtype(dtype).name, "shapes": rows,
+            "method": f"jit(jnp.matmul) per shape (R same-shape products per call for small shapes), median of "
+                      f"{repeats} synchronized calls / R; rate = sum(flops x count) / sum(time x count)"}
+
+
+def check_no_recompiles(result: dict) -> None:
+    if result["recompiles_after_warmup"]:
+        raise RecompileError(f"the train step compiled {result['recompiles_after_warmup']} more time(s) after "
+                             "warm-up; its inputs changed shape, dtype, sharding or weak type between steps")
+
+
+def bench_step(config, *, steps: int = MIN_TIMED_STEPS, warmup: int = DEFAULT_WARMUP,
+               batch_fn: Callable[[int], dict] | None = None, measure_matmul: bool = True) -> dict:
+    """Time the trainer's own jitted train step (``make_steps``) on this backend; see the module docstring.
+
+    ``batch_fn(i)`` gives the host batch of timed step ``i`` (default: one fixed synthetic batch).
+    """
+    import jax
+
+    from tpulab.evidence.provenance import jax_devices
+    from tpulab.perf.budget import matmul_params, train_flops
+    from tpulab.perf.chips import chip_for_device_kind
+    from tpulab.compile_cache import count_compiles
+    from tpulab.train.step import make_steps
+
+    if steps < MIN_TIMED_STEPS:
+        raise TpulabError(f"--steps {steps}: a median needs at least {MIN_TIMED_STEPS} timed steps")
+    fixed = synthetic_batch(config)
+    batch_fn = batch_fn or (lambda i: fixed)
+    s = make_steps(config)
+    state = s.init()
+    batch = s.put_batch(fixed)
+    jax.block_until_ready((state, batch))
+
+    with count_compiles() as first:
+        t0 = time.perf_counter()
+        state, metrics = s.train(state, batch)
+        jax.block_until_ready((state, metrics))
+        first_call_s = time.perf_counter() - t0
+    for _ in range(max(warmup - 1, 0)):
+        state, metrics = s.train(state, batch)
+        jax.block_until_ready((state, metrics))
+
+    mm_before = matmul_rate(config) if measure_matmul else None  # and again after: load drift hits both
+    syncs = 0
+    times = []
+    with count_compiles() as steady, jax.transfer_guard_device_to_host("disallow"):
+        for i in range(steps):
+            b = s.put_batch(batch_fn(i))
+            t0 = time.perf_counter()
+            state, metrics = s.train(state, b)
+            jax.block_until_ready((state, metrics))
+            syncs += 1
+            times.append(time.perf_counter() - t0)
+    loss = float(metrics["loss"])  # outside the timed loop: the one number this bench logs
+
+    compiled = s.train.lower(s.abstract_state(), jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.batch_sharding), batch)).compile()
+    cost = compiled.cost_analysis() or {}
+    summary = summarize(times)
+    tokens = config.data.batch_size * config.data.seq_len
+    analytic = train_flops(config)
+    env = jax_devices()
+    result = {
+        "config": _model_shape(config), "matmul_params": matmul_params(config.model),
+        "compile_s": first["seconds"], "first_call_s": first_call_s,
+        "first_step_s": max(first_call_s - first["seconds"], 0.0),
+        "warmup_steps": warmup, "step_time": summary,
+        "tokens_per_step": tokens, "tokens_per_s": tokens / summary["median_s"],
+        "recompiles_after_warmup": steady["n"], "host_syncs_per_step": syncs / steps,
+        "implicit_device_to_host_transfers": "disallowed during the timed steps (jax.transfer_guard)",
+        "final_loss": loss,
+        "flops_per_step_compiler": float(cost.get("flops", 0.0)), "flops_per_step_analytic": analytic,
+        "achieved_flop_per_s": analytic / summary["median_s"],
+    }
+    if measure_matmul:
+        mm_after = matmul_rate(config)
+        seconds = (mm_before["gemm_time_per_step_s"] + mm_after["gemm_time_per_step_s"]) / 2
+        mm = {**mm_after, "flop_per_s": mm_after["gemm_flops_per_step"] / seconds, "gemm_time_per_step_s": seconds,
+              "flop_per_s_before_after": [mm_before["flop_per_s"], mm_after["flop_per_s"]],
+              "method": mm_after["method"] + "; measured before and after the timed steps, times averaged"}
+        result["matmul"] = mm
+        result["utilization_vs_matmul_rate"] = result["achieved_flop_per_s"] / mm["flop_per_s"]
+    chip = chip_for_device_kind(env["device_kind"]) if env["backend"] == "tpu" else None
+    if chip is not None:
+        result["utilization_vs_chip_peak_bf16"] = result["achieved_flop_per_s"] / (chip.peak_bf16_flops *
+                                                                                  env["device_count"])
+    return result
+
+
+def _model_shape(config) -> dict:
+    m, p = config.model, config.precision
+    return {"d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "mlp_ratio": m.mlp_ratio,
+            "vocab_size": m.vocab_size, "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
+            "dropout": m.dropout, "param_dtype": p.param_dtype, "compute_dtype": p.compute_dtype}
+
+
+def parse_sweep(spec: str) -> tuple[str, list[str]]:
+    key, sep, values = spec.partition("=")
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not key.strip() or not vals:
+        raise TpulabError(f"--sweep expects KEY=v1,v2,..., got {spec!r}")
+    return key.strip(), vals
+
+
+def sweep_configs(load_config: Callable[[list[str]], object], spec: str) -> list[tuple[str, object]]:
+    """Every config of a sweep, all validated before anything runs (a bad value fails in one line)."""
+    key, values = parse_sweep(spec)
+    return [(v, load_config([f"{key}={v}"])) for v in values]
+
+
+def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
+    lines = [f"| {key} | params (matmul) | step median ms (p10-p90) | tokens/s | achieved GFLOP/s | "
+             "matmul GFLOP/s at its shapes | utilization | recompiles |", "|" + "---|" * 8]
+    for value, r in rows:
+        st = r["step_time"]
+        lines.append(
+            f"| {value} | {r['matmul_params']/1e6:.2f}M | {1e3*st['median_s']:.1f} ({1e3*st['p10_s']:.1f}-"
+            f"{1e3*st['p90_s']:.1f}) | {r['tokens_per_s']:.0f} | {r['achieved_flop_per_s']/1e9:.1f} | "
+            f"{r['matmul']['flop_per_s']/1e9:.1f} | {100*r['utilization_vs_matmul_rate']:.0f}% | "
+            f"{r['recompiles_after_warmup']} |")
+    return "\n".join(lines)
+
+
+def summary_table(r: dict) -> str:
+    st = r["step_time"]
+    rows = [("compile (trace + lower + XLA)", f"{r['compile_s']:.2f} s"),
+            ("first step (after its compile)", f"{1e3 * r['first_step_s']:.1f} ms"),
+            (f"steady step, median of {st['steps']} (p10-p90)",
+             f"{1e3 * st['median_s']:.2f} ms ({1e3 * st['p10_s']:.2f}-{1e3 * st['p90_s']:.2f})"),
+            ("tokens/s", f"{r['tokens_per_s']:.0f}"),
+            ("recompiles after warm-up", str(r["recompiles_after_warmup"])),
+            ("host syncs per step", f"{r['host_syncs_per_step']:.0f}"),
+            ("FLOPs/step: compiler cost analysis vs analytic 6N·tokens + attention",
+             f"{r['flops_per_step_compiler'] / 1e9:.2f} G vs {r['flops_per_step_analytic'] / 1e9:.2f} G"),
+            ("achieved (analytic FLOPs / median step)", f"{r['achieved_flop_per_s'] / 1e9:.1f} GFLOP/s")]
+    if "matmul" in r:
+        rows.append(("matmul rate here at the step's GEMM shapes", f"{r['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s"))
+        rows.append(("utilization vs that matmul rate", f"{100 * r['utilization_vs_matmul_rate']:.1f}%"))
+    if "utilization_vs_chip_peak_bf16" in r:
+        rows.append(("utilization vs the chip's published bf16 peak", f"{100 * r['utilization_vs_chip_peak_bf16']:.1f}%"))
+    return "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def run_bench(config, run_dir, *, steps: int = MIN_TIMED_STEPS, sweep: list[tuple[str, object]] | None = None,
+              sweep_key: str | None = None) -> dict:
+    """Bench the config (or each config of a sweep) and write DIR/bench/bench.{json,md} (+ sweep plot)."""
+    from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+    from tpulab.config import to_dict
+    from tpulab.perf.timing import benchmark_environment
+
+    out = Path(run_dir) / "bench"
+    main = bench_step(config, steps=steps)
+    check_no_recompiles(main)
+    result = {"bench": main, "config": to_dict(config), "environment": benchmark_environment(),
+              "batches": "fixed synthetic token ids of the configured shape"}
+    md = ["# bench", "", summary_table(main)]
+    if sweep:
+        rows = []
+        for value, cfg in sweep:
+            r = bench_step(cfg, steps=steps)
+            check_no_recompiles(r)
+            rows.append((value, r))
+        result["sweep"] = {"key": sweep_key, "rows": [{"value": v, **r} for v, r in rows]}
+        md += ["", f"## sweep over {sweep_key}", "", sweep_table(sweep_key, rows)]
+        out.mkdir(parents=True, exist_ok=True)
+        sweep_plot(sweep_key, rows, out / "sweep.png")
+        md += ["", "![sweep](sweep.png)"]
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "bench.json", result)
+    atomic_write_bytes(out / "bench.md", ("\n".join(md) + "\n").encode())
+    return result
+
+
+def sweep_plot(key: str, rows: list[tuple[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [v for v, _ in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    axes[0].plot(labels, [1e3 * r["step_time"]["median_s"] for _, r in rows], "o-")
+    axes[0].set_ylabel("median step (ms)")
+    axes[1].plot(labels, [r["tokens_per_s"] for _, r in rows], "o-")
+    axes[1].set_ylabel("tokens/s")
+    axes[2].plot(labels, [100 * r["utilization_vs_matmul_rate"] for _, r in rows], "o-", label="step")
+    axes[2].set_ylabel("% of matmul rate at own shapes")
+    axes[2].set_ylim(0, 100)
+    for ax in axes:
+        ax.set_xlabel(key)
+        ax.grid(alpha=0.3)
+    fig.suptitle("train step vs size (same host, same run)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,44 @@
+"""`tpulab hypothesis`: baseline vs changed config side by side, a verdict that can go either way."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli, tiny_config
+
+
+def test_verdict_and_prediction_parsing():
+    from tpulab.errors import TpulabError
+    from tpulab.perf.hypothesis import predicted_change, verdict
+
+    assert predicted_change("copies are 15% of the step; removing them: step time -15%") == -15.0
+    assert verdict(-15.0, -12.0)["verdict"] == "confirmed"
+    assert verdict(-15.0, +3.0)["verdict"] == "refuted"  # wrong sign
+    assert verdict(-40.0, -5.0)["verdict"] == "refuted"  # right sign, far off
+    with pytest.raises(TpulabError, match="signed percentage"):
+        predicted_change("it will be faster")
+
+
+def test_hypothesis_runner_alternates_same_batches_and_keeps_quality_evidence(tmp_path):
+    from tpulab.perf.hypothesis import run_hypothesis
+
+    # A deliberately wrong prediction (turning dropout off makes the step 50% slower): must come out refuted.
+    r = run_hypothesis(tiny_config(), "model.dropout=0", "step time +50%", tmp_path, steps=23, skip=3)
+    assert r["verdict"] == "refuted" and r["predicted_step_time_change_pct"] == 50.0
+    assert len(r["baseline"]["times"]) == len(r["changed"]["times"]) == 23
+    assert r["baseline"]["losses"][0] == pytest.approx(r["changed"]["losses"][0], rel=0.05)  # same init, same batch
+    assert r["baseline"]["losses"] != r["changed"]["losses"]  # the change did change the run
+    assert r["quality_within_tolerance"] == (r["val_loss_difference"] <= r["loss_tolerance"])
+    assert (tmp_path / "hypothesis.png").stat().st_size > 0
+    assert json.loads((tmp_path / "hypothesis.json").read_text())["environment"]["backend"] == "cpu"
+
+
+def test_hypothesis_bad_input_is_one_line(tmp_path):
+    for extra, expect in ((["--change", "model.dropout=0.1", "--predict=step time -10%"], "leaves the config"),
+                          (["--change", "model.dropout=0", "--predict=faster"], "signed percentage"),
+                          (["--change", "model.nope=1", "--predict=step time -10%"], "unknown config key")):
+        r = run_cli("hypothesis", "--run-dir", str(tmp_path / "run"), "--config", "configs/tiny.yaml", *extra)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and expect in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
