@@ -25,6 +25,7 @@ from tpulab.config import check, field
 from tpulab.data.tokenizer import PAD
 from tpulab.inference import cache as kv
 from tpulab.inference.decode import ModelFns
+from tpulab.progress import progress
 
 # FP32 cached decode vs the full forward: same math, different summation order/shapes in the
 # matmuls, so they agree to float32 rounding: |logit diff| <= FP32_LOGIT_ATOL.
@@ -136,7 +137,7 @@ def kvcache_table(source, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
     lp = _log_softmax(full)
     mask = windows[:, 1:] != PAD
     nll = -np.take_along_axis(np.asarray(lp), windows[:, 1:, None], axis=-1)[..., 0]
-    rows = [compare_policy(fns, p, windows, prompts, full, prompt_len) for p in kv.POLICIES]
+    rows = [compare_policy(fns, p, windows, prompts, full, prompt_len) for p in progress(kv.POLICIES, "kvcache")]
     for r in rows:
         r["ratio_to_fp32"] = r["bytes_per_token"] / rows[0]["bytes_per_token"]
     prec = source.config.precision

@@ -38,6 +38,7 @@ from tpulab.data.tokenizer import DEFINITION
 from tpulab.errors import TpulabError
 from tpulab.inference import cache as kv
 from tpulab.inference.decode import MAX_BATCH, Decoder, ModelFns, batch_bucket, pad_prompt, width_bucket
+from tpulab.progress import progress
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.npz"
@@ -125,21 +126,20 @@ def export_artifacts(source, run_dir: str | Path, out_dir: str | Path, *, batch:
     origin = {"checkpoint_step": int(source.step), "checkpoint_manifest_sha256": source.checkpoint_digest}
     versions = _versions()
     artifacts = []
-    for policy in kv.POLICIES:
-        for endpoint in ALL_ENDPOINTS:
-            fn = jax.jit(_endpoint_fn(fns, endpoint, policy))
-            exported = jax.export.export(fn, platforms=platforms)(*_example_args(fns, endpoint, policy, batch))
-            name = artifact_name(endpoint, policy)
-            data = exported.serialize()
-            atomic_write_bytes(out / f"{name}.jaxexport", data)
-            artifacts.append({
-                "name": name, "endpoint": endpoint, "file": f"{name}.jaxexport", "sha256": sha256_bytes(data),
-                "inputs": _avals(jax.tree.unflatten(exported.in_tree, exported.in_avals)[0]),
-                "outputs": _avals(jax.tree.unflatten(exported.out_tree, exported.out_avals)),
-                "platforms": list(exported.platforms),
-                "calling_convention_version": exported.calling_convention_version,
-                "cache_policy": kv.describe_policy(policy), "tokenizer": DEFINITION, **versions, **origin,
-            })
+    for policy, endpoint in progress([(p, e) for p in kv.POLICIES for e in ALL_ENDPOINTS], "export"):
+        fn = jax.jit(_endpoint_fn(fns, endpoint, policy))
+        exported = jax.export.export(fn, platforms=platforms)(*_example_args(fns, endpoint, policy, batch))
+        name = artifact_name(endpoint, policy)
+        data = exported.serialize()
+        atomic_write_bytes(out / f"{name}.jaxexport", data)
+        artifacts.append({
+            "name": name, "endpoint": endpoint, "file": f"{name}.jaxexport", "sha256": sha256_bytes(data),
+            "inputs": _avals(jax.tree.unflatten(exported.in_tree, exported.in_avals)[0]),
+            "outputs": _avals(jax.tree.unflatten(exported.out_tree, exported.out_avals)),
+            "platforms": list(exported.platforms),
+            "calling_convention_version": exported.calling_convention_version,
+            "cache_policy": kv.describe_policy(policy), "tokenizer": DEFINITION, **versions, **origin,
+        })
     manifest = {
         "format": 1, "batch": batch, "max_len": fns.shape.max_len, "tokenizer": DEFINITION, **versions,
         "source": {"run_dir": str(Path(run_dir).resolve()), "checkpoint_dir": str(source.checkpoint_dir), **origin},

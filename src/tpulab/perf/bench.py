@@ -31,6 +31,7 @@ import numpy as np
 
 from tpulab.errors import TpulabError
 from tpulab.perf.timing import MIN_TIMED_STEPS, summarize
+from tpulab.progress import progress
 
 DEFAULT_WARMUP = 3
 
@@ -254,7 +255,7 @@ def run_bench(config, run_dir, *, steps: int = MIN_TIMED_STEPS, sweep: list[tupl
     md = ["# bench", "", summary_table(main)]
     if sweep:
         rows = []
-        for value, cfg in sweep:
+        for value, cfg in progress(sweep, f"bench sweep over {sweep_key}"):
             r = bench_step(cfg, steps=steps)
             check_no_recompiles(r)
             rows.append((value, r))

@@ -1,0 +1,24 @@
+"""Progress for long loops: a bar on a terminal, one plain line per item in logs and subprocesses."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], what: str, total: int | None = None, stream=None) -> Iterator[T]:
+    """Yield ``items``; on a terminal draw a tqdm bar, else print ``[progress] what: i/n`` after each item."""
+    stream = stream or sys.stderr
+    items = list(items) if total is None else items
+    total = len(items) if total is None else total
+    if hasattr(stream, "isatty") and stream.isatty():
+        from tqdm import tqdm
+
+        yield from tqdm(items, desc=what, total=total, file=stream, dynamic_ncols=True)
+        return
+    for i, item in enumerate(items, 1):
+        yield item
+        print(f"[progress] {what}: {i}/{total}", file=stream, flush=True)
