@@ -65,8 +65,10 @@ def open_store(uri: str):
     """(client, experiment_id) of the tpulab experiment in ``uri``; raises whatever MLflow raises."""
     import logging
 
-    logging.getLogger("mlflow").setLevel(logging.WARNING)  # table-creation chatter is not the user's news
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    # Table-creation chatter is not the user's news, and a failing store call is reported by the tracker's
+    # own one-line warning, so MLflow's logged tracebacks (a full disk, a corrupt db) are kept out of stderr.
+    for name in ("mlflow", "alembic", "sqlalchemy"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     from mlflow.tracking import MlflowClient
 
     db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
