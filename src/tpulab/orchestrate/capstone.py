@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.orchestrate import report
+from tpulab.orchestrate.stages import Stages
 from tpulab.proofs.driver import run_to_completion, verdict_text
 from tpulab.proofs.transformer import train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
@@ -80,20 +80,8 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
     out = _prepare_out(Path(out))
     run_dir = out / "run"
     config_path = write_child_config(config, out / "config.yaml")
-    sections: list[str] = []
-    failures: list[str] = []
-    timings: dict[str, float] = {}
-
-    def stage(name: str, fn):
-        t0 = time.monotonic()
-        print(f"[capstone] {name} …", flush=True)
-        try:
-            sections.append(fn())
-        except TpulabError as e:
-            failures.append(f"{name}: {e}")
-            sections.append(f"## {name}\n\n**FAILED**: {e}")
-        timings[name] = round(time.monotonic() - t0, 1)
-        print(f"[capstone] {name} done in {timings[name]:.0f} s", flush=True)
+    stages = Stages("capstone")
+    stage, sections, failures, timings = stages.run, stages.sections, stages.failures, stages.timings
 
     def receipt_stage() -> str:
         from tpulab.evidence.receipt import hardware_line, run_receipt, table

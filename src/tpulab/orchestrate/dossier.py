@@ -16,11 +16,11 @@ import base64
 import dataclasses
 import html
 import re
-import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.errors import TpulabError
+from tpulab.orchestrate.stages import Stages
 
 DEFAULT_TARGETS = "v5e:2x2,v5p:2x2x1,v6e:2x2"
 KL_OK, AGREE_OK, LOSS_OK = 1e-3, 0.99, 0.01  # a lower precision is acceptable within these of fp32
@@ -86,19 +86,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / "run"
     results: dict = {}
-    sections: list[str] = []
-    failures: list[str] = []
-    timings: dict[str, float] = {}
-
-    def stage(name: str, fn):
-        t0 = time.monotonic()
-        print(f"[dossier] {name} …", flush=True)
-        try:
-            sections.append(fn())
-        except TpulabError as e:
-            failures.append(f"{name}: {e}")
-            sections.append(f"## {name}\n\n**FAILED**: {e}")
-        timings[name] = round(time.monotonic() - t0, 1)
+    stages = Stages("dossier")
+    stage, sections, failures, timings = stages.run, stages.sections, stages.failures, stages.timings
 
     def receipt():
         env = environment()

@@ -11,30 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
-import numpy as np
 
+from tpulab.checkpoint.compare import compare_trees
 from tpulab.checkpoint.files import sha256_file
 from tpulab.errors import TpulabError
 from tpulab.train.restore import load_model
 
 COMPARED = "parameters, Adam moments (mu, nu) and count, step, dropout key, Grain data position"
-
-
-def _bits(x) -> tuple:
-    a = np.asarray(x)
-    return a.dtype.str, a.shape, a.tobytes()  # bytes, so NaN == NaN and -0.0 != 0.0: truly bitwise
-
-
-def compare_trees(a, b) -> tuple[int, str | None]:
-    """(leaves compared, keystr path of the first leaf whose dtype, shape or bytes differ)."""
-    la, ta = jax.tree_util.tree_flatten_with_path(a)
-    lb, tb = jax.tree_util.tree_flatten_with_path(b)
-    if ta != tb:
-        return 0, "<tree structure>"
-    for (path, x), (_, y) in zip(la, lb):
-        if _bits(x) != _bits(y):
-            return len(la), jax.tree_util.keystr(path)
-    return len(la), None
 
 
 def data_position(step_dir: Path) -> dict[str, str]:

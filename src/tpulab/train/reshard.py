@@ -18,8 +18,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from tpulab.checkpoint.compare import compare_trees
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.store import CheckpointStore, read_meta, read_state
 from tpulab.config import from_dict, to_dict
@@ -37,18 +39,6 @@ def _gathered(tree):
     from jax.experimental import multihost_utils
 
     return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
-
-
-def _first_difference(a, b) -> tuple[int, str | None]:
-    la, ta = jax.tree_util.tree_flatten_with_path(a)
-    lb, tb = jax.tree_util.tree_flatten_with_path(b)
-    if ta != tb:
-        return 0, "<tree structure>"
-    for (path, x), (_, y) in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-            return len(la), jax.tree_util.keystr(path)
-    return len(la), None
 
 
 def data_positions(step_dir: Path) -> list[dict]:
@@ -78,7 +68,7 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
     replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
                               abstract)
     whole = read_state(step_dir, replicated)
-    n, first = _first_difference(_gathered(state), _gathered(whole))
+    n, first = compare_trees(_gathered(state), _gathered(whole))
     if first is not None:
         raise CheckpointError(f"resharded leaf {first} differs from the saved one; nothing written")
     if int(_gathered(state.step)) != step:
