@@ -140,9 +140,9 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
     def dossier_stage() -> str:
         from tpulab.orchestrate.dossier import DossierPlan, build_dossier
 
-        # Sized for `make demo`: fewer training and hypothesis steps, two batch sizes in the sweep.
+        # Sized for `make demo`: fewer training steps, two batch sizes in the sweep (the hypothesis needs >= 23 steps).
         build_dossier(config, out / "dossier", DossierPlan(train_steps=50, batch_sweep="data.batch_size=8,16",
-                                                           hypothesis_steps=20))  # raises, naming what failed
+                                                           hypothesis_steps=30))  # raises, naming what failed
         return ("## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU targets, precision "
                 "policy and one tested hypothesis, each with its evidence: [dossier/dossier.md](dossier/dossier.md) "
                 "([html](dossier/dossier.html)).")
