@@ -67,34 +67,32 @@ class ModelFns:
     def forward_cached(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array,
                        start) -> tuple[jax.Array, kv.KVCache]:
         """Logits [B, T, V] for tokens at positions start..start+T-1, and the cache with them written."""
-        model = self.model(params)
         b, t = tokens_bt.shape
         positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
         mask_bts = jnp.broadcast_to(causal_mask(t, self.shape.max_len, start), (b, t, self.shape.max_len))
-        x_btd = model.embed(tokens_bt)
-        for layer, block in enumerate(model.blocks):
-            def attn_fn(h_btd, block=block, layer=layer, cache=cache):
-                q, k, v = block.attn.project_qkv(h_btd, positions_bt)
-                cache = kv.write(cache, layer, k, v, start)
-                k_all, v_all = kv.read(cache, layer, q.dtype)
-                return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None), cache
-
-            x_btd, cache = block.apply(x_btd, attn_fn, deterministic=True, rngs=None)
-        return model.logits(x_btd), cache
+        return self._through_cache(params, cache, tokens_bt, positions_bt, mask_bts,
+                                   lambda c, layer, k, v: kv.write(c, layer, k, v, start))
 
     def forward_rows(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array,
                      start_b: jax.Array) -> tuple[jax.Array, kv.KVCache]:
         """``forward_cached`` with a start position per row: the rows of a ragged batch advance together
         while each sits at its own position (its own RoPE angles, causal mask and cache slots)."""
-        model = self.model(params)
         b, t = tokens_bt.shape
         positions_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
         mask_bts = jnp.arange(self.shape.max_len)[None, None, :] <= positions_bt[:, :, None]
+        return self._through_cache(params, cache, tokens_bt, positions_bt, mask_bts,
+                                   lambda c, layer, k, v: kv.write_rows(c, layer, k, v, start_b))
+
+    def _through_cache(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array, positions_bt: jax.Array,
+                       mask_bts: jax.Array, write) -> tuple[jax.Array, kv.KVCache]:
+        """The one copy of the cached forward: each block's attention writes its keys and values with
+        ``write(cache, layer, k, v)`` and reads the whole cache back, masked by ``mask_bts``."""
+        model = self.model(params)
         x_btd = model.embed(tokens_bt)
         for layer, block in enumerate(model.blocks):
             def attn_fn(h_btd, block=block, layer=layer, cache=cache):
                 q, k, v = block.attn.project_qkv(h_btd, positions_bt)
-                cache = kv.write_rows(cache, layer, k, v, start_b)
+                cache = write(cache, layer, k, v)
                 k_all, v_all = kv.read(cache, layer, q.dtype)
                 return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None), cache
 
