@@ -3,6 +3,7 @@ temporary dirs of killed saves, fail-fast proofs, disk full, shapes that do not 
 
 import hashlib
 import json
+import re
 import os
 import shutil
 import signal
@@ -150,14 +151,15 @@ def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tm
         result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--set", "checkpoint.keep=5",
                          "--no-progress", "--no-track")
         assert result.returncode == 4, result.stderr
-        errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+        # (the residue below is written from other threads and may run into the error line: find it anywhere)
+        errors = re.findall(r"error: [^\n]*", result.stderr)
         assert len(errors) == 1 and "No space left on device" in errors[0], result.stderr
         # Known residue (issue 7 stays open for it): in some runs Orbax's background threads still post to
         # its closed event loop during shutdown and Python prints "Event loop is closed" tracebacks. Anything
         # else on stderr fails the test.
         residue = ("Traceback (most recent call last):", 'File "', "self._check_closed()", "raise RuntimeError(",
                    "RuntimeError: Event loop is closed")
-        other = [ln for ln in result.stderr.splitlines() if ln.strip() and not ln.startswith("error:")
+        other = [ln for ln in result.stderr.splitlines() if ln.strip() and not ln.strip().startswith("error:")
                  and not ln.strip().startswith(residue)]
         assert not other, result.stderr
         assert "last valid checkpoint: step 20" in errors[0] or "last valid checkpoint: step 10" in errors[0]

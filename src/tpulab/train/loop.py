@@ -307,6 +307,10 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
         store.wait()  # in-flight saves were checked before they started: let them commit
         raise TpulabError(f"{e.what} at step {e.step}; last good checkpoint: step {store.latest} in "
                           f"{store.directory}", exit_code=3) from None
+    except OSError as e:  # the run's own logs (metrics, window ledger) on a full or failing disk
+        last = f"step {store.latest} in {store.directory}" if store is not None and store.latest is not None else "none"
+        raise TpulabError(f"writing to {run_dir} failed: {e.strerror or e}; last valid checkpoint: {last}",
+                          exit_code=4) from None
     finally:
         for closer in (bar, store, log, ledger):
             if closer is not None:
