@@ -21,6 +21,7 @@ import shutil
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -132,6 +133,32 @@ class _OrbaxErrorsReported(logging.Filter):
         return not (f"{os.sep}orbax{os.sep}" in text or "orbax" in repr(exc) or "orbax-checkpoint" in text)
 
 
+def _is_closed_loop_echo(u) -> bool:
+    """An unraisable ``RuntimeError: Event loop is closed`` raised by ``call_soon_threadsafe``: a tensorstore
+    write of a failed Orbax save finishing after Orbax closed that save's event loop."""
+    if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+        return False
+    frames = [f.f_code.co_name for f, _ in traceback.walk_tb(u.exc_traceback)]
+    return frames[-2:] == ["call_soon_threadsafe", "_check_closed"]
+
+
+def _drop_closed_loop_echoes() -> None:
+    """When a save fails, Orbax closes that save's event loop while other writes are still in flight; as they
+    complete on tensorstore's threads they post to the closed loop, and Python prints each as an unraisable
+    traceback (dozens per run, before or after the store notices the failure). They are echoes of the
+    failure the store reports as one line, so they are dropped; any other unraisable is printed as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_tpulab_drops_closed_loop_echoes", False):
+        return
+
+    def hook(u):
+        if not _is_closed_loop_echo(u):
+            previous(u)
+
+    hook._tpulab_drops_closed_loop_echoes = True
+    sys.unraisablehook = hook
+
+
 class CheckpointStore:
     """Async Orbax saves, manifests committed once each save has finished, verified restores.
 
@@ -167,6 +194,7 @@ class CheckpointStore:
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})
         self._log_filter = _OrbaxErrorsReported()
+        _drop_closed_loop_echoes()
         for name in self._log_filter.LOGGERS:
             logging.getLogger(name).addFilter(self._log_filter)
         self._allow_commit = allow_commit or (lambda step: True)
