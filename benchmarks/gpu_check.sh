@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: tpulab's claims run on an NVIDIA GPU, as one prepared script (about 6 min on an H200).
 #
-#   OUT=results_dir [PY=python3] [SIZE=full|tiny] [BUDGET=seconds] bash benchmarks/gpu_check.sh
+#   OUT=results_dir [PY=python3] [SIZE=full|tiny] [BUDGET=seconds] [STAGES="proof bench ..."] bash benchmarks/gpu_check.sh
 #
 # Stages (each in its own processes, each time-limited, each logged; a failing stage does not stop the rest):
 #   env       what the host and JAX report (nvidia-smi, jax.devices(), versions)
@@ -11,7 +11,7 @@
 #   chaos     5 SIGKILLs at random moments, whole-state verdict against the reference
 #   export    export the proof run's endpoints (cpu, tpu, cuda) of the reference run, verify them on this GPU, generate from them
 #   bench     synchronized steady-state step time and utilization, sweep over d_model
-#   profile   a trace of 5 warmed steps and its top-ops table
+#   profile   a trace of 5 warmed steps (ops launched one by one, no CUDA graph) and its top-ops table
 #   decode    benchmarks/decode_speed.py on the proof run (compiled loop vs step loop vs recompute)
 #   proof_nd  the proof without --xla_gpu_deterministic_ops (is the GPU bitwise resumable without it?)
 # Everything lands in $OUT/gpu_check.tar.gz; $OUT/summary.txt has one line per stage (rc, seconds).
@@ -36,6 +36,7 @@ fi
 
 stage() {  # stage NAME LIMIT_S CMD...: run, log to $W/NAME.log, one summary line
   local name=$1 limit=$2; shift 2
+  case " ${STAGES:-$name} " in *" $name "*) ;; *) return ;; esac
   local left=$(( END - $(date +%s) ))
   if [ "$left" -lt 30 ]; then echo "$name     skipped (budget spent)" | tee -a "$W/summary.txt"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
@@ -59,7 +60,8 @@ stage export 300 "$T export --run-dir $W/proof/proof/reference --out $W/export &
   $T generate --artifacts $W/export --run-dir $W/proof/proof/reference --prompt 'ROMEO:' --max-new $GEN &&
   $T generate --run-dir $W/proof/proof/reference --prompt 'ROMEO:' --max-new $GEN"
 stage bench 420 "$T bench --run-dir $W/bench $CFG --set model.dropout=0 --sweep $SWEEP"
-stage profile 180 "$T profile --run-dir $W/proof/proof/reference --steps 5"
+stage profile 180 "XLA_FLAGS=--xla_gpu_enable_command_buffer= $T profile --run-dir $W/proof/proof/reference --steps 5 &&
+  $PY benchmarks/xplane_planes.py \$(ls -t \$(find $W/proof/proof/reference/profile -name '*.xplane.pb') | head -1)"
 stage decode 300 "$PY benchmarks/decode_speed.py --run-dir $W/proof/proof/reference --out $W/decode_speed"
 stage proof_nd 300 "$T prove-resume --run-dir $W/proof_nd $CFG --steps $STEPS"
 

@@ -30,6 +30,7 @@ def test_profile_traces_steps_and_builds_a_top_ops_table(trained_run):
 
     r = profile_run(trained_run, steps=3, warmup=2, timed=20)
     assert r["profiled_steps"] == 3 and len(r["profiled_step_times_s"]) == 3
+    assert r["op_time_source"] == "host"  # XLA:CPU: no device plane holds the step's ops
     assert (trained_run / r["xplane"]).stat().st_size > 0 and r["perfetto"]
     assert r["categories"]["rng (random bits)"]["ms_per_step"] > 0  # tiny.yaml trains with dropout
     assert r["categories"]["matmul"]["ms_per_step"] > 0 and r["categories"]["fusion"]["ms_per_step"] > 0

@@ -63,42 +63,66 @@ def gemm_shapes(config) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int
     return out
 
 
-def matmul_rate(config, repeats: int = 15, dtype=None, min_flops_per_call: float = 2e8) -> dict:
+def matmul_rate(config, repeats: int = 15, dtype=None, min_call_s: float = 1e-3, max_batch: int = 4096,
+                max_bytes: float = 2 * 2**30, first_guess_flops: float = 2e8) -> dict:
     """FLOP/s of this backend on the step's own GEMM shapes (median time per shape, weighted by use).
 
-    Small shapes are batched (``R`` independent products of the same shape in one call, a batched
-    dot) so that one dispatch is shared by at least ``min_flops_per_call`` FLOPs: a lone 0.03 ms
-    GEMM would otherwise be timed mostly as call overhead, which the train step pays once per step,
-    not once per GEMM.
+    Small shapes are batched (``R`` independent products of the same shape in one call, a batched dot),
+    with ``R`` grown (from ``first_guess_flops`` per call, at most 4 tries) until one call takes at least
+    ``min_call_s`` (at most ``max_batch`` products and ``max_bytes`` of operands): a lone 0.03 ms GEMM on a
+    CPU, or a 1 us one on a GPU, would otherwise be timed mostly as call overhead, which the train step pays once per step, not once per GEMM. On a
+    GPU this is the rate the chip reaches at these shapes when it is given enough of them at once; a
+    step that launches them one at a time can reach only part of it.
     """
     import jax
     import jax.numpy as jnp
 
-    dtype = dtype or jnp.dtype(config.precision.compute_dtype)
+    dtype = jnp.dtype(dtype or config.precision.compute_dtype)
     mm = jax.jit(jnp.matmul)
     rows, total_flops, total_time = [], 0.0, 0.0
     key = jax.random.PRNGKey(0)
     for name, a_shape, b_shape, count in gemm_shapes(config):
         flops = 2.0 * np.prod(a_shape[:-1]) * a_shape[-1] * b_shape[-1]
-        r = int(min(64, max(1, np.ceil(min_flops_per_call / flops))))
+        per_product = (np.prod(a_shape) + np.prod(b_shape) + np.prod(a_shape[:-1]) * b_shape[-1]) * dtype.itemsize
+        cap = int(max(1, min(max_batch, max_bytes // per_product)))
         ka, kb = jax.random.split(jax.random.fold_in(key, len(rows)))
-        a = jax.random.normal(ka, (r, *a_shape), dtype)
-        b = jax.random.normal(kb, (r, *b_shape), dtype)
-        mm(a, b).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            mm(a, b).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times) / r
+        a1, b1 = jax.random.normal(ka, a_shape, dtype), jax.random.normal(kb, b_shape, dtype)
+        r = int(min(cap, max(1, np.ceil(first_guess_flops / flops))))
+        for attempt in range(4):  # R copies of one random product (separate buffers, filled by a copy, not an RNG)
+            a, b = _copies(a1, r), _copies(b1, r)
+            mm(a, b).block_until_ready()  # compile for this R
+            probe = _median_call_s(mm, a, b, 3)
+            if probe >= min_call_s or r >= cap or attempt == 3:
+                break
+            a = b = None  # free before the larger copies
+            r = min(cap, max(2 * r, int(np.ceil(1.2 * r * min_call_s / max(probe, 1e-7)))))
+        med = _median_call_s(mm, a, b, repeats) / r
         rows.append({"gemm": name, "lhs": list(a_shape), "rhs": list(b_shape), "count": count, "batched": r,
                      "median_s": med, "flop_per_s": flops / med})
         total_flops += flops * count
         total_time += med * count
     return {"flop_per_s": total_flops / total_time, "gemm_flops_per_step": total_flops,
-            "gemm_time_per_step_s": total_time, "dtype": jnp.dtype(dtype).name, "shapes": rows,
-            "method": f"jit(jnp.matmul) per shape (R same-shape products per call for small shapes), median of "
-                      f"{repeats} synchronized calls / R; rate = sum(flops x count) / sum(time x count)"}
+            "gemm_time_per_step_s": total_time, "dtype": dtype.name,
+            "matmul_precision": str(jax.config.jax_default_matmul_precision or "default"), "shapes": rows,
+            "method": f"jit(jnp.matmul) per shape (R same-shape products per call, R grown until a call takes "
+                      f">= {1e3 * min_call_s:g} ms), median of {repeats} synchronized calls / R; "
+                      f"rate = sum(flops x count) / sum(time x count)"}
+
+
+def _copies(x, r: int):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda v: jnp.broadcast_to(v, (r, *v.shape)) * jnp.ones((), v.dtype))(x).block_until_ready()
+
+
+def _median_call_s(fn, a, b, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(a, b).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def check_no_recompiles(result: dict) -> None:

@@ -8,7 +8,9 @@ an ``hlo_op`` stat from the train step's module is one HLO op or fusion executin
 read from the compiled step's own HLO (not guessed from names: on XLA:CPU a ``ynn_fusion`` may be
 a GEMM or a reduction): matmul (a dot or convolution, alone or inside a fusion), copy/transposition,
 collective, rng (random-bit generation, i.e. dropout masks), fusion (other fused elementwise/reduction work), other; host is the rest of the
-step's wall time that no HLO op covers (dispatch, Python, waiting).
+step's wall time that no HLO op covers (dispatch, Python, waiting). On a GPU the op times are the
+kernels' device time (see ``read_trace``); profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``
+so that XLA launches ops one by one instead of as one CUDA graph (``command_buffer_N``).
 
 The same steps are also timed without the profiler, half before and half after the trace (so a
 change in host load hits both), and the profiled median is checked against that unprofiled median
@@ -84,22 +86,30 @@ def _category(opcode: str, kinds: set[str]) -> str:
 
 
 def read_trace(xplane: Path, module: str = "jit_train_step") -> dict:
-    """Step annotations and per-op device time of one module from an xplane file."""
+    """Step annotations and per-op time of one module from an xplane file.
+
+    Op time comes from the accelerator's planes (``/device:GPU:0``: kernel time on the device) when they
+    hold ops of the module, else from the host plane (XLA:CPU runs its ops on host threads). Reading both
+    would count an op twice on a GPU: once as the host's launch, once as the kernel."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(str(xplane))
-    steps, ops = [], collections.defaultdict(float)
-    counts = collections.Counter()
+    steps = []
+    ops = {"device": collections.defaultdict(float), "host": collections.defaultdict(float)}
+    counts = {"device": collections.Counter(), "host": collections.Counter()}
     for plane in data.planes:
+        where = "device" if plane.name.startswith("/device:") else "host"
         for line in plane.lines:
             for ev in line.events:
                 stats = dict(ev.stats)
                 if "step_num" in stats:
                     steps.append((int(stats["step_num"]), ev.duration_ns / 1e9))
                 elif "hlo_op" in stats and stats.get("hlo_module") == module:
-                    ops[str(stats["hlo_op"])] += ev.duration_ns / 1e9
-                    counts[str(stats["hlo_op"])] += 1
-    return {"steps": sorted(steps), "op_seconds": dict(ops), "op_counts": dict(counts)}
+                    ops[where][str(stats["hlo_op"])] += ev.duration_ns / 1e9
+                    counts[where][str(stats["hlo_op"])] += 1
+    source = "device" if ops["device"] else "host"
+    return {"steps": sorted(steps), "op_seconds": dict(ops[source]), "op_counts": dict(counts[source]),
+            "op_time_source": source}
 
 
 def top_ops(trace: dict, categories: dict[str, str], n_steps: int, step_s: float, top: int = 15) -> dict:
@@ -108,13 +118,19 @@ def top_ops(trace: dict, categories: dict[str, str], n_steps: int, step_s: float
     for op, s in per_step.items():
         by_cat[categories.get(op, "other")] += s
     op_total = sum(per_step.values())
-    by_cat["host (step time not inside an HLO op)"] = max(step_s - op_total, 0.0)
+    gap = ("gaps (step time no device op covers: launches, host)" if trace.get("op_time_source") == "device"
+           else "host (step time not inside an HLO op)")
+    by_cat[gap] = max(step_s - op_total, 0.0)
     rows = [{"op": op, "category": categories.get(op, "other"), "ms_per_step": 1e3 * s, "share_of_step": s / step_s}
             for op, s in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]]
     return {"ops": rows, "categories": {k: {"ms_per_step": 1e3 * v, "share_of_step": v / step_s}
                                         for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
             "op_time_per_step_ms": 1e3 * op_total,
-            "note": "ops on XLA:CPU may run on several threads at once, so op shares can add up past 100%"}
+            "op_time_source": trace.get("op_time_source", "host"),
+            "note": ("op time is kernel time on the device plane; kernels on several streams may overlap, and the "
+                     "rest of the step is launch gaps and host work" if trace.get("op_time_source") == "device" else
+                     "op time is from the host plane: ops on XLA:CPU may run on several threads at once, so op "
+                     "shares can add up past 100%")}
 
 
 def load_train_state(run_dir: Path):
