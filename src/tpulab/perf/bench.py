@@ -63,39 +63,39 @@ def gemm_shapes(config) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int
     return out
 
 
-def matmul_rate(config, repeats: int = 15, dtype=None, min_call_s: float = 1e-3, max_batch: int = 4096,
-                max_bytes: float = 2 * 2**30, first_guess_flops: float = 2e8) -> dict:
+# Per call: (FLOPs that make call overhead small next to the arithmetic, most products batched into one call).
+# CPU: 2e8 FLOPs is about 0.5 ms at 400 GFLOP/s. Accelerators: 2e11 is 0.2-0.5 ms at several hundred TFLOP/s
+# against a dispatch of 10-50 us; with CPU-sized calls an H200's utilization read 190-270% (dispatch timed).
+CALL_SIZE = {"cpu": (2e8, 64), "accelerator": (2e11, 4096)}
+
+
+def matmul_rate(config, repeats: int = 15, dtype=None, max_bytes: float = 2 * 2**30) -> dict:
     """FLOP/s of this backend on the step's own GEMM shapes (median time per shape, weighted by use).
 
-    Small shapes are batched (``R`` independent products of the same shape in one call, a batched dot),
-    with ``R`` grown (from ``first_guess_flops`` per call, at most 4 tries) until one call takes at least
-    ``min_call_s`` (at most ``max_batch`` products and ``max_bytes`` of operands): a lone 0.03 ms GEMM on a
-    CPU, or a 1 us one on a GPU, would otherwise be timed mostly as call overhead, which the train step pays once per step, not once per GEMM. On a
-    GPU this is the rate the chip reaches at these shapes when it is given enough of them at once; a
-    step that launches them one at a time can reach only part of it.
+    Small shapes are batched (``R`` independent products of the same shape in one call, a batched dot)
+    so that one dispatch is shared by enough FLOPs (``CALL_SIZE``; at most ``max_bytes`` of operands):
+    a lone 0.03 ms GEMM on a CPU, or a 1 us one on a GPU, would otherwise be timed mostly as call
+    overhead, which the train step pays once per step, not once per GEMM. On an accelerator this is the
+    rate the chip reaches at these shapes when given enough of them at once; a step that launches them
+    one at a time reaches only part of it.
     """
     import jax
     import jax.numpy as jnp
 
     dtype = jnp.dtype(dtype or config.precision.compute_dtype)
+    per_call, max_batch = CALL_SIZE["cpu" if jax.default_backend() == "cpu" else "accelerator"]
     mm = jax.jit(jnp.matmul)
     rows, total_flops, total_time = [], 0.0, 0.0
     key = jax.random.PRNGKey(0)
     for name, a_shape, b_shape, count in gemm_shapes(config):
         flops = 2.0 * np.prod(a_shape[:-1]) * a_shape[-1] * b_shape[-1]
         per_product = (np.prod(a_shape) + np.prod(b_shape) + np.prod(a_shape[:-1]) * b_shape[-1]) * dtype.itemsize
-        cap = int(max(1, min(max_batch, max_bytes // per_product)))
+        r = int(max(1, min(np.ceil(per_call / flops), max_batch, max_bytes // per_product)))
         ka, kb = jax.random.split(jax.random.fold_in(key, len(rows)))
-        a1, b1 = jax.random.normal(ka, a_shape, dtype), jax.random.normal(kb, b_shape, dtype)
-        r = int(min(cap, max(1, np.ceil(first_guess_flops / flops))))
-        for attempt in range(4):  # R copies of one random product (separate buffers, filled by a copy, not an RNG)
-            a, b = _copies(a1, r), _copies(b1, r)
-            mm(a, b).block_until_ready()  # compile for this R
-            probe = _median_call_s(mm, a, b, 3)
-            if probe >= min_call_s or r >= cap or attempt == 3:
-                break
-            a = b = None  # free before the larger copies
-            r = min(cap, max(2 * r, int(np.ceil(1.2 * r * min_call_s / max(probe, 1e-7)))))
+        # R copies of one random product: separate buffers, filled by a copy rather than by the RNG
+        a = _copies(jax.random.normal(ka, a_shape, dtype), r)
+        b = _copies(jax.random.normal(kb, b_shape, dtype), r)
+        mm(a, b).block_until_ready()
         med = _median_call_s(mm, a, b, repeats) / r
         rows.append({"gemm": name, "lhs": list(a_shape), "rhs": list(b_shape), "count": count, "batched": r,
                      "median_s": med, "flop_per_s": flops / med})
@@ -104,8 +104,8 @@ def matmul_rate(config, repeats: int = 15, dtype=None, min_call_s: float = 1e-3,
     return {"flop_per_s": total_flops / total_time, "gemm_flops_per_step": total_flops,
             "gemm_time_per_step_s": total_time, "dtype": dtype.name,
             "matmul_precision": str(jax.config.jax_default_matmul_precision or "default"), "shapes": rows,
-            "method": f"jit(jnp.matmul) per shape (R same-shape products per call, R grown until a call takes "
-                      f">= {1e3 * min_call_s:g} ms), median of {repeats} synchronized calls / R; "
+            "method": f"jit(jnp.matmul) per shape (R same-shape products per call, R = {per_call:.0e} FLOPs / "
+                      f"product FLOPs, at most {max_batch}), median of {repeats} synchronized calls / R; "
                       f"rate = sum(flops x count) / sum(time x count)"}
 
 
