@@ -84,6 +84,43 @@ def test_worker_job_refuses_a_job_that_ends_before_the_preemption_step(tmp_path)
     assert p.returncode == 1 and json.loads(record.read_text())["preempt_at"] == 5
 
 
+@pytest.mark.slow
+def test_worker_job_accepts_a_stop_it_did_not_signal(tmp_path):
+    """In a multi-process job a worker's process may stop on another process's notice before this worker's
+    wrapper saw the step (the shared metrics arrive late): the stop counts, and the record says who sent it.
+    Here the test itself SIGTERMs the trainer (its pid from the start record) long before --preempt-at."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import TINY
+    from tpulab.evidence.metrics import read_records
+
+    run_dir, record = tmp_path / "r", tmp_path / "local" / "preempt.json"
+    argv = [sys.executable, "-m", "tpulab.cli", "tpu", "worker-job", "--run-dir", str(run_dir), "--preempt-at", "39",
+            "--record", str(record), "--", "train", "--config", str(TINY), "--run-dir", str(run_dir), "--no-progress",
+            "--no-track"]
+    wrapper = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r.get("step", 0) >= 3 for r in read_records(run_dir / "metrics.jsonl")):
+            assert wrapper.poll() is None and time.monotonic() < deadline, wrapper.communicate()
+            time.sleep(0.05)
+        (start,) = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("event") == "start"]
+        os.kill(start["pid"], signal.SIGTERM)
+        _, err = wrapper.communicate(timeout=120)
+    finally:
+        if wrapper.poll() is None:
+            os.killpg(wrapper.pid, signal.SIGKILL)
+            wrapper.wait()
+    assert wrapper.returncode == 0, err[-2000:]
+    result = json.loads(record.read_text())
+    assert result["signalled_after_logged_step"] is None and 3 <= result["preempted_at_step"] < 39
+    assert result["stopped_by"].startswith("a notice this wrapper did not send") and result["job_rc"] == 0
+
+
 def test_recorder_times_out_and_reaps_the_whole_group(tmp_path):
     """A hung call (gcloud and the ssh it started) is killed as a group and recorded with exit 124."""
     import os

@@ -33,9 +33,11 @@ def run_with_preemption(argv: list[str], run_dir: str | Path, preempt_at: int, p
                         record: str | Path | None = None, settle_s: float = 60.0) -> dict:
     """Start ``argv``, SIGTERM it once ``run_dir/metrics.jsonl`` shows step >= preempt_at in its segment.
 
-    The record goes to ``record`` (default ``run_dir/preempt.json``). Only process 0 writes metrics: a
-    process that exited cleanly waits up to ``settle_s`` for process 0 to log the segment's 'preempted'
-    record (or its 'end' without one)."""
+    The record goes to ``record`` (default ``run_dir/preempt.json``). In a multi-process job only process 0
+    writes metrics, into a shared dir whose appends may reach other hosts late (NFS attribute caching,
+    gcsfuse uploads on flush): a worker may then see its process stop on the notice another worker's process
+    got (the processes agree on the step) before it signalled, and a process that exited cleanly waits up to
+    ``settle_s`` for the segment's 'preempted' record (or its 'end' without one) to become visible."""
     run_dir = Path(run_dir)
     record = Path(record) if record is not None else run_dir / PREEMPT_RECORD
     metrics = run_dir / "metrics.jsonl"
@@ -53,7 +55,8 @@ def run_with_preemption(argv: list[str], run_dir: str | Path, preempt_at: int, p
         if proc.poll() is None:  # interrupted ourselves: do not leave the job behind
             proc.kill()
             proc.wait()
-    deadline = time.monotonic() + (settle_s if signalled_at is not None and proc.returncode == 0 else 0)
+    started = any(r.get("event") == "start" and r.get("segment") == segment for r in read_records(metrics))
+    deadline = time.monotonic() + (settle_s if proc.returncode == 0 and (started or signalled_at is not None) else 0)
     while True:
         records = read_records(metrics)
         ours = [r for r in records if r.get("segment") == segment]
@@ -65,9 +68,12 @@ def run_with_preemption(argv: list[str], run_dir: str | Path, preempt_at: int, p
               "job_rc": proc.returncode, "segment": segment,
               "preempted_at_step": preempted[0] if preempted else None,
               "last_step": _segment_steps(metrics, segment)}
+    result["stopped_by"] = (None if result["preempted_at_step"] is None else "this wrapper's SIGTERM"
+                            if signalled_at is not None else "a notice this wrapper did not send (another "
+                                                             "process's, agreed through the runtime)")
     record.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(record, result)
-    if signalled_at is None:
+    if signalled_at is None and result["preempted_at_step"] is None:
         raise TpulabError(f"the job ended (exit {proc.returncode}) at step {result['last_step']} before the "
                           f"preemption step {preempt_at}; choose a smaller --preempt-at", exit_code=1)
     if proc.returncode != 0 or result["preempted_at_step"] is None:
