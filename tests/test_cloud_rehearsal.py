@@ -254,6 +254,15 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     rehearsed = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert sorted(rehearsed) == list(range(1, 41)) and rehearsed == reference
 
+    # One MLflow run for the job (in the shared dir, next to the run dir): process 0 alone logs, each step once.
+    from mlflow.tracking import MlflowClient
+
+    assert not any("MLflow tracking off" in c["stderr"] for c in recorded)
+    run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+    history = MlflowClient(f"sqlite:///{shared}/runs/mlruns.db").get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 41))
+    assert {m.step: m.value for m in history} == pytest.approx(rehearsed, rel=1e-6)
+
     # The experiment log: identity, receipts, curve, verification, cleanup; never says TPU for a CPU run.
     log = (out / "experiment.md").read_text()
     assert not TPU_WORD.search(log)
