@@ -53,6 +53,21 @@ def test_job_spec_placeholders(tmp_path):
         JobSpec(config=tmp_path / "missing.yaml")
 
 
+def test_shared_dir_names_one_run_dir_for_every_worker(tmp_path):
+    cfg = load_cloud_config(None, ["project=p", "zone=z", "shared_dir=/mnt/fs/"])
+    assert cfg.shared_dir == "/mnt/fs/"
+    job = JobSpec(run_name="r1")
+    assert job.remote_run_dir(cfg.shared_dir) == "/mnt/fs/runs/r1" and job.local_run_dir() == "runs/r1"
+    assert job.job_args(cfg.shared_dir)[:3] == ["train", "--run-dir", "/mnt/fs/runs/r1"]
+    assert job.job_args() == ["train", "--run-dir", "runs/r1", "--no-progress"]  # without: each worker's own disk
+    with pytest.raises(ConfigError, match="must be an absolute path below /"):
+        load_cloud_config(None, ["shared_dir=mnt/fs"])
+    with pytest.raises(ConfigError, match="must be an absolute path below /"):
+        load_cloud_config(None, ["shared_dir=/"])
+    with pytest.raises(ConfigError, match=r"mount the bucket \(gcsfuse\) and name the mount point"):
+        load_cloud_config(None, ["shared_dir=gs://bucket/runs"])
+
+
 def test_worker_job_refuses_a_job_that_ends_before_the_preemption_step(tmp_path):
     """Negative control: if the SIGTERM never happened, the rehearsal must not pass as one."""
     run_dir = tmp_path / "r"
@@ -62,6 +77,48 @@ def test_worker_job_refuses_a_job_that_ends_before_the_preemption_step(tmp_path)
     assert p.stderr.strip().splitlines()[-1] == ("error: the job ended (exit 0) at step None before the preemption "
                                                  "step 5; choose a smaller --preempt-at")
     assert json.loads((run_dir / "preempt.json").read_text())["signalled_after_logged_step"] is None
+    # --record puts the record elsewhere (a worker's own disk when the run dir is shared)
+    record = tmp_path / "local" / "preempt.json"
+    p = run_cli("tpu", "worker-job", "--run-dir", str(run_dir), "--preempt-at", "5", "--record", str(record), "--",
+                "receipt", "--out", str(tmp_path / "receipt2"), "--matmul-size", "32", timeout=120)
+    assert p.returncode == 1 and json.loads(record.read_text())["preempt_at"] == 5
+
+
+@pytest.mark.slow
+def test_worker_job_accepts_a_stop_it_did_not_signal(tmp_path):
+    """In a multi-process job a worker's process may stop on another process's notice before this worker's
+    wrapper saw the step (the shared metrics arrive late): the stop counts, and the record says who sent it.
+    Here the test itself SIGTERMs the trainer (its pid from the start record) long before --preempt-at."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import TINY
+    from tpulab.evidence.metrics import read_records
+
+    run_dir, record = tmp_path / "r", tmp_path / "local" / "preempt.json"
+    argv = [sys.executable, "-m", "tpulab.cli", "tpu", "worker-job", "--run-dir", str(run_dir), "--preempt-at", "39",
+            "--record", str(record), "--", "train", "--config", str(TINY), "--run-dir", str(run_dir), "--no-progress",
+            "--no-track"]
+    wrapper = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r.get("step", 0) >= 3 for r in read_records(run_dir / "metrics.jsonl")):
+            assert wrapper.poll() is None and time.monotonic() < deadline, wrapper.communicate()
+            time.sleep(0.05)
+        (start,) = [r for r in read_records(run_dir / "metrics.jsonl") if r.get("event") == "start"]
+        os.kill(start["pid"], signal.SIGTERM)
+        _, err = wrapper.communicate(timeout=120)
+    finally:
+        if wrapper.poll() is None:
+            os.killpg(wrapper.pid, signal.SIGKILL)
+            wrapper.wait()
+    assert wrapper.returncode == 0, err[-2000:]
+    result = json.loads(record.read_text())
+    assert result["signalled_after_logged_step"] is None and 3 <= result["preempted_at_step"] < 39
+    assert result["stopped_by"].startswith("a notice this wrapper did not send") and result["job_rc"] == 0
 
 
 def test_recorder_times_out_and_reaps_the_whole_group(tmp_path):

@@ -1,14 +1,15 @@
 """The whole TPU VM lifecycle against a recording stand-in gcloud (tests/fake_gcloud/gcloud, test code).
 
 The stand-in simulates a 2-worker VM as two local home directories; `ssh --worker=all` runs the
-command in each as a separate local process. tpulab itself runs unchanged: it builds its wheel,
-copies it to the "workers", bootstraps a venv there (offline here: the dependencies come from this
-venv through a .pth, the tpulab code from the staged wheel), runs the receipt and a real tiny CPU
-training on each worker, fetches and verifies the checkpoints, deletes, and verifies deletion.
-
-Until multi-process training exists, the two workers run INDEPENDENT single-process trainings (each
-worker's receipt says process 0 of 1); `assert_independent_single_process_workers` checks exactly
-that. When `tpulab launch` lands, this becomes one 2-process job and that assertion must change.
+command in each as a separate local process. It also plays the platform's part of a multi-host slice: a
+directory every worker sees (standing in for a Filestore/NFS or gcsfuse mount). tpulab itself runs
+unchanged: it builds its wheel, copies it to the "workers", bootstraps a venv there (offline here: the
+dependencies come from this venv through a .pth, the tpulab code from the staged wheel), checks that the
+shared dir is one directory, runs the receipt and a real tiny CPU training as ONE 2-process JAX job (the
+coordinator named with --env/--worker-env, as on a cluster without TPU cluster detection), rehearses a
+preemption both processes agree on, fetches and verifies the shared checkpoints, deletes, and verifies
+deletion. `assert_one_multiprocess_job` checks the receipts form one job; its negative control runs the
+same workers without the coordinator env.
 """
 
 from __future__ import annotations
@@ -110,20 +111,54 @@ def form_signature(argv: list[str]) -> tuple:
     return argv[4], tuple(flags), worker
 
 
-def assert_independent_single_process_workers(receipts: list[dict]) -> None:
-    """Two workers, each its own single-process JAX runtime: NOT yet one multi-process job."""
+def receipts_of(out: Path, run_name: str = "run") -> list[dict]:
+    """Each worker's receipt(s), fetched from its own disk (workers/I/RUN/receipt/)."""
+    return [json.loads(p.read_text()) for i in range(2)
+            for p in sorted((out / "workers" / str(i) / run_name / "receipt").glob("receipt*.json"))]
+
+
+def assert_one_multiprocess_job(receipts: list[dict]) -> None:
+    """The two workers are the two processes of ONE JAX job: process 0 and 1 of 2, the same global devices
+    (the sum of the local ones), and a collective over all of them that summed to n(n-1)/2."""
     assert len(receipts) == 2
-    assert all(r["runtime"]["process_count"] == 1 and r["runtime"]["process_index"] == 0 for r in receipts)
+    rts = [r["runtime"] for r in receipts]
+    assert [rt["process_count"] for rt in rts] == [2, 2], [rt["process_count"] for rt in rts]
+    assert sorted(rt["process_index"] for rt in rts) == [0, 1]
+    n = sum(rt["local_device_count"] for rt in rts)
+    assert all(rt["device_count"] == n for rt in rts)
+    assert rts[0]["devices"] == rts[1]["devices"]  # one global device list, the same in both processes
+    assert sorted(i for rt in rts for i in rt["local_device_ids"]) == sorted(d["id"] for d in rts[0]["devices"])
+    for r in receipts:
+        coll = r["evidence"]["collective"]
+        assert coll["passed"] and coll["devices"] == n and coll["expected"] == n * (n - 1) / 2
+        assert coll["values"] == [n * (n - 1) / 2] * r["runtime"]["local_device_count"]
+
+
+# The processes agree on the stop through JAX's coordination service, some steps after the signal (8 steps,
+# 0.16 s, measured here); the tiny job's later steps take ~10 ms each, so the signal comes early enough that
+# the agreed stop cannot fall after step 40.
+PREEMPT_AT = 5
+
+
+def job_env(port: int) -> list[str]:
+    """How the rehearsal forms the job: the coordinator env a real slice's cluster detection replaces."""
+    return ["--env", f"TPULAB_COORDINATOR=127.0.0.1:{port}", "--env", "TPULAB_NUM_PROCESSES=2",
+            "--worker-env", "0:TPULAB_PROCESS_ID=0", "--worker-env", "1:TPULAB_PROCESS_ID=1"]
 
 
 @pytest.mark.slow
 def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
-    state, env, _ = fake_cloud
+    from tpulab.orchestrate.launch import free_port
+
+    state, env, configure = fake_cloud
+    shared = state / "shared-mount"  # the "Filestore" every worker sees; it outlives the VM
+    configure(shared_mount=str(shared))
     out = tmp_path / "cloud-run"
     p = run_cli("tpu", "up", "--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path, expect="cpu",
-                                                                                   expect_devices=1)),
-                "--config", str(TINY), "--preempt-at", "12", "--worker-env", "0:TPULAB_WORKER=0",
-                "--worker-env", "1:TPULAB_WORKER=1", env=env, timeout=600)
+                                                                                   expect_devices=2)),
+                "--config", str(TINY), "--preempt-at", str(PREEMPT_AT), "--shared-dir", str(shared),
+                *job_env(free_port()),
+                env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
 
     # The VM is gone, and tpulab verified it (describe NOT_FOUND, list without it).
@@ -138,65 +173,158 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
         sorted(map(json.dumps, (c["argv"] for c in fake_calls(state))))
     assert all({"rc", "duration_s", "stdout", "stderr", "command"} <= set(c) for c in recorded)
     steps = [c["step"] for c in recorded]
-    for expected in ("create", "create: wait for READY", "stage: copy", "stage: bootstrap", "run: receipt[worker 0]",
-                     "run: job until preemption[worker 1]", "run: job (resume after preemption)[worker 0]",
-                     "fetch[worker 0]", "fetch[worker 1]", "delete", "delete: verify (describe)",
-                     "delete: verify (list)"):
+    for expected in ("create", "create: wait for READY", "stage: copy", "stage: bootstrap",
+                     "run: shared dir (write on worker 0)", "run: shared dir (read on every worker)",
+                     "run: receipt[worker 0]", "run: job until preemption[worker 1]",
+                     "run: job (resume after preemption)[worker 0]", "fetch[worker 0]", "fetch[worker 1]",
+                     "fetch[shared run dir]", "delete", "delete: verify (describe)", "delete: verify (list)"):
         assert expected in steps, (expected, steps)
     # ...and each form is one the real gcloud parser accepted (tests/test_cloud_gcloud_parser.py).
     from tpulab.cloud.config import CloudConfig
     from tpulab.cloud.gcloud import command_forms
     tested = {form_signature(a) for a in command_forms(CloudConfig(project="p", zone="z")).values()}
     assert {form_signature(c["argv"]) for c in recorded} <= tested
+    # the job ran in the shared dir: its run dir is SHARED/runs/run on every worker
+    job_calls = [c for c in recorded if c["step"].startswith("run: job")]
+    assert len(job_calls) == 4 and all(f"--run-dir {shared}/runs/run" in c["command"] for c in job_calls)
 
     # Identity exactly as describe reported it.
     resource = json.loads((out / "cloud" / "resource.json").read_text())
     assert resource["accelerator_type"] == "v5litepod-8" and resource["state"] == "READY"
     assert resource["id"] == "4242424242424242" and len(resource["network_endpoints"]) == 2
 
-    # Receipts from both workers, produced by the staged wheel (not this checkout), with per-worker env.
-    receipts = [json.loads((out / "workers" / str(i) / "run" / "receipt" / "receipt.json").read_text())
-                for i in range(2)]
-    assert_independent_single_process_workers(receipts)
+    # One receipt per worker, from its own disk, produced by the staged wheel (not this checkout): together
+    # one 2-process job whose collective spanned both workers' devices, qualified as cpu x2 (global).
+    receipts = receipts_of(out)
+    assert_one_multiprocess_job(receipts)
     for i, r in enumerate(receipts):
         assert r["runtime"]["backend"] == "cpu" and r["qualification"]["passed"]
+        assert r["qualification"]["target"] == "cpu x2" and r["runtime"]["process_index"] == i
         assert f"workers/{i}/home/tpulab/.venv/" in r["versions"]["tpulab_path"]
-        assert r["env"]["TPULAB_WORKER"] == str(i)
+        assert r["env"]["TPULAB_PROCESS_ID"] == str(i)
 
-    # Preempted by a real SIGTERM at/after step 12, resumed from the checkpoint it saved, finished at 40.
+    # One shared run dir, fetched once: preempted by a real SIGTERM at/after step 5 on BOTH workers, the two
+    # processes stopped at one agreed step and saved it together, and resumed as 2 processes to step 40.
     fetch = json.loads((out / "cloud" / "fetch.json").read_text())
-    assert fetch["passed"] and not fetch["salvage"]
-    for w in fetch["workers"]:
-        (stopped,) = w["preempted_at"]
-        assert 12 <= stopped < 40 and w["segments"] == 2
-        assert w["resumed_from"] == [None, stopped] and w["final_step"] == 40
-        assert w["checkpoints"] and all(c["verified"] for c in w["checkpoints"])
-        # independent re-check here, and a negative control: one flipped byte is caught
-        ckpt = Path(w["run_dir"]) / w["checkpoints"][-1]["path"]
-        verify_manifest(ckpt)
-        corrupt = tmp_path / f"corrupt-{w['worker']}"
-        shutil.copytree(ckpt, corrupt)
-        victim = next(f for f in sorted(corrupt.rglob("*")) if f.is_file() and f.name != MANIFEST
-                      and f.stat().st_size > 0)
-        data = bytearray(victim.read_bytes())
-        data[0] ^= 0xFF
-        victim.write_bytes(bytes(data))
-        with pytest.raises(Exception, match="checksum mismatch"):
-            verify_manifest(corrupt)
+    assert fetch["passed"] and not fetch["salvage"] and fetch["shared_dir"] == str(shared)
+    (w,) = fetch["workers"]
+    assert w["source"] == "shared run dir" and [d["worker"] for d in fetch["worker_dirs"]] == [0, 1]
+    run_dir = out / "shared" / "run"
+    assert Path(w["run_dir"]) == run_dir and not (out / "workers" / "0" / "run" / "checkpoints").exists()
+    (stopped,) = w["preempted_at"]
+    assert PREEMPT_AT <= stopped < 40 and w["segments"] == 2
+    assert w["resumed_from"] == [None, stopped] and w["final_step"] == 40
+    records = read_records(run_dir / "metrics.jsonl")
+    assert [(r["process_index"], r["process_count"]) for r in records if r.get("event") == "start"] == [(0, 2)] * 2
+    # each worker's wrapper SIGTERM'd its own process (or, were it late, found it stopped on the other's notice);
+    # both processes stopped at the one agreed step and exited 0
+    rehearsals = [json.loads((out / "workers" / str(i) / "run" / "preempt.json").read_text()) for i in range(2)]
+    assert all(r["job_rc"] == 0 and r["preempted_at_step"] == stopped for r in rehearsals)
+    assert any(r["stopped_by"] == "this wrapper's SIGTERM" for r in rehearsals)
+    assert all(r["signalled_after_logged_step"] is None or r["signalled_after_logged_step"] >= PREEMPT_AT
+               for r in rehearsals)
+    resumed = [r for r in records if r.get("event") == "start"][1]
+    assert resumed["resumed_from"] == stopped and resumed["checkpoint_digest"]  # the agreed step's checkpoint
+    assert w["checkpoints"] and all(c["verified"] for c in w["checkpoints"])
+    for c in w["checkpoints"]:  # (keep=3: the agreed step's own checkpoint may be rotated out by 40)
+        assert sorted(x.name for x in (run_dir / c["path"] / "data").glob("process_*")) == \
+            ["process_0-of-2.json", "process_1-of-2.json"]  # both processes wrote into the one checkpoint
+    # independent re-check here, and a negative control: one flipped byte is caught
+    ckpt = run_dir / w["checkpoints"][-1]["path"]
+    verify_manifest(ckpt)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(ckpt, corrupt)
+    victim = next(f for f in sorted(corrupt.rglob("*")) if f.is_file() and f.name != MANIFEST and f.stat().st_size > 0)
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="checksum mismatch"):
+        verify_manifest(corrupt)
 
-    # Both workers trained the same config independently and were preempted separately (often at different
-    # steps), so bit-identical losses on every step also cross-check that each resume was exact.
-    curves = [{r["step"]: r["loss"] for r in read_records(Path(w["run_dir"]) / "metrics.jsonl") if "loss" in r}
-              for w in fetch["workers"]]
-    assert sorted(curves[0]) == list(range(1, 41)) and curves[0] == curves[1]
+    # The preempted-and-resumed job's loss on every step 1..40 is bit-identical to an uninterrupted 2-process
+    # job trained here by another route (tpulab launch, this checkout, no cloud, no preemption).
+    ref_dir = tmp_path / "reference"
+    p = run_cli("launch", "--processes", "2", "--devices-per-process", "1", "--log-dir", str(tmp_path / "ref-logs"),
+                "--", "train", "--config", str(TINY), "--run-dir", str(ref_dir), "--no-progress", "--no-track",
+                timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ref_records = read_records(ref_dir / "metrics.jsonl")
+    assert [r["process_count"] for r in ref_records if r.get("event") == "start"] == [2]
+    reference = {r["step"]: r["loss"] for r in ref_records if "loss" in r}
+    rehearsed = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(rehearsed) == list(range(1, 41)) and rehearsed == reference
+
+    # One MLflow run for the job (in the shared dir, next to the run dir): process 0 alone logs, each step once.
+    from mlflow.tracking import MlflowClient
+
+    assert not any("MLflow tracking off" in c["stderr"] for c in recorded)
+    run_id = json.loads((run_dir / "mlflow_run.json").read_text())["run_id"]
+    history = MlflowClient(f"sqlite:///{shared}/runs/mlruns.db").get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 41))
+    assert {m.step: m.value for m in history} == pytest.approx(rehearsed, rel=1e-6)
 
     # The experiment log: identity, receipts, curve, verification, cleanup; never says TPU for a CPU run.
     log = (out / "experiment.md").read_text()
     assert not TPU_WORD.search(log)
-    assert "Hardware, from 2 worker receipt(s): CPU (cpu) x1." in log
+    assert "Hardware, from 2 worker receipt(s): CPU (cpu) x2 (global devices of one 2-process JAX job)." in log
     assert "verified gone: **True**" in log and "all retrieved checkpoints verify" in log
+    assert f"shared run dir `{shared}/runs/run`" in log
     assert (out / "curve.png").stat().st_size > 0 and "4242424242424242" in log
     assert _pids_under(state) == []  # every worker process ended on its own
+
+
+@pytest.mark.slow
+def test_workers_without_the_coordinator_env_are_not_one_job(tmp_path, fake_cloud):
+    """Negative control of the job check: the same workers and shared dir, no coordinator env. Each worker is its
+    own single-process runtime: qualification as cpu x2 (global) refuses them before the job starts, the VM is
+    still deleted, and the salvaged receipts fail `assert_one_multiprocess_job`."""
+    state, env, configure = fake_cloud
+    shared = state / "shared-mount"
+    configure(shared_mount=str(shared))
+    out = tmp_path / "run"
+    p = run_cli("tpu", "up", "--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path, expect="cpu",
+                                                                                   expect_devices=2)),
+                "--config", str(TINY), "--shared-dir", str(shared), env=env, timeout=300)
+    assert p.returncode == 1
+    line = one_error_line(p)
+    assert line.startswith("error: run: target qualification (cpu) failed on the workers")
+    assert "expected 2 devices, JAX reports 1" in line
+    assert not any(c["step"].startswith("run: job") for c in calls(out))
+    assert nodes_left(state) == [] and json.loads((out / "cloud" / "cleanup.json").read_text())["verified_gone"]
+    receipts = receipts_of(out)
+    assert [(r["runtime"]["process_index"], r["runtime"]["process_count"]) for r in receipts] == [(0, 1), (0, 1)]
+    with pytest.raises(AssertionError):
+        assert_one_multiprocess_job(receipts)
+    assert "(each worker its own single-process JAX runtime)" in (out / "experiment.md").read_text()
+    assert _pids_under(state) == []
+
+
+def test_a_shared_dir_that_is_not_shared_stops_the_run(tmp_path, fake_cloud):
+    """The shared-dir check catches a path that is each host's own disk, and a mount point that is missing."""
+    state, env, configure = fake_cloud
+    local = tmp_path / "not-mounted-everywhere"
+    local.mkdir()
+    configure(host_local=[str(local)])
+    out = tmp_path / "run"
+    p = run_cli("tpu", "create", "--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path)), env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for worker in range(2):  # the mount point exists on every host, but as each host's own directory
+        (state / "nodes" / "tpulab-rehearsal" / "workers" / str(worker) / "home" / "host-local" /
+         str(local).lstrip("/")).mkdir(parents=True)
+    p = run_cli("tpu", "run", "--dir", str(out), "--shared-dir", str(local), *job_env(1), env=env, timeout=120)
+    assert p.returncode == 1
+    assert one_error_line(p).startswith(f"error: run: the shared dir {local} is not one directory on every worker")
+    p = run_cli("tpu", "run", "--dir", str(out), "--shared-dir", str(tmp_path / "missing"), env=env, timeout=120)
+    assert p.returncode == 1
+    assert one_error_line(p).startswith(f"error: run: cannot write to the shared dir {tmp_path / 'missing'} on "
+                                        "worker 0 (is it mounted?)")
+    assert not (tmp_path / "missing").exists()
+    steps = [c["step"] for c in calls(out)]
+    assert not any(s.startswith(("run: receipt", "run: job")) for s in steps)  # nothing started
+    p = run_cli("tpu", "run", "--dir", str(out), "--shared-dir", "gs://bucket/x", env=env, timeout=60)
+    assert p.returncode == 2 and "mount the bucket (gcsfuse) and name the mount point" in one_error_line(p)
+    p = run_cli("tpu", "delete", "--dir", str(out), env=env, timeout=120)
+    assert p.returncode == 0 and nodes_left(state) == []
 
 
 def test_create_failure_leaves_nothing_and_is_one_line(tmp_path, fake_cloud):

@@ -43,6 +43,29 @@ def test_receipt_cli_four_forced_host_devices(tmp_path):
     assert "collective" in p.stdout and not TPU_WORD.search(p.stdout)
 
 
+def test_receipt_joins_a_multi_process_job(tmp_path):
+    """Launched as 2 processes x 2 devices, the receipt joins the job: each process writes its own receipt, the
+    psum spans all 4 global devices (0+1+2+3 = 6 on each process's 2 shards) and --expect-devices is global."""
+    p = run_cli("launch", "--processes", "2", "--devices-per-process", "2", "--log-dir", str(tmp_path / "logs"), "--",
+                "receipt", "--out", str(tmp_path / "r"), "--expect", "cpu", "--expect-devices", "4",
+                "--matmul-size", "32", timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    receipts = [json.loads((tmp_path / "r" / f"receipt-p{i}.json").read_text()) for i in range(2)]
+    for i, r in enumerate(receipts):
+        rt, coll = r["runtime"], r["evidence"]["collective"]
+        assert (rt["process_index"], rt["process_count"], rt["device_count"], rt["local_device_count"]) == (i, 2, 4, 2)
+        assert coll["passed"] and coll["devices"] == 4 and coll["expected"] == 6.0 and coll["values"] == [6.0, 6.0]
+        assert r["qualification"]["passed"]
+    assert sorted(receipts[0]["runtime"]["local_device_ids"] + receipts[1]["runtime"]["local_device_ids"]) == \
+        sorted(d["id"] for d in receipts[0]["runtime"]["devices"])
+    # negative control: the same 2 devices per process without the job's env are 2 separate 2-device runtimes
+    p = run_cli("receipt", "--out", str(tmp_path / "alone"), "--expect", "cpu", "--expect-devices", "4",
+                "--matmul-size", "32", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, timeout=120)
+    assert p.returncode == 4 and "expected 4 devices, JAX reports 2" in p.stderr
+    alone = json.loads((tmp_path / "alone" / "receipt.json").read_text())
+    assert alone["runtime"]["process_count"] == 1 and alone["evidence"]["collective"]["expected"] == 1.0
+
+
 def test_collective_checker_negative_controls():
     assert check_collective([6.0] * 4, 4)["passed"]
     wrong = check_collective([6.0, 6.0, 5.0, 6.0], 4)  # one device saw a partial sum

@@ -169,6 +169,11 @@ def test_only_process_zero_logs(tmp_path):
     other.on_checkpoint(1)
     other.on_end({"final_step": 1})
     assert other._worker is None and not (tmp_path / "mlruns.db").exists() and not (run / "mlflow_run.json").exists()
+    # as the loop calls it in process 1: the run files' env is process 0's alone, so it comes empty there
+    loop_shaped = MlflowTracker(run)
+    loop_shaped.on_start({"env": {}, "process_index": 1, "config": None, "start_step": 0})
+    loop_shaped.on_metrics(1, {"loss": 1.0})
+    assert loop_shaped._worker is None and not (tmp_path / "mlruns.db").exists()
     first = MlflowTracker(run)  # control: process 0 with the same calls does log
     first.on_start({"env": {"process_index": 0}, "config": None, "start_step": 0})
     first.on_metrics(1, {"loss": 1.0})

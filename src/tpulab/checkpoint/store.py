@@ -159,6 +159,21 @@ def _drop_closed_loop_echoes() -> None:
     sys.unraisablehook = hook
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager without its own reads of JAX's preemption sync point.
+
+    The sync point is one counter per process: the coordination service stops the job at (the largest
+    counter any process last passed) + 1, so every process must pass the same sequence of values. The
+    trainer reads it once per loop check (tpulab.train.distributed.AgreedPreemption); Orbax would read it
+    too, with the step number, on save and (process 0 only) when an async save finalizes, pulling the
+    counters apart so that the agreed point could be one no process ever reads: a SIGTERM'd job would
+    train on to its end. The trainer decides when to save; Orbax never needs to.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 class CheckpointStore:
     """Async Orbax saves, manifests committed once each save has finished, verified restores.
 
@@ -189,7 +204,7 @@ class CheckpointStore:
         _barrier("tpulab-checkpoint-store-open")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True)
-        self.manager = ocp.CheckpointManager(
+        self.manager = _Manager(
             self.directory, options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
                            "meta": ocp.JsonCheckpointHandler()})

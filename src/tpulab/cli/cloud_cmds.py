@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -11,7 +12,9 @@ CLOUD_CONFIG_COPY = "cloud_config.yaml"
 
 def cmd_receipt(args) -> int:
     from tpulab.evidence.receipt import Target, run_receipt, table
+    from tpulab.train.distributed import initialize_from_env
 
+    initialize_from_env()  # a process of a multi-process job joins it: the collective then spans every host
     target = Target.parse(args.expect, args.expect_devices) if args.expect else None
     if target is None and args.expect_devices is not None:
         target = Target.parse(_backend_now(), args.expect_devices)
@@ -36,7 +39,8 @@ def _cloud_config(args):
 
     saved = Path(args.dir) / "cloud" / CLOUD_CONFIG_COPY
     path = args.cloud_config or (saved if saved.exists() else None)
-    cfg = load_cloud_config(path, args.overrides)
+    shared = getattr(args, "shared_dir", None)
+    cfg = load_cloud_config(path, args.overrides + ([f"shared_dir={json.dumps(shared)}"] if shared else []))
     cfg.require_target()
     saved.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(saved, yaml.safe_dump({"cloud": to_dict(cfg)}, sort_keys=False).encode())
@@ -111,8 +115,9 @@ def cmd_fetch(args) -> int:
 
     report = _session(args).fetch(args.run_name)
     n = sum(len(w["checkpoints"]) for w in report["workers"])
-    print(f"retrieved {len(report['workers'])} worker run dir(s), {n} checkpoint manifest(s) verified; "
-          f"log: {write_experiment_log(args.dir)}")
+    where = (f"the shared run dir and {len(report['worker_dirs'])} worker dir(s)" if report["shared_dir"] else
+             f"{len(report['workers'])} worker run dir(s)")
+    print(f"retrieved {where}, {n} checkpoint manifest(s) verified; log: {write_experiment_log(args.dir)}")
     return 0
 
 
@@ -139,7 +144,8 @@ def cmd_worker_job(args) -> int:
     argv = list(args.job)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    result = run_with_preemption([sys.executable, "-m", "tpulab.cli", *argv], args.run_dir, args.preempt_at)
+    result = run_with_preemption([sys.executable, "-m", "tpulab.cli", *argv], args.run_dir, args.preempt_at,
+                                 record=args.record)
     print(f"preempted (SIGTERM) at step {result['preempted_at_step']}; checkpoint saved, exit {result['job_rc']}")
     return 0
 
@@ -149,6 +155,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cloud-config", type=Path, help="YAML with a cloud: section (default: the copy in DIR/cloud/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a cloud config value, e.g. --set project=my-proj --set zone=us-central1-a")
+
+
+def _shared_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shared-dir", metavar="PATH",
+                   help="a directory every worker sees (Filestore/NFS or gcsfuse mount point): the job's run dir "
+                        "becomes PATH/runs/NAME (short for --set shared_dir=PATH; kept in DIR/cloud/)")
 
 
 def _stage_args(p: argparse.ArgumentParser) -> None:
@@ -185,10 +197,12 @@ def register(sub) -> None:
     for name, handler, help_, extra in (
             ("create", cmd_create, "create the VM, wait for READY, record its identity", ()),
             ("stage", cmd_stage, "copy wheel, config and corpus to every worker; bootstrap the venv", (_stage_args,)),
-            ("run", cmd_run, "receipt --expect on every worker, then the job on every worker", (_run_args,)),
-            ("fetch", cmd_fetch, "retrieve every worker's run dir and verify the checkpoint manifests here", ()),
+            ("run", cmd_run, "receipt --expect on every worker, then the job on every worker",
+             (_run_args, _shared_arg)),
+            ("fetch", cmd_fetch, "retrieve the run dir(s) and verify the checkpoint manifests here", (_shared_arg,)),
             ("delete", cmd_delete, "delete the VM and verify it is gone", ()),
-            ("up", cmd_up, "create, stage, run, fetch, then delete whatever happened", (_stage_args, _run_args))):
+            ("up", cmd_up, "create, stage, run, fetch, then delete whatever happened",
+             (_stage_args, _run_args, _shared_arg))):
         p = tsub.add_parser(name, help=help_)
         _common(p)
         for add in extra:
@@ -200,5 +214,6 @@ def register(sub) -> None:
     p = tsub.add_parser("worker-job", help="(runs on a worker) the job, SIGTERM'd at --preempt-at")
     p.add_argument("--run-dir", required=True, type=Path, help="the job's run dir (its metrics.jsonl is watched)")
     p.add_argument("--preempt-at", required=True, type=int)
+    p.add_argument("--record", type=Path, help="where the rehearsal record goes (default: RUN_DIR/preempt.json)")
     p.add_argument("job", nargs=argparse.REMAINDER, help="-- then the tpulab command line")
     p.set_defaults(handler=cmd_worker_job)

@@ -43,6 +43,9 @@ class CloudConfig:
     expect_devices: int | None = field(None, "global device count the receipt must report (default: from the type)")
     gcloud: str = field("gcloud", "the gcloud executable")
     remote_dir: str = field("tpulab", "directory under each worker's home that holds venv, wheel, config, runs")
+    shared_dir: str | None = field(None, "absolute path of a directory every worker sees (a Filestore/NFS or "
+                                         "gcsfuse mount); the job's run dir becomes SHARED/runs/NAME, one for "
+                                         "the whole multi-process job (default: each worker's own disk)")
     python: str = field("python3", "the worker's system Python (runs pip to fetch uv in the default bootstrap)")
     bootstrap: str = field(DEFAULT_BOOTSTRAP, "remote command that creates {remote_dir}/.venv with the wheel")
     ready_timeout_s: float = field(1800.0, "how long to wait for state READY after create")
@@ -56,6 +59,12 @@ class CloudConfig:
         check(self.ready_timeout_s > 0 and self.poll_s > 0 and self.call_timeout_s > 0,
               "cloud timeouts must be positive")
         check(self.expect_devices is None or self.expect_devices > 0, "cloud.expect_devices must be positive")
+        if self.shared_dir is not None:
+            check("://" not in self.shared_dir, f"cloud.shared_dir={self.shared_dir!r}: the trainer writes to a "
+                                                "file system; mount the bucket (gcsfuse) and name the mount point")
+            check(self.shared_dir.startswith("/") and self.shared_dir.rstrip("/") != "",
+                  f"cloud.shared_dir={self.shared_dir!r} must be an absolute path below / (the same mount point "
+                  "on every worker)")
 
     def require_target(self) -> None:
         """Project and zone have no sensible default; say so before any gcloud call."""

@@ -30,6 +30,10 @@ def _receipts(out: Path) -> list[tuple[int, Path, dict]]:
     return found
 
 
+def _source(fetched: dict) -> str:
+    return fetched.get("source") or f"worker {fetched['worker']}"
+
+
 def plot_curves(out: Path, run_name: str, path: Path) -> bool:
     """Loss per step for every worker and segment, the preemption and the resume marked."""
     import matplotlib
@@ -40,21 +44,23 @@ def plot_curves(out: Path, run_name: str, path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     drawn = False
     marks = []
-    for w, wdir in enumerate(sorted((out / "workers").glob("*"))):
-        records = read_records(wdir / run_name / "metrics.jsonl")
+    dirs = [(f"worker {d.name}", d / run_name) for d in sorted((out / "workers").glob("*"))]
+    dirs.append(("shared run dir", out / "shared" / run_name))  # one multi-process job's metrics (process 0)
+    for w, (label, run_dir) in enumerate(d for d in dirs if (d[1] / "metrics.jsonl").exists()):
+        records = read_records(run_dir / "metrics.jsonl")
         for seg in sorted({r["segment"] for r in records if "step" in r}):
             pts = sorted((r["step"], r["loss"]) for r in records if r.get("segment") == seg and "loss" in r)
             if pts:
                 ax.plot(*zip(*pts), ls="-" if w == 0 else "--", marker="." if w == 0 else "x", ms=3, lw=1,
-                        label=f"worker {wdir.name}, segment {seg}" + (" (resumed)" if seg else ""))
+                        label=f"{label}, segment {seg}" + (" (resumed)" if seg else ""))
                 drawn = True
         for r in records:
             if r.get("event") == "preempted":
                 ax.axvline(r["step"], color="red", ls="--", lw=0.8)
-                marks.append(f"worker {wdir.name}: SIGTERM, saved at step {r['step']}")
+                marks.append(f"{label}: SIGTERM, saved at step {r['step']}")
             if r.get("event") == "start" and r.get("resumed_from") is not None:
                 ax.axvline(r["resumed_from"], color="green", ls=":", lw=0.8)
-                marks.append(f"worker {wdir.name}: resumed from step {r['resumed_from']}")
+                marks.append(f"{label}: resumed from step {r['resumed_from']}")
     if marks:
         ax.text(0.02, 0.02, "\n".join(marks), transform=ax.transAxes, fontsize=7, va="bottom", color="darkred")
     if not drawn:
@@ -82,7 +88,11 @@ def write_experiment_log(out_dir: str | Path) -> Path:
     lines = ["# Cloud experiment log", ""]
     if receipts:
         hw = sorted({hardware_line(r) for _, _, r in receipts})
-        lines.append(f"Hardware, from {len(receipts)} worker receipt(s): {'; '.join(hw)}.")
+        counts = sorted({r["runtime"]["process_count"] for _, _, r in receipts})
+        job = (f" (global devices of one {counts[0]}-process JAX job)" if counts != [1] and len(counts) == 1 else
+               " (each worker its own single-process JAX runtime)" if counts == [1] else
+               f" (process counts disagree: {counts})")
+        lines.append(f"Hardware, from {len(receipts)} worker receipt(s): {'; '.join(hw)}{job}.")
     else:
         lines.append("Hardware: no runtime receipt was retrieved, so this log names no accelerator.")
     lines += ["", "## Resource (cloud/resource.json, from `describe --format=json`)", ""]
@@ -129,9 +139,12 @@ def write_experiment_log(out_dir: str | Path) -> Path:
         name = Path(run["run_dir"]).name
         if plot_curves(out, name, out / CURVE):
             lines.append(f"- ![loss per step]({CURVE})")
+    if run and run.get("shared_dir"):
+        lines.append(f"- shared run dir `{run['run_dir']}` (cloud.shared_dir `{run['shared_dir']}`): one directory "
+                     "for every process; a marker written on worker 0 was read back on every worker before the job")
     if fetch:
         for w in fetch["workers"]:
-            lines.append(f"- worker {w['worker']}: {w['segments']} segment(s), preempted at "
+            lines.append(f"- {_source(w)}: {w['segments']} segment(s), preempted at "
                          f"{w['preempted_at'] or '-'}, "
                          f"resumed from {[s for s in w['resumed_from'] if s is not None] or '-'}, final step "
                          f"{w['final_step']}")
@@ -139,7 +152,7 @@ def write_experiment_log(out_dir: str | Path) -> Path:
     if fetch:
         for w in fetch["workers"]:
             for c in w["checkpoints"]:
-                lines.append(f"- worker {w['worker']} `{c['path']}`: "
+                lines.append(f"- {_source(w)} `{c['path']}`: "
                              + (f"manifest verified, sha256 `{c['manifest_sha256'][:16]}…`" if c["verified"]
                                 else f"FAILED: {c['error']}"))
         if fetch.get("salvage"):

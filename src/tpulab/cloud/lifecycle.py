@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 from tpulab.checkpoint.files import MANIFEST, atomic_write_json, manifest_digest, sha256_file, verify_manifest
 from tpulab.cloud import gcloud as g
 from tpulab.cloud.config import CloudConfig
+from tpulab.cloud.worker import PREEMPT_RECORD
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.provenance import git_commit
@@ -70,11 +72,17 @@ class JobSpec:
         if "{data}" in self.job and self.data is None:
             raise TpulabError("the job uses {data} but no --data was given")
 
-    def remote_run_dir(self) -> str:
+    def local_run_dir(self) -> str:
+        """``runs/NAME`` on each worker's own disk (under remote_dir): receipts and rehearsal records."""
         return f"runs/{self.run_name}"
 
-    def job_args(self) -> list[str]:
-        values = {"{run_dir}": self.remote_run_dir(), "{config}": "stage/config.yaml",
+    def remote_run_dir(self, shared_dir: str | None = None) -> str:
+        """The job's ``{run_dir}``: ``SHARED/runs/NAME``, one directory that every process of a multi-host job
+        sees (Orbax writes one checkpoint from all processes), or without a shared dir each worker's own."""
+        return f"{shared_dir.rstrip('/')}/runs/{self.run_name}" if shared_dir else self.local_run_dir()
+
+    def job_args(self, shared_dir: str | None = None) -> list[str]:
+        values = {"{run_dir}": self.remote_run_dir(shared_dir), "{config}": "stage/config.yaml",
                   "{data}": f"stage/data/{Path(self.data).name}" if self.data else ""}
         try:
             tokens = shlex.split(self.job)
@@ -244,8 +252,10 @@ class CloudSession:
 
     # --- run --------------------------------------------------------------------------------
     def qualify(self, job: JobSpec) -> None:
+        """``tpulab receipt --expect`` on every worker, into each worker's own run dir: with the job's env, so in a
+        multi-process job the receipts join it and the collective spans every global device."""
         expect, devices = self.cfg.target()
-        args = ["receipt", "--out", f"{job.remote_run_dir()}/receipt", "--expect", expect]
+        args = ["receipt", "--out", f"{job.local_run_dir()}/receipt", "--expect", expect]
         if devices is not None:
             args += ["--expect-devices", str(devices)]
         for call in self._ssh_job("run: receipt", args, job):
@@ -258,24 +268,51 @@ class CloudSession:
             return self.ssh_all(step, lambda i: self.remote(args, {**job.env, **job.worker_env.get(i, {})}))
         return self.ssh_all(step, self.remote(args, job.env))
 
+    def check_shared(self, job: JobSpec) -> dict:
+        """The shared dir is one directory on every worker: worker 0 writes a fresh marker into the run dir there,
+        every worker must read it back. A path that is each host's own disk (a mount that is missing on some
+        host) would split one job's checkpoint across hosts; this stops the run before anything starts."""
+        shared = self.cfg.shared_dir
+        run_dir = job.remote_run_dir(shared)
+        marker, nonce = f"{run_dir}/.tpulab-shared-check", secrets.token_hex(8)
+        q = shlex.quote
+        write = f"test -d {q(shared)} && mkdir -p {q(run_dir)} && echo {nonce} > {q(marker)}"
+        call = self.gcloud("run: shared dir (write on worker 0)", g.ssh_argv(self.cfg, write, worker=0),
+                           self.cfg.call_timeout_s)
+        if not call.ok:
+            raise self._fail("run", call, f"cannot write to the shared dir {shared} on worker 0 (is it mounted?)")
+        call = self.ssh_all("run: shared dir (read on every worker)", f'test "$(cat {q(marker)})" = {nonce}')[0]
+        if not call.ok:
+            raise self._fail("run", call, f"the shared dir {shared} is not one directory on every worker: worker "
+                                          "0's marker is missing elsewhere (mount the same Filestore/NFS export or "
+                                          "gcsfuse bucket at that path on every worker)")
+        return {"shared_dir": shared, "run_dir": run_dir, "marker": marker, "nonce": nonce,
+                "seen_by": f"all {self.workers()} workers"}
+
     def run(self, job: JobSpec, preempt_at: int | None = None) -> dict:
         """Receipt with --expect on all workers first, then the job on all workers (resuming after a
-        rehearsed preemption when ``preempt_at`` is given)."""
-        record = {"job": job.job_args(), "run_dir": job.remote_run_dir(), "env": job.env,
+        rehearsed preemption when ``preempt_at`` is given). With ``cloud.shared_dir`` the job's run dir is
+        the shared one (checked first); receipts and rehearsal records stay on each worker's disk."""
+        shared = self.cfg.shared_dir
+        args = job.job_args(shared)
+        record = {"job": args, "run_dir": job.remote_run_dir(shared), "shared_dir": shared, "env": job.env,
                   "worker_env": {str(k): v for k, v in job.worker_env.items()}, "preempt_at": preempt_at,
                   "target": self.cfg.target()[0], "segments": []}
         self._write("run.json", record)
+        if shared:
+            record["shared_check"] = self.check_shared(job)
+            self._write("run.json", record)
         self.qualify(job)
         if preempt_at is not None:
-            wrapped = ["tpu", "worker-job", "--run-dir", job.remote_run_dir(), "--preempt-at", str(preempt_at),
-                       "--", *job.job_args()]
+            wrapped = ["tpu", "worker-job", "--run-dir", job.remote_run_dir(shared), "--preempt-at", str(preempt_at),
+                       "--record", f"{job.local_run_dir()}/{PREEMPT_RECORD}", "--", *args]
             for call in self._ssh_job("run: job until preemption", wrapped, job):
                 if not call.ok:
                     raise self._fail("run", call, f"the preemption rehearsal at step {preempt_at} failed")
             record["segments"].append("preempted")
             self._write("run.json", record)
         step = "run: job (resume after preemption)" if preempt_at is not None else "run: job"
-        for call in self._ssh_job(step, job.job_args(), job):
+        for call in self._ssh_job(step, args, job):
             if not call.ok:
                 raise self._fail("run", call, "the job failed on the workers")
         record["segments"].append("completed")
@@ -284,39 +321,55 @@ class CloudSession:
 
     # --- fetch ------------------------------------------------------------------------------
     def fetch(self, run_name: str, strict: bool = True) -> dict:
-        """Each worker's run dir to DIR/workers/<i>/; every retrieved checkpoint manifest verified here.
+        """Each worker's own ``runs/NAME`` to DIR/workers/<i>/ and, with a shared dir, the job's shared run dir
+        once (from worker 0) to DIR/shared/; every retrieved checkpoint manifest verified here.
 
         ``strict=False`` is the salvage after a failed run: keep what can be retrieved (the failing
         receipt, partial metrics) and raise nothing."""
-        results = []
-        for i in range(self.workers()):
-            dest = self.dir / "workers" / str(i)
-            incoming = self.dir / "workers" / f".incoming-{i}"  # a failed fetch must not cost an earlier copy
-            if incoming.exists():
-                shutil.rmtree(incoming)
-            incoming.mkdir(parents=True)
-            call = self.gcloud(f"fetch[worker {i}]", g.scp_from_argv(self.cfg, f"{self.cfg.remote_dir}/runs/{run_name}",
-                                                                     str(incoming) + "/", worker=i), 3600)
-            if not call.ok or not (incoming / run_name).is_dir():
-                shutil.rmtree(incoming)
-                if not strict:
-                    continue
-                raise self._fail("fetch", call, f"could not retrieve {run_name} from worker {i}")
-            dest.mkdir(parents=True, exist_ok=True)
-            if (dest / run_name).exists():
-                shutil.rmtree(dest / run_name)
-            (incoming / run_name).rename(dest / run_name)
-            shutil.rmtree(incoming)
-            results.append(verify_fetched(dest / run_name, i))
-        report = {"run_name": run_name, "workers": results,
-                  "passed": all(w["checkpoints"] and all(c["verified"] for c in w["checkpoints"]) for w in results)}
+        shared = self.cfg.shared_dir
+        sources = [(f"worker {i}", i, f"{self.cfg.remote_dir}/runs/{run_name}", self.dir / "workers" / str(i))
+                   for i in range(self.workers())]
+        if shared:
+            sources.append(("shared run dir", 0, f"{shared.rstrip('/')}/runs/{run_name}", self.dir / "shared"))
+        results, worker_dirs = [], []
+        for label, worker, remote, dest in sources:
+            got = self._fetch_one(label, worker, remote, dest, run_name, strict)
+            if got is None:
+                continue
+            if shared and label != "shared run dir":  # receipts and rehearsal records only: nothing to verify
+                worker_dirs.append({"worker": worker, "run_dir": str(got)})
+            else:
+                results.append({"source": label, **verify_fetched(got, worker)})
+        report = {"run_name": run_name, "shared_dir": shared, "workers": results, "worker_dirs": worker_dirs,
+                  "passed": bool(results) and all(w["checkpoints"] and all(c["verified"] for c in w["checkpoints"])
+                                                  for w in results)}
         report["salvage"] = not strict
         self._write("fetch.json", report)
         if strict and not report["passed"]:
             bad = next(w for w in results if not w["checkpoints"] or not all(c["verified"] for c in w["checkpoints"]))
             why = next((c["error"] for c in bad["checkpoints"] if not c["verified"]), "no checkpoint retrieved")
-            raise CloudError(f"fetch: worker {bad['worker']}: {why}")
+            raise CloudError(f"fetch: {bad['source']}: {why}")
         return report
+
+    def _fetch_one(self, label: str, worker: int, remote: str, dest: Path, run_name: str, strict: bool) -> Path | None:
+        incoming = dest.parent / f".incoming-{dest.name}"  # a failed fetch must not cost an earlier copy
+        if incoming.exists():
+            shutil.rmtree(incoming)
+        incoming.mkdir(parents=True)
+        call = self.gcloud(f"fetch[{label}]", g.scp_from_argv(self.cfg, remote, str(incoming) + "/", worker=worker),
+                           3600)
+        if not call.ok or not (incoming / run_name).is_dir():
+            shutil.rmtree(incoming)
+            if not strict:
+                return None
+            what = run_name if label.startswith("worker") else f"the shared run dir {remote}"
+            raise self._fail("fetch", call, f"could not retrieve {what} from worker {worker}")
+        dest.mkdir(parents=True, exist_ok=True)
+        if (dest / run_name).exists():
+            shutil.rmtree(dest / run_name)
+        (incoming / run_name).rename(dest / run_name)
+        shutil.rmtree(incoming)
+        return dest / run_name
 
     # --- delete -----------------------------------------------------------------------------
     def delete(self) -> dict:

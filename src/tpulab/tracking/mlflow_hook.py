@@ -254,7 +254,7 @@ class MlflowTracker(Hooks):
     # ---- hooks --------------------------------------------------------------------------------
     def on_start(self, info: dict) -> None:
         env = info.get("env") or {}
-        if int(env.get("process_index", 0) or 0) != 0:
+        if int(info.get("process_index", env.get("process_index", 0)) or 0) != 0:
             self._enabled = False  # several processes: only process 0 logs
             return
         from tpulab.config import to_dict

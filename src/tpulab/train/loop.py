@@ -228,6 +228,7 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
         bar = _progress(total, start, progress if primary else False)
         summary = {"resumed_from": resume.step if resume else None, "start_step": start}
         hooks.on_start({"run_dir": str(run_dir), "config": config, "start_step": start, "total_steps": total,
+                        "process_index": jax.process_index(),  # env is process 0's alone (empty elsewhere)
                         "resumed_from": summary["resumed_from"],
                         "checkpoint_digest": resume.digest if resume else None, "env": env})
         last_loss, last_val = math.nan, None
