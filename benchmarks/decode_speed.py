@@ -44,7 +44,7 @@ def main() -> None:
             f"{m.d_model}, {m.n_layers} layers, {m.n_heads} heads, max_seq_len {m.max_seq_len}, "
             f"{param_count(restored.model):,} parameters, {restored.config.precision.compute_dtype} compute; "
             f"checkpoint step {restored.step}; batch 1, greedy, best of {args.repeats}; load average before "
-            f"{load_before[0]:.1f} (a shared 2-core machine: other processes ran during the measurement)")
+            f"{load_before[0]:.1f} on {os.cpu_count()} host cores")
     text = [head, "", f"Cache {args.cache}:", "", speed_table(rows)]
     batch_rows = []
     if args.batches:

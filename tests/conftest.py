@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tpulab.perf.libtpu_env import quiet_libtpu_off_tpu
+from tpulab.libtpu_env import quiet_libtpu_off_tpu
 
 quiet_libtpu_off_tpu()  # libtpu is installed for the AOT tests; off a TPU it must not print on every jax init
 

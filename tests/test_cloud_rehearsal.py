@@ -270,6 +270,10 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     assert "verified gone: **True**" in log and "all retrieved checkpoints verify" in log
     assert f"shared run dir `{shared}/runs/run`" in log
     assert (out / "curve.png").stat().st_size > 0 and "4242424242424242" in log
+    page = (out / "experiment.html").read_text()  # the same log as one page: curve embedded, nothing fetched
+    assert "4242424242424242" in page and page.count("data:image/png;base64,") == 1
+    assert not TPU_WORD.search(re.sub(r"data:[^\"']+", "", page))
+    assert not re.search(r"""src=["'](?!data:)""", page)
     assert _pids_under(state) == []  # every worker process ended on its own
 
 

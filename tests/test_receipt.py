@@ -132,3 +132,23 @@ def test_target_matching_by_generation():
 def test_hardware_line_names_tpu_only_for_tpu_backend():
     assert not TPU_WORD.search(hardware_line(_fake("cpu", ["cpu"], 4)))
     assert hardware_line(_fake("tpu", ["TPU v5 lite"], 8)).startswith("TPU (TPU v5 lite) x8")
+
+
+def test_tpulab_placeholders_are_listed_apart_from_the_runtime_env(monkeypatch):
+    """The TPU_* placeholders tpulab sets to quiet libtpu are not reported as the runtime's environment;
+    the same name set by someone else is (negative control)."""
+    import os
+
+    from tpulab.evidence.receipt import runtime_env
+    from tpulab.libtpu_env import MARKER, placeholders, quiet_libtpu_off_tpu
+
+    for name in ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", MARKER):
+        monkeypatch.delenv(name, raising=False)
+    environ = dict(os.environ)
+    added = quiet_libtpu_off_tpu(environ)
+    if not added:
+        pytest.skip("libtpu is not installed or this host has a TPU: no placeholders are set")
+    monkeypatch.setattr(os, "environ", environ)
+    assert "TPU_WORKER_ID" in placeholders() and "TPU_WORKER_ID" not in runtime_env()
+    environ.pop(MARKER)  # the same variables, now as if a user or the platform had set them
+    assert runtime_env()["TPU_WORKER_ID"] == "0"

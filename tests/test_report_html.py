@@ -82,7 +82,7 @@ def test_report_html_loads_clean_in_chromium(chromium, trained_run, tmp_path):
 def test_browser_check_catches_broken_and_fetched_images(chromium, tmp_path):
     """Negative controls for the check itself: an image fetched from the network (blocked offline and by the
     page's policy) and an image whose data does not decode must both be reported."""
-    from tpulab.orchestrate.report import render_html
+    from tpulab.evidence.html import render_html
 
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
     page = tmp_path / "bad.html"

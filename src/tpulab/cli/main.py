@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpulab.perf.libtpu_env import quiet_libtpu_off_tpu
+    from tpulab.libtpu_env import quiet_libtpu_off_tpu
 
     quiet_libtpu_off_tpu()  # before any jax import: libtpu (installed for TPU compiles) stays quiet off a TPU
     parser = build_parser()

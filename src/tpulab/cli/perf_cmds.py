@@ -8,7 +8,7 @@ from tpulab.cli.train_cmds import add_config_args, load_run_config
 
 
 def _quiet_libtpu() -> None:
-    from tpulab.perf.libtpu_env import quiet_libtpu_off_tpu
+    from tpulab.libtpu_env import quiet_libtpu_off_tpu
 
     quiet_libtpu_off_tpu()
 

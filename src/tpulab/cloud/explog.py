@@ -1,4 +1,4 @@
-"""``DIR/experiment.md``: the cloud run's log, every line pointing at the raw evidence it came from.
+"""``DIR/experiment.md`` (and ``experiment.html``, the same as one self-contained page): the cloud run's log, every line pointing at the raw evidence it came from.
 
 It is assembled only from files the lifecycle wrote (what gcloud and the workers' runtimes
 reported), never from the config's intentions. The hardware is named from the workers' receipts:
@@ -12,10 +12,12 @@ from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes
 from tpulab.cloud.gcloud import read_calls
+from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.receipt import hardware_line
 
 LOG = "experiment.md"
+HTML = "experiment.html"  # the same log as one self-contained page (the curve embedded)
 CURVE = "curve.png"
 
 
@@ -178,6 +180,8 @@ def write_experiment_log(out_dir: str | Path) -> Path:
     for i, c in enumerate(calls):
         cmd = c["command"].replace("|", "\\|")
         lines.append(f"| {i} | {c['step']} | {c['rc']} | {c['duration_s']} | `{cmd}` |")
-    path = out / "experiment.md"
-    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+    text = "\n".join(lines) + "\n"
+    path = out / LOG
+    atomic_write_bytes(path, text.encode())
+    atomic_write_bytes(out / HTML, render_html(text, out, "tpulab cloud experiment log").encode())
     return path

@@ -26,6 +26,7 @@ import numpy as np
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.evidence.provenance import git_commit
+from tpulab.libtpu_env import MARKER, placeholders
 
 RECEIPT = "receipt.json"
 TABLE = "receipt.md"
@@ -222,7 +223,9 @@ def runtime_inventory() -> dict:
 
 
 def runtime_env() -> dict:
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    """The variables that decide the runtime, leaving out tpulab's own libtpu placeholders (listed apart)."""
+    ours = placeholders()
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ours}
 
 
 def collect(matmul_size: int = 512) -> dict:
@@ -236,6 +239,7 @@ def collect(matmul_size: int = 512) -> dict:
         "runtime": runtime_inventory(),
         "versions": _versions(),
         "env": runtime_env(),
+        "tpulab_placeholders": sorted(placeholders() - {MARKER}),
     }
     receipt["evidence"] = {"collective": collective_evidence(), "matmul": matmul_evidence(matmul_size),
                            "round_trip": round_trip_evidence()}
@@ -260,6 +264,9 @@ def table(receipt: dict) -> str:
         ("coords", "; ".join(str(d.get("coords")) for d in rt["devices"] if "coords" in d) or "n/a"),
         ("versions", ", ".join(f"{k} {val}" for k, val in v.items() if val is not None)),
         ("runtime env", ", ".join(f"{k}={val}" for k, val in receipt["env"].items()) or "(none set)"),
+        ("tpulab placeholders", ", ".join(receipt.get("tpulab_placeholders", [])) + " (set by tpulab to quiet "
+                                "libtpu on this host; not the runtime's)" if receipt.get("tpulab_placeholders") else
+                                "(none)"),
         ("collective", f"{'PASS' if coll['passed'] else 'FAIL'}: psum of device indices = {coll['values'][:4]}"
                        f"{' ...' if len(coll['values']) > 4 else ''}, expected {coll['expected']:g} on each of "
                        f"{coll['devices']} devices"),

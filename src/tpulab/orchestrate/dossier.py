@@ -12,14 +12,12 @@ the command exits non-zero after writing both files.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import html
-import re
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.errors import TpulabError
+from tpulab.evidence.html import render_html
 from tpulab.orchestrate.stages import Stages
 
 DEFAULT_TARGETS = "v5e:2x2,v5p:2x2x1,v6e:2x2"
@@ -160,7 +158,7 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
                     "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), ""]
                    ) + "\n\n" + "\n\n".join(sections) + "\n"
     atomic_write_bytes(out / "dossier.md", md.encode())
-    atomic_write_bytes(out / "dossier.html", to_html(md, out).encode())
+    atomic_write_bytes(out / "dossier.html", render_html(md, out, "tpulab dossier").encode())
     atomic_write_json(out / "dossier.json", {"decisions": {k: results.get(k) for k in ("batch", "precision_choice")},
                                              "recommendation": results.get("budget", {}).get("recommendation"),
                                              "failures": failures, "timings_s": timings})
@@ -218,54 +216,3 @@ def _budget_plot(r: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def to_html(md: str, base: Path) -> str:
-    """A small Markdown subset (headings, tables, lists, images, bold, code) to one self-contained page."""
-    def inline(text: str) -> str:
-        t = html.escape(text)
-        t = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", t)
-        t = re.sub(r"\*(.+?)\*", r"<i>\1</i>", t)
-        return re.sub(r"`(.+?)`", r"<code>\1</code>", t)
-
-    out, table, in_list = [], [], False
-
-    def flush_table():
-        if table:
-            rows = [r for r in table if not re.match(r"^\|[\s|:-]+\|$", r)]
-            cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
-            out.append("<table>" + "".join(
-                "<tr>" + "".join(f"<{'th' if i == 0 else 'td'}>{inline(c)}</{'th' if i == 0 else 'td'}>" for c in row)
-                + "</tr>" for i, row in enumerate(cells)) + "</table>")
-            table.clear()
-
-    for line in md.splitlines():
-        if line.startswith("|"):
-            table.append(line)
-            continue
-        flush_table()
-        if in_list and not line.startswith("- "):
-            out.append("</ul>")
-            in_list = False
-        img = re.match(r"^!\[(.*?)\]\((.+?)\)$", line.strip())
-        if img:
-            p = base / img.group(2)
-            if p.exists():
-                data = base64.b64encode(p.read_bytes()).decode()
-                out.append(f'<img alt="{html.escape(img.group(1))}" src="data:image/png;base64,{data}">')
-        elif line.startswith("#"):
-            level = len(line) - len(line.lstrip("#"))
-            out.append(f"<h{level}>{inline(line.lstrip('#').strip())}</h{level}>")
-        elif line.startswith("- "):
-            if not in_list:
-                out.append("<ul>")
-                in_list = True
-            out.append(f"<li>{inline(line[2:])}</li>")
-        elif line.strip():
-            out.append(f"<p>{inline(line)}</p>")
-    flush_table()
-    if in_list:
-        out.append("</ul>")
-    style = ("body{font-family:sans-serif;max-width:1200px;margin:2em auto;line-height:1.4}"
-             "table{border-collapse:collapse;font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px}"
-             "img{max-width:100%}code{background:#f4f4f4}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>tpulab dossier</title><style>{style}</style>"
-            f"</head><body>{''.join(out)}</body></html>\n")

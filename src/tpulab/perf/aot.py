@@ -19,7 +19,7 @@ import time
 
 from tpulab.errors import TpulabError
 from tpulab.perf.chips import CHIPS, Chip
-from tpulab.perf.libtpu_env import quiet_libtpu_off_tpu
+from tpulab.libtpu_env import quiet_libtpu_off_tpu
 
 EXAMPLE_TARGETS = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v5e:4x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:1x1", "v6e:2x2",
                    "v6e:4x4", "v4:2x2x1")

@@ -7,13 +7,18 @@ would silence the backend part but hides a GPU and would break a real TPU VM; in
 host has no TPU device nodes, the TPU_* variables libtpu would otherwise look up are given
 single-host placeholders (only where unset). Measured here: JAX then still reports the CPU, and
 topology descriptions for any TPU target (``get_topology_desc``) and their compiles still work.
-On a TPU VM (``/dev/accel*`` or ``/dev/vfio``) nothing is touched.
+On a TPU VM (``/dev/accel*`` or ``/dev/vfio``), or where libtpu is not installed (a GPU host), nothing
+is touched. The names set are listed in ``TPULAB_PLACEHOLDERS`` (inherited by child processes), so a
+receipt can tell them from the environment that really decides the runtime.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
+
+MARKER = "TPULAB_PLACEHOLDERS"  # comma-separated names this module set (not the user's, not the runtime's)
 
 _PLACEHOLDERS = {
     "TPU_SKIP_MDS_QUERY": "1",  # no GCE metadata server lookup
@@ -34,8 +39,17 @@ def host_has_tpu() -> bool:
 
 def quiet_libtpu_off_tpu(environ=os.environ) -> dict[str, str]:
     """Set the placeholders that are unset, off a TPU host; returns what it set (for provenance)."""
-    if host_has_tpu():
+    if host_has_tpu() or importlib.util.find_spec("libtpu") is None:
         return {}
     added = {k: v for k, v in _PLACEHOLDERS.items() if k not in environ}
     environ.update(added)
+    if added:
+        names = [n for n in environ.get(MARKER, "").split(",") if n]
+        environ[MARKER] = ",".join(sorted(set(names) | set(added)))
     return added
+
+
+def placeholders(environ=None) -> set[str]:
+    """The names in ``environ`` (default: os.environ) that quiet_libtpu_off_tpu set (here or in a parent)."""
+    environ = os.environ if environ is None else environ
+    return {n for n in environ.get(MARKER, "").split(",") if n} | ({MARKER} if MARKER in environ else set())
