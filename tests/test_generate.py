@@ -30,6 +30,21 @@ def _keys(n, seed0=0):
     return np.stack([key_data(seed0 + i) for i in range(n)])
 
 
+def test_a_row_samples_the_same_whatever_its_neighbours_ask_for():
+    """The sampler skips the draw when no row samples and the top-k sort when no sampling row asks for it;
+    each row's token must not depend on which branch its batch took (rows alone vs mixed together)."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(6, 256)) * 3, jnp.float32)
+    keys = jnp.asarray(_keys(6, 100))
+    temps = jnp.asarray([0.0, 1.0, 0.0, 2.0, 0.7, 0.0], jnp.float32)
+    top_k = jnp.asarray([0, 5, 3, 0, 1, 0], jnp.int32)  # row 2: a top_k with temperature 0 is still greedy
+    f = jax.jit(sample_tokens)
+    together = np.asarray(f(logits, keys, jnp.int32(4), temps, top_k))
+    alone = [int(f(logits[i:i + 1], keys[i:i + 1], jnp.int32(4), temps[i:i + 1], top_k[i:i + 1])[0]) for i in range(6)]
+    assert together.tolist() == alone
+    assert together[0] == int(jnp.argmax(logits[0])) and together[4] == int(jnp.argmax(logits[4]))  # top_k 1
+
+
 def test_sampler_greedy_top_k_and_distribution():
     logits = np.array([0.1, 3.0, 2.9, -1.0, 1.5])
     keys = _keys(4000)
