@@ -32,6 +32,27 @@ def test_bytes_per_token_counts_all_layers_and_scales(policy, per_elem):
     assert kv.bytes_per_token(cache) == 2 * layers * heads * head_dim * per_elem + scales
 
 
+@pytest.mark.parametrize("policy", kv.POLICIES)
+def test_head_major_rows_hold_exactly_what_the_exported_layout_holds(policy):
+    """The compiled loop's [L, B, H, S, Dh] cache: ragged row writes land in the same (row, slot, head) cells
+    as in the exported [L, B, S, H, Dh] layout, bitwise, and the layouts differ (so the check can fail)."""
+    rng = np.random.default_rng(0)
+    cache = kv.init_cache(policy, 2, 3, 8, 2, 4)
+    k = jnp.asarray(rng.normal(size=(3, 2, 2, 4)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(3, 2, 2, 4)), jnp.float32)
+    start = jnp.asarray([0, 3, 6], jnp.int32)  # every row at its own position
+    flat = kv.write_rows(cache, 1, k, v, start)
+    head = kv.write_rows(kv.to_head_major(cache), 1, k, v, start, head_major=True)
+    expected = kv.to_head_major(flat)
+    assert head.k.shape == (2, 3, 2, 8, 4)
+    for want, got in zip(expected, head):
+        if want is not None:
+            np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+    # negative control: the same writes one slot later are caught
+    shifted = kv.write_rows(kv.to_head_major(cache), 1, k, v, start + 1, head_major=True)
+    assert not np.array_equal(np.asarray(expected.k), np.asarray(shifted.k))
+
+
 def test_decode_compiles_once_and_fp32_matches_full_forward(trained_run):
     import jax
 

@@ -74,17 +74,19 @@ class ModelFns:
                                    lambda c, layer, k, v: kv.write(c, layer, k, v, start))
 
     def forward_rows(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array,
-                     start_b: jax.Array) -> tuple[jax.Array, kv.KVCache]:
+                     start_b: jax.Array, head_major: bool = False) -> tuple[jax.Array, kv.KVCache]:
         """``forward_cached`` with a start position per row: the rows of a ragged batch advance together
-        while each sits at its own position (its own RoPE angles, causal mask and cache slots)."""
+        while each sits at its own position (its own RoPE angles, causal mask and cache slots).
+        ``head_major``: the cache is laid out [L, B, H, S, Dh] (``kv.to_head_major``)."""
         b, t = tokens_bt.shape
         positions_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
         mask_bts = jnp.arange(self.shape.max_len)[None, None, :] <= positions_bt[:, :, None]
         return self._through_cache(params, cache, tokens_bt, positions_bt, mask_bts,
-                                   lambda c, layer, k, v: kv.write_rows(c, layer, k, v, start_b))
+                                   lambda c, layer, k, v: kv.write_rows(c, layer, k, v, start_b, head_major),
+                                   head_major)
 
     def _through_cache(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array, positions_bt: jax.Array,
-                       mask_bts: jax.Array, write) -> tuple[jax.Array, kv.KVCache]:
+                       mask_bts: jax.Array, write, head_major: bool = False) -> tuple[jax.Array, kv.KVCache]:
         """The one copy of the cached forward: each block's attention writes its keys and values with
         ``write(cache, layer, k, v)`` and reads the whole cache back, masked by ``mask_bts``."""
         model = self.model(params)
@@ -94,7 +96,8 @@ class ModelFns:
                 q, k, v = block.attn.project_qkv(h_btd, positions_bt)
                 cache = write(cache, layer, k, v)
                 k_all, v_all = kv.read(cache, layer, q.dtype)
-                return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None), cache
+                return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None,
+                                         kv_head_major=head_major), cache
 
             x_btd, cache = block.apply(x_btd, attn_fn, deterministic=True, rngs=None)
         return model.logits(x_btd), cache
@@ -124,6 +127,7 @@ class ModelFns:
 
         s = self.shape.max_len
         logits_bv, cache = self.prefill_rows(policy, params, tokens_bs, lengths_b)
+        cache = kv.to_head_major(cache)  # the loop's own layout; the step endpoints keep the exported one
         b = tokens_bs.shape[0]
         out_bs = jnp.full((b, s), PAD, jnp.int32)
 
@@ -145,7 +149,7 @@ class ModelFns:
         def body(carry):
             i, cache, tok_b, out_bs, n_b, done_b = carry
             pos_b = jnp.minimum(lengths_b + i - 1, s - 1)
-            logits_b1v, cache = self.forward_rows(params, cache, tok_b[:, None], pos_b)
+            logits_b1v, cache = self.forward_rows(params, cache, tok_b[:, None], pos_b, head_major=True)
             tok_b, out_bs, n_b, done_b = emit(i, logits_b1v[:, 0], out_bs, n_b, done_b)
             return i + 1, cache, tok_b, out_bs, n_b, done_b
 
