@@ -52,4 +52,4 @@ def quiet_libtpu_off_tpu(environ=os.environ) -> dict[str, str]:
 def placeholders(environ=None) -> set[str]:
     """The names in ``environ`` (default: os.environ) that quiet_libtpu_off_tpu set (here or in a parent)."""
     environ = os.environ if environ is None else environ
-    return {n for n in environ.get(MARKER, "").split(",") if n} | ({MARKER} if MARKER in environ else set())
+    return {n for n in environ.get(MARKER, "").split(",") if n}

@@ -224,7 +224,7 @@ def runtime_inventory() -> dict:
 
 def runtime_env() -> dict:
     """The variables that decide the runtime, leaving out tpulab's own libtpu placeholders (listed apart)."""
-    ours = placeholders()
+    ours = placeholders() | {MARKER}
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ours}
 
 
@@ -239,7 +239,7 @@ def collect(matmul_size: int = 512) -> dict:
         "runtime": runtime_inventory(),
         "versions": _versions(),
         "env": runtime_env(),
-        "tpulab_placeholders": sorted(placeholders() - {MARKER}),
+        "tpulab_placeholders": sorted(placeholders()),
     }
     receipt["evidence"] = {"collective": collective_evidence(), "matmul": matmul_evidence(matmul_size),
                            "round_trip": round_trip_evidence()}

@@ -94,27 +94,23 @@ def write(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, star
                    _put(cache.k_scale, layer, sk, start), _put(cache.v_scale, layer, sv, start))
 
 
-def _put_rows(buf: jax.Array, layer: int, x_bt: jax.Array, start_b: jax.Array) -> jax.Array:
-    """One scatter into the whole buffer (in place inside a loop; slicing out the layer would copy it)."""
+def _put_rows(buf: jax.Array, layer: int, x_bt: jax.Array, start_b: jax.Array, head_major: bool) -> jax.Array:
+    """One scatter into the whole buffer (in place inside a loop; slicing out the layer would copy it).
+    Head-major [L, B, H, S, Dh]: the indexed dims (B, T) still lead the update, so it is the same x_bt."""
     b, t = x_bt.shape[:2]
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     slots = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
-    return buf.at[layer, rows, slots].set(x_bt.astype(buf.dtype), mode="promise_in_bounds")
-
-
-def _put_rows_head_major(buf: jax.Array, layer: int, x_bt: jax.Array, start_b: jax.Array) -> jax.Array:
-    """``_put_rows`` into a head-major buffer [L, B, H, S, Dh]: the indexed dims (B, T) lead the update."""
-    b, t = x_bt.shape[:2]
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    slots = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
-    return buf.at[layer, rows, :, slots].set(x_bt.astype(buf.dtype), mode="promise_in_bounds")
+    at = buf.at[layer, rows, :, slots] if head_major else buf.at[layer, rows, slots]
+    return at.set(x_bt.astype(buf.dtype), mode="promise_in_bounds")
 
 
 def write_rows(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, start_b: jax.Array,
                head_major: bool = False) -> KVCache:
     """``write`` with a start slot per row (ragged batches: every row at its own position); ``head_major``:
     the cache is laid out [L, B, H, S, Dh] (see ``to_head_major``)."""
-    put = _put_rows_head_major if head_major else _put_rows
+    def put(buf, layer, x, start_b):
+        return _put_rows(buf, layer, x, start_b, head_major)
+
     if cache.k_scale is None:
         return KVCache(put(cache.k, layer, k_bthd, start_b), put(cache.v, layer, v_bthd, start_b))
     (qk, sk), (qv, sv) = quantize_int8(k_bthd), quantize_int8(v_bthd)

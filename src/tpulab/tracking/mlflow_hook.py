@@ -96,6 +96,18 @@ def _template_path() -> Path:
     return base / f"mlflow-{mlflow.__version__}-empty.db"
 
 
+def _copy_store(src_path: Path, dst_path: Path) -> None:
+    """A consistent copy of a sqlite store (sqlite's online backup, safe while another process writes)."""
+    import sqlite3
+
+    src, dst = sqlite3.connect(src_path), sqlite3.connect(dst_path)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+
+
 def _from_template(db: Path) -> bool:
     import sqlite3
 
@@ -104,12 +116,7 @@ def _from_template(db: Path) -> bool:
         if not template.exists():
             return False
         tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
-        src, dst = sqlite3.connect(template), sqlite3.connect(tmp)
-        try:
-            src.backup(dst)
-        finally:
-            src.close()
-            dst.close()
+        _copy_store(template, tmp)
         try:
             os.link(tmp, db)  # never replaces a store another process created meanwhile
         except FileExistsError:
@@ -128,12 +135,7 @@ def _save_template(db: Path) -> None:
         template = _template_path()
         template.parent.mkdir(parents=True, exist_ok=True)
         tmp = template.with_name(f".{template.name}.{os.getpid()}.tmp")
-        src, dst = sqlite3.connect(db), sqlite3.connect(tmp)
-        try:
-            src.backup(dst)
-        finally:
-            src.close()
-            dst.close()
+        _copy_store(db, tmp)
         os.replace(tmp, template)
     except (OSError, sqlite3.Error):
         pass  # only a speed-up
