@@ -32,24 +32,33 @@ def test_bytes_per_token_counts_all_layers_and_scales(policy, per_elem):
     assert kv.bytes_per_token(cache) == 2 * layers * heads * head_dim * per_elem + scales
 
 
+@pytest.mark.parametrize("batch", [1, 3])  # one row is written by a slice update, several by a scatter
 @pytest.mark.parametrize("policy", kv.POLICIES)
-def test_head_major_rows_hold_exactly_what_the_exported_layout_holds(policy):
-    """The compiled loop's [L, B, H, S, Dh] cache: ragged row writes land in the same (row, slot, head) cells
-    as in the exported [L, B, S, H, Dh] layout, bitwise, and the layouts differ (so the check can fail)."""
+def test_loop_layout_rows_hold_exactly_what_the_exported_layout_holds(policy, batch):
+    """The compiled loop's per-layer cache (keys [B*H, Dh, S], values [B*H, S, Dh]): one token per row, each
+    row at its own slot, lands in the same (layer, row, slot, head) cells, bitwise, as the exported writer
+    puts that row's token there; the layouts differ (so the check can fail) and a shifted write is caught."""
+    import jax
+
     rng = np.random.default_rng(0)
-    cache = kv.init_cache(policy, 2, 3, 8, 2, 4)
-    k = jnp.asarray(rng.normal(size=(3, 2, 2, 4)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(3, 2, 2, 4)), jnp.float32)
-    start = jnp.asarray([0, 3, 6], jnp.int32)  # every row at its own position
-    flat = kv.write_rows(cache, 1, k, v, start)
-    head = kv.write_rows(kv.to_head_major(cache), 1, k, v, start, head_major=True)
-    expected = kv.to_head_major(flat)
-    assert head.k.shape == (2, 3, 2, 8, 4)
-    for want, got in zip(expected, head):
+    cache = kv.init_cache(policy, 2, batch, 8, 2, 4)
+    k = jnp.asarray(rng.normal(size=(batch, 2, 4)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(batch, 2, 4)), jnp.float32)
+    start = [0, 3, 6][:batch] if batch > 1 else [5]  # every row at its own position
+
+    def row(b):
+        one = jax.tree.map(lambda x: x[:, b:b + 1], cache)
+        return kv.write(one, 1, k[b:b + 1, None], v[b:b + 1, None], start[b])
+
+    expected = jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=1), *[row(b) for b in range(batch)])
+    loop = kv.to_loop_layout(cache)
+    assert loop.k[1].shape == (batch * 2, 4, 8) and loop.v[1].shape == (batch * 2, 8, 4)
+    got = kv.from_loop_layout(kv.write_loop(loop, 1, k, v, jnp.asarray(start)), batch)
+    for want, have in zip(expected, got):
         if want is not None:
-            np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
-    # negative control: the same writes one slot later are caught
-    shifted = kv.write_rows(kv.to_head_major(cache), 1, k, v, start + 1, head_major=True)
+            np.testing.assert_array_equal(np.asarray(want), np.asarray(have))
+    assert not np.array_equal(np.asarray(expected.k), np.asarray(cache.k))  # the write changed something
+    shifted = kv.from_loop_layout(kv.write_loop(loop, 1, k, v, jnp.asarray(start) + 1), batch)
     assert not np.array_equal(np.asarray(expected.k), np.asarray(shifted.k))
 
 

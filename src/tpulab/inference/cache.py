@@ -94,40 +94,67 @@ def write(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, star
                    _put(cache.k_scale, layer, sk, start), _put(cache.v_scale, layer, sv, start))
 
 
-def _put_rows(buf: jax.Array, layer: int, x_bt: jax.Array, start_b: jax.Array, head_major: bool) -> jax.Array:
-    """One scatter into the whole buffer (in place inside a loop; slicing out the layer would copy it).
-    Head-major [L, B, H, S, Dh]: the indexed dims (B, T) still lead the update, so it is the same x_bt."""
-    b, t = x_bt.shape[:2]
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    slots = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
-    at = buf.at[layer, rows, :, slots] if head_major else buf.at[layer, rows, slots]
-    return at.set(x_bt.astype(buf.dtype), mode="promise_in_bounds")
+# The compiled decode loop's own layout (``to_loop_layout``): per layer, batch and heads merged into one
+# leading axis (row b, head h at b*H + h), keys transposed [B*H, Dh, S], values [B*H, S, Dh]; int8 scales
+# [B*H, 1, S] and [B*H, S, 1] (they broadcast over Dh).
+_LOOP_AXES = {"k": (0, 2, 3, 1), "v": (0, 2, 1, 3), "k_scale": (0, 2, 3, 1), "v_scale": (0, 2, 1, 3)}
 
 
-def write_rows(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, start_b: jax.Array,
-               head_major: bool = False) -> KVCache:
-    """``write`` with a start slot per row (ragged batches: every row at its own position); ``head_major``:
-    the cache is laid out [L, B, H, S, Dh] (see ``to_head_major``)."""
-    def put(buf, layer, x, start_b):
-        return _put_rows(buf, layer, x, start_b, head_major)
+def to_loop_layout(cache: KVCache) -> KVCache:
+    """[L, B, S, H, Dh] -> the compiled decode loop's layout, once per request: each field a tuple of L
+    per-layer arrays, keys as [B*H, Dh, S] and values as [B*H, S, Dh]. Then both attention products are
+    plain batched GEMMs over one batch axis that read the cache where it lies: in the exported order
+    XLA:CPU transposed every layer's keys and values per step, slicing a layer out of the stacked buffer
+    copied it, and a size-1 batch axis made it update the buffer twice (together most of a decode step at
+    the demo size). The exported endpoints keep the [L, B, S, H, Dh] contract."""
+    def per_layer(f, a):
+        return tuple(jnp.transpose(a[i], _LOOP_AXES[f]).reshape(-1, *_loop_tail(f, a.shape)) for i in range(a.shape[0]))
+
+    return KVCache(*(None if a is None else per_layer(f, a) for f, a in zip(KVCache._fields, cache)))
+
+
+def _loop_tail(field: str, shape) -> tuple[int, int]:
+    _, _, s, _, d = shape  # [L, B, S, H, Dh]
+    return (d, s) if field.startswith("k") else (s, d)
+
+
+def from_loop_layout(cache: KVCache, batch: int) -> KVCache:
+    """The loop layout back to the exported [L, B, S, H, Dh] (for comparing the two)."""
+    inv = {f: tuple(np.argsort(ax)) for f, ax in _LOOP_AXES.items()}
+    return KVCache(*(None if a is None else jnp.stack([jnp.transpose(x.reshape(batch, -1, *x.shape[1:]), inv[f])
+                                                       for x in a])
+                     for f, a in zip(KVCache._fields, cache)))
+
+
+def write_loop(cache: KVCache, layer: int, k_bhd: jax.Array, v_bhd: jax.Array, pos_b: jax.Array) -> KVCache:
+    """Store one token per row, row b at slot ``pos_b[b]``, into one layer of a loop-layout cache: an
+    update of that layer's own buffers, in place inside the loop (callers keep positions in range)."""
+    b, h = k_bhd.shape[:2]
+    pos_b = pos_b.astype(jnp.int32)
+
+    def put(bufs, field, x_bhd):
+        buf = bufs[layer]
+        x = x_bhd.reshape(b * h, -1).astype(buf.dtype)  # [B*H, Dh] (scales: [B*H, 1])
+        if b == 1:  # one row: a plain slice update (a scatter becomes a bounds-checked select + update)
+            zero = jnp.zeros((), jnp.int32)
+            at = (zero, zero, pos_b[0]) if field == "k" else (zero, pos_b[0], zero)
+            new = jax.lax.dynamic_update_slice(buf, jnp.expand_dims(x, 2 if field == "k" else 1), at)
+        else:
+            rows, slots = jnp.arange(b * h), jnp.repeat(pos_b, h)
+            at = buf.at[rows, :, slots] if field == "k" else buf.at[rows, slots]
+            new = at.set(x, mode="promise_in_bounds")
+        return bufs[:layer] + (new,) + bufs[layer + 1:]
 
     if cache.k_scale is None:
-        return KVCache(put(cache.k, layer, k_bthd, start_b), put(cache.v, layer, v_bthd, start_b))
-    (qk, sk), (qv, sv) = quantize_int8(k_bthd), quantize_int8(v_bthd)
-    return KVCache(put(cache.k, layer, qk, start_b), put(cache.v, layer, qv, start_b),
-                   put(cache.k_scale, layer, sk, start_b), put(cache.v_scale, layer, sv, start_b))
-
-
-def to_head_major(cache: KVCache) -> KVCache:
-    """[L, B, S, H, Dh] -> [L, B, H, S, Dh], once per request, for the compiled decode loop: attention's
-    batched dots (over B and H) then read every layer's keys and values in place on every step, where the
-    exported layout made XLA:CPU copy them into this order per layer per step (about 45% of a batch-8
-    decode step at the demo size). The exported endpoints keep the [L, B, S, H, Dh] contract."""
-    return KVCache(*(None if a is None else jnp.swapaxes(a, 2, 3) for a in cache))
+        return KVCache(put(cache.k, "k", k_bhd), put(cache.v, "v", v_bhd))
+    (qk, sk), (qv, sv) = quantize_int8(k_bhd), quantize_int8(v_bhd)
+    return KVCache(put(cache.k, "k", qk), put(cache.v, "v", qv), put(cache.k_scale, "k", sk),
+                   put(cache.v_scale, "v", sv))
 
 
 def read(cache: KVCache, layer: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """All S slots of one layer's keys and values [B, S, H, Dh], dequantized to ``dtype``."""
+    """All S slots of one layer's keys and values, dequantized to ``dtype``: [B, S, H, Dh] each; in the loop
+    layout keys [B*H, Dh, S] and values [B*H, S, Dh]."""
     if cache.k_scale is None:
         return cache.k[layer].astype(dtype), cache.v[layer].astype(dtype)
     return (dequantize_int8(cache.k[layer], cache.k_scale[layer], dtype),

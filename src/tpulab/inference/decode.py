@@ -13,6 +13,7 @@ against, or swapped under, the compiled computation.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Protocol
 
 import jax
@@ -24,6 +25,20 @@ from tpulab.inference import cache as kv
 from tpulab.model.transformer import Transformer, causal_mask
 
 Params = dict[str, jax.Array]
+
+
+def _attend_one(attn, q_b1hd, kt_xds, v_xsd, visible_bs) -> jax.Array:
+    """``Attention.attend`` for one query per row over a loop-layout cache (keys [B*H, Dh, S], values
+    [B*H, S, Dh], visible where ``visible_bs``): both products are plain batched GEMMs; returns [B, 1, D]."""
+    acc, cfg = attn.prec.accum_dtype, attn.cfg
+    b, _, h, d = q_b1hd.shape
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    scores_x1s = jnp.einsum("xtd,xds->xts", q_b1hd.reshape(b * h, 1, d), kt_xds, preferred_element_type=acc) * scale
+    scores_bhs = scores_x1s.reshape(b, h, -1)
+    probs_bhs = jax.nn.softmax(jnp.where(visible_bs[:, None, :], scores_bhs, jnp.finfo(acc).min), axis=-1)
+    out_x1d = jnp.einsum("xts,xsd->xtd", probs_bhs.reshape(b * h, 1, -1).astype(v_xsd.dtype), v_xsd,
+                         preferred_element_type=acc).astype(attn.prec.compute_dtype)
+    return attn.out(out_x1d.reshape(b, 1, cfg.d_model))
 
 
 def _name(path) -> str:
@@ -73,20 +88,8 @@ class ModelFns:
         return self._through_cache(params, cache, tokens_bt, positions_bt, mask_bts,
                                    lambda c, layer, k, v: kv.write(c, layer, k, v, start))
 
-    def forward_rows(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array,
-                     start_b: jax.Array, head_major: bool = False) -> tuple[jax.Array, kv.KVCache]:
-        """``forward_cached`` with a start position per row: the rows of a ragged batch advance together
-        while each sits at its own position (its own RoPE angles, causal mask and cache slots).
-        ``head_major``: the cache is laid out [L, B, H, S, Dh] (``kv.to_head_major``)."""
-        b, t = tokens_bt.shape
-        positions_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
-        mask_bts = jnp.arange(self.shape.max_len)[None, None, :] <= positions_bt[:, :, None]
-        return self._through_cache(params, cache, tokens_bt, positions_bt, mask_bts,
-                                   lambda c, layer, k, v: kv.write_rows(c, layer, k, v, start_b, head_major),
-                                   head_major)
-
     def _through_cache(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array, positions_bt: jax.Array,
-                       mask_bts: jax.Array, write, head_major: bool = False) -> tuple[jax.Array, kv.KVCache]:
+                       mask_bts: jax.Array, write) -> tuple[jax.Array, kv.KVCache]:
         """The one copy of the cached forward: each block's attention writes its keys and values with
         ``write(cache, layer, k, v)`` and reads the whole cache back, masked by ``mask_bts``."""
         model = self.model(params)
@@ -96,11 +99,34 @@ class ModelFns:
                 q, k, v = block.attn.project_qkv(h_btd, positions_bt)
                 cache = write(cache, layer, k, v)
                 k_all, v_all = kv.read(cache, layer, q.dtype)
-                return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None,
-                                         kv_head_major=head_major), cache
+                return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None), cache
 
             x_btd, cache = block.apply(x_btd, attn_fn, deterministic=True, rngs=None)
         return model.logits(x_btd), cache
+
+    def decode_rows(self, params: Params, cache: kv.KVCache, token_b: jax.Array,
+                    pos_b: jax.Array) -> tuple[jax.Array, kv.KVCache]:
+        """One token per row, row b at position ``pos_b[b]``, on a loop-layout cache (``kv.to_loop_layout``):
+        logits [B, V] and the cache with each row's keys and values written at its slot.
+
+        ``forward_cached``'s math for T = 1 (write this token's key and value, attend over slots <= pos)
+        with a cache laid out for it: per layer, keys [B*H, Dh, S] and values [B*H, S, Dh], so attention is
+        two plain batched GEMMs on the buffers where they lie and each update is in place (no per-step
+        copy or transposition of any layer; see ``kv.to_loop_layout``).
+        """
+        model = self.model(params)
+        positions_b1 = pos_b.astype(jnp.int32)[:, None]
+        upto_bs = jnp.arange(self.shape.max_len)[None, :] <= positions_b1
+        x_b1d = model.embed(token_b[:, None])
+        for layer, block in enumerate(model.blocks):
+            def attn_fn(h_b1d, block=block, layer=layer, cache=cache):
+                q, k, v = block.attn.project_qkv(h_b1d, positions_b1)
+                cache = kv.write_loop(cache, layer, k[:, 0], v[:, 0], pos_b)
+                kt_all, v_all = kv.read(cache, layer, q.dtype)
+                return _attend_one(block.attn, q, kt_all, v_all, upto_bs), cache
+
+            x_b1d, cache = block.apply(x_b1d, attn_fn, deterministic=True, rngs=None)
+        return model.logits(x_b1d)[:, 0], cache
 
     def prefill_rows(self, policy: str, params: Params, tokens_bs: jax.Array, lengths_b: jax.Array):
         """Ragged prefill: row b holds its prompt in slots 0..lengths_b[b]-1 (right-padded, positions
@@ -127,7 +153,7 @@ class ModelFns:
 
         s = self.shape.max_len
         logits_bv, cache = self.prefill_rows(policy, params, tokens_bs, lengths_b)
-        cache = kv.to_head_major(cache)  # the loop's own layout; the step endpoints keep the exported one
+        cache = kv.to_loop_layout(cache)  # the loop's own layout; the step endpoints keep the exported one
         b = tokens_bs.shape[0]
         out_bs = jnp.full((b, s), PAD, jnp.int32)
 
@@ -149,8 +175,8 @@ class ModelFns:
         def body(carry):
             i, cache, tok_b, out_bs, n_b, done_b = carry
             pos_b = jnp.minimum(lengths_b + i - 1, s - 1)
-            logits_b1v, cache = self.forward_rows(params, cache, tok_b[:, None], pos_b, head_major=True)
-            tok_b, out_bs, n_b, done_b = emit(i, logits_b1v[:, 0], out_bs, n_b, done_b)
+            logits_bv, cache = self.decode_rows(params, cache, tok_b, pos_b)
+            tok_b, out_bs, n_b, done_b = emit(i, logits_bv, out_bs, n_b, done_b)
             return i + 1, cache, tok_b, out_bs, n_b, done_b
 
         carry = (jnp.int32(1), cache, tok_b, out_bs, n_b, done_b)

@@ -86,18 +86,15 @@ class Attention(nnx.Module):
         return apply_rope(q_bthd, cos, sin), apply_rope(k_bthd, cos, sin), v_bthd
 
     def attend(self, q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array, *,
-               deterministic: bool, rngs: nnx.Rngs | None, kv_head_major: bool = False) -> jax.Array:
-        """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s. Returns [B, T, D].
-        ``kv_head_major``: keys and values come as [B, H, S, Dh] (the compiled decode loop's cache), which
-        a batched dot takes as they are; as [B, S, H, Dh] XLA:CPU copies them into that order first."""
+               deterministic: bool, rngs: nnx.Rngs | None) -> jax.Array:
+        """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s. Returns [B, T, D]."""
         acc = self.prec.accum_dtype
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
-        kv = "bhsd" if kv_head_major else "bshd"
-        scores_bhts = jnp.einsum(f"bthd,{kv}->bhts", q_bthd, k_bshd, preferred_element_type=acc) * scale
+        scores_bhts = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc) * scale
         scores_bhts = jnp.where(mask_bts[:, None, :, :], scores_bhts, jnp.finfo(acc).min)
         probs_bhts = jax.nn.softmax(scores_bhts, axis=-1)
         probs_bhts = self.attn_dropout(probs_bhts, deterministic=deterministic, rngs=rngs)
-        out_bthd = jnp.einsum(f"bhts,{kv}->bthd", probs_bhts.astype(v_bshd.dtype), v_bshd,
+        out_bthd = jnp.einsum("bhts,bshd->bthd", probs_bhts.astype(v_bshd.dtype), v_bshd,
                               preferred_element_type=acc).astype(self.prec.compute_dtype)
         b, t = out_bthd.shape[:2]
         return self.out(out_bthd.reshape(b, t, self.cfg.d_model))
