@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from tpulab.inference import cache as kv
-from tpulab.model.transformer import Transformer, causal_mask
+from tpulab.model.transformer import Transformer, causal_mask, mask_bias
 
 Params = dict[str, jax.Array]
 
@@ -35,7 +35,7 @@ def _attend_one(attn, q_b1hd, kt_xds, v_xsd, visible_bs) -> jax.Array:
     scale = 1.0 / math.sqrt(cfg.head_dim)
     scores_x1s = jnp.einsum("xtd,xds->xts", q_b1hd.reshape(b * h, 1, d), kt_xds, preferred_element_type=acc) * scale
     scores_bhs = scores_x1s.reshape(b, h, -1)
-    probs_bhs = jax.nn.softmax(jnp.where(visible_bs[:, None, :], scores_bhs, jnp.finfo(acc).min), axis=-1)
+    probs_bhs = jax.nn.softmax(scores_bhs + mask_bias(visible_bs, acc)[:, None], axis=-1)
     out_x1d = jnp.einsum("xts,xsd->xtd", probs_bhs.reshape(b * h, 1, -1).astype(v_xsd.dtype), v_xsd,
                          preferred_element_type=acc).astype(attn.prec.compute_dtype)
     return attn.out(out_x1d.reshape(b, 1, cfg.d_model))
