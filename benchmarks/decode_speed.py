@@ -29,6 +29,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args()
 
+    from tpulab.libtpu_env import quiet_libtpu_off_tpu
+
+    quiet_libtpu_off_tpu()  # as the CLI does: no libtpu complaints on a host without a TPU
     from tpulab.evidence.provenance import describe_hardware, environment
     from tpulab.inference.speed import batch_markdown, batch_table, decode_speed, speed_table
     from tpulab.model.transformer import param_count
