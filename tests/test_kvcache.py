@@ -32,7 +32,7 @@ def test_bytes_per_token_counts_all_layers_and_scales(policy, per_elem):
     assert kv.bytes_per_token(cache) == 2 * layers * heads * head_dim * per_elem + scales
 
 
-@pytest.mark.parametrize("batch", [1, 3])  # one row is written by a slice update, several by a scatter
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("policy", kv.POLICIES)
 def test_loop_layout_rows_hold_exactly_what_the_exported_layout_holds(policy, batch):
     """The compiled loop's per-layer cache (keys [B*H, Dh, S], values [B*H, S, Dh]): one token per row, each

@@ -127,22 +127,17 @@ def from_loop_layout(cache: KVCache, batch: int) -> KVCache:
 
 
 def write_loop(cache: KVCache, layer: int, k_bhd: jax.Array, v_bhd: jax.Array, pos_b: jax.Array) -> KVCache:
-    """Store one token per row, row b at slot ``pos_b[b]``, into one layer of a loop-layout cache: an
-    update of that layer's own buffers, in place inside the loop (callers keep positions in range)."""
+    """Store one token per row, row b at slot ``pos_b[b]``, into one layer of a loop-layout cache: one scatter
+    of B*H rows into that layer's own buffers, in place inside the loop (callers keep positions in range)."""
     b, h = k_bhd.shape[:2]
     pos_b = pos_b.astype(jnp.int32)
 
     def put(bufs, field, x_bhd):
         buf = bufs[layer]
         x = x_bhd.reshape(b * h, -1).astype(buf.dtype)  # [B*H, Dh] (scales: [B*H, 1])
-        if b == 1:  # one row: a plain slice update (a scatter becomes a bounds-checked select + update)
-            zero = jnp.zeros((), jnp.int32)
-            at = (zero, zero, pos_b[0]) if field == "k" else (zero, pos_b[0], zero)
-            new = jax.lax.dynamic_update_slice(buf, jnp.expand_dims(x, 2 if field == "k" else 1), at)
-        else:
-            rows, slots = jnp.arange(b * h), jnp.repeat(pos_b, h)
-            at = buf.at[rows, :, slots] if field == "k" else buf.at[rows, slots]
-            new = at.set(x, mode="promise_in_bounds")
+        rows, slots = jnp.arange(b * h), jnp.repeat(pos_b, h)
+        at = buf.at[rows, :, slots] if field == "k" else buf.at[rows, slots]
+        new = at.set(x, mode="promise_in_bounds")
         return bufs[:layer] + (new,) + bufs[layer + 1:]
 
     if cache.k_scale is None:
