@@ -264,3 +264,16 @@ def test_decode_loop_never_copies_a_cache_layer(fns, batch):
 
     buf = jnp.zeros(next(iter(shapes)), jnp.float32)
     assert _while_body_cache_work(jax.jit(rolling).lower(buf).compile().as_text(), shapes) != []
+
+
+def test_prompt_width_buckets_cover_every_length_with_few_shapes():
+    """Every prompt length gets a width that holds it, never past the cache; powers of two up to 128, then steps
+    of 64 (a 448-token prompt is not padded to 512); a handful of distinct widths, so compiles stay few."""
+    from tpulab.inference.decode import width_bucket
+
+    for max_len in (128, 512, 1024):
+        widths = [width_bucket(n, max_len) for n in range(1, max_len + 1)]
+        assert all(n <= w <= max_len for n, w in zip(range(1, max_len + 1), widths))
+        assert widths == sorted(widths)
+        assert len(set(widths)) <= 4 + (max_len - 128) // 64
+    assert [width_bucket(n, 512) for n in (1, 17, 100, 129, 448, 449)] == [16, 32, 128, 192, 448, 512]
