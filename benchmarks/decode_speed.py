@@ -31,7 +31,7 @@ def main() -> None:
 
     from tpulab.libtpu_env import quiet_libtpu_off_tpu
 
-    quiet_libtpu_off_tpu()  # as the CLI does: no libtpu complaints on a host without a TPU
+    quiet_libtpu_off_tpu()  # as the CLI does, before JAX starts a backend: no libtpu complaints off a TPU
     from tpulab.evidence.provenance import describe_hardware, environment
     from tpulab.inference.speed import batch_markdown, batch_table, decode_speed, speed_table
     from tpulab.model.transformer import param_count

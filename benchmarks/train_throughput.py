@@ -32,26 +32,24 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.config import load, to_dict
+from tpulab.data.corpus import load_corpus
+from tpulab.data.pipeline import build_splits, train_dataset
+from tpulab.evidence import metrics as M
 from tpulab.libtpu_env import quiet_libtpu_off_tpu
-
-quiet_libtpu_off_tpu()  # as the CLI does, before JAX starts: no libtpu complaints on a host without a TPU
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json  # noqa: E402
-from tpulab.config import load, to_dict  # noqa: E402
-from tpulab.data.corpus import load_corpus  # noqa: E402
-from tpulab.data.pipeline import build_splits, train_dataset  # noqa: E402
-from tpulab.evidence import metrics as M  # noqa: E402
-from tpulab.proofs.driver import tpulab_argv  # noqa: E402
-from tpulab.model.config import ModelConfig  # noqa: E402
-from tpulab.perf.timing import benchmark_environment, summarize, time_steps  # noqa: E402
-from tpulab.train.config import RunConfig  # noqa: E402
-from tpulab.train.step import lr_schedule, make_steps  # noqa: E402
+from tpulab.proofs.driver import tpulab_argv
+from tpulab.model.config import ModelConfig
+from tpulab.perf.timing import benchmark_environment, summarize, time_steps
+from tpulab.train.config import RunConfig
+from tpulab.train.step import lr_schedule, make_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "default.yaml"
@@ -360,6 +358,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 20 or args.warmup < 1:
         ap.error("--steps must be >= 20 and --warmup >= 1")
+    quiet_libtpu_off_tpu()  # as the CLI does, before JAX starts a backend: no libtpu complaints off a TPU
 
     config = load(RunConfig, CONFIG, OVERRIDES)
     torch.set_num_threads(os.cpu_count())

@@ -118,14 +118,6 @@ def _loop_tail(field: str, shape) -> tuple[int, int]:
     return (d, s) if field.startswith("k") else (s, d)
 
 
-def from_loop_layout(cache: KVCache, batch: int) -> KVCache:
-    """The loop layout back to the exported [L, B, S, H, Dh] (for comparing the two)."""
-    inv = {f: tuple(np.argsort(ax)) for f, ax in _LOOP_AXES.items()}
-    return KVCache(*(None if a is None else jnp.stack([jnp.transpose(x.reshape(batch, -1, *x.shape[1:]), inv[f])
-                                                       for x in a])
-                     for f, a in zip(KVCache._fields, cache)))
-
-
 def write_loop(cache: KVCache, layer: int, k_bhd: jax.Array, v_bhd: jax.Array, pos_b: jax.Array) -> KVCache:
     """Store one token per row, row b at slot ``pos_b[b]``, into one layer of a loop-layout cache: one scatter
     of B*H rows into that layer's own buffers, in place inside the loop (callers keep positions in range)."""

@@ -13,7 +13,6 @@ against, or swapped under, the compiled computation.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Protocol
 
 import jax
@@ -22,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from tpulab.inference import cache as kv
-from tpulab.model.transformer import Transformer, causal_mask, mask_bias
+from tpulab.model.transformer import Transformer, causal_mask
 
 Params = dict[str, jax.Array]
 
@@ -30,15 +29,13 @@ Params = dict[str, jax.Array]
 def _attend_one(attn, q_b1hd, kt_xds, v_xsd, visible_bs) -> jax.Array:
     """``Attention.attend`` for one query per row over a loop-layout cache (keys [B*H, Dh, S], values
     [B*H, S, Dh], visible where ``visible_bs``): both products are plain batched GEMMs; returns [B, 1, D]."""
-    acc, cfg = attn.prec.accum_dtype, attn.cfg
+    acc = attn.prec.accum_dtype
     b, _, h, d = q_b1hd.shape
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    scores_x1s = jnp.einsum("xtd,xds->xts", q_b1hd.reshape(b * h, 1, d), kt_xds, preferred_element_type=acc) * scale
-    scores_bhs = scores_x1s.reshape(b, h, -1)
-    probs_bhs = jax.nn.softmax(scores_bhs + mask_bias(visible_bs, acc)[:, None], axis=-1)
+    scores_x1s = jnp.einsum("xtd,xds->xts", q_b1hd.reshape(b * h, 1, d), kt_xds, preferred_element_type=acc)
+    probs_bhs = attn.probs(scores_x1s.reshape(b, h, -1), visible_bs)
     out_x1d = jnp.einsum("xts,xsd->xtd", probs_bhs.reshape(b * h, 1, -1).astype(v_xsd.dtype), v_xsd,
-                         preferred_element_type=acc).astype(attn.prec.compute_dtype)
-    return attn.out(out_x1d.reshape(b, 1, cfg.d_model))
+                         preferred_element_type=acc)
+    return attn.project_out(out_x1d, b, 1)
 
 
 def _name(path) -> str:

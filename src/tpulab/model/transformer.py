@@ -114,14 +114,22 @@ class Attention(nnx.Module):
                deterministic: bool, rngs: nnx.Rngs | None) -> jax.Array:
         """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s. Returns [B, T, D]."""
         acc = self.prec.accum_dtype
+        scores_bhts = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc)
+        probs_bhts = self.attn_dropout(self.probs(scores_bhts, mask_bts), deterministic=deterministic, rngs=rngs)
+        out_bthd = jnp.einsum("bhts,bshd->bthd", probs_bhts.astype(v_bshd.dtype), v_bshd, preferred_element_type=acc)
+        return self.project_out(out_bthd, *out_bthd.shape[:2])
+
+    def probs(self, scores: jax.Array, mask: jax.Array) -> jax.Array:
+        """Softmax over the last axis of raw q.k products [B, H, ..., S] (accumulation dtype), scaled by
+        1/sqrt(Dh); ``mask`` [B, ..., S] (no head axis) is True where a key is visible. Shared with the
+        decode loop's attention (``tpulab.inference.decode``), which lays its products out differently."""
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
-        scores_bhts = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc) * scale
-        probs_bhts = jax.nn.softmax(scores_bhts + mask_bias(mask_bts, acc)[:, None], axis=-1)
-        probs_bhts = self.attn_dropout(probs_bhts, deterministic=deterministic, rngs=rngs)
-        out_bthd = jnp.einsum("bhts,bshd->bthd", probs_bhts.astype(v_bshd.dtype), v_bshd,
-                              preferred_element_type=acc).astype(self.prec.compute_dtype)
-        b, t = out_bthd.shape[:2]
-        return self.out(out_bthd.reshape(b, t, self.cfg.d_model))
+        return jax.nn.softmax(scores * scale + mask_bias(mask, self.prec.accum_dtype)[:, None], axis=-1)
+
+    def project_out(self, heads: jax.Array, b: int, t: int) -> jax.Array:
+        """Per-head outputs (accumulation dtype, B*T*D elements in [B, T, H, Dh] order) -> [B, T, D] through
+        the output projection."""
+        return self.out(heads.astype(self.prec.compute_dtype).reshape(b, t, self.cfg.d_model))
 
     def __call__(self, x_btd, positions_bt, *, deterministic: bool, rngs: nnx.Rngs | None):
         q, k, v = self.project_qkv(x_btd, positions_bt)
