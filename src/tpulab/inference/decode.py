@@ -32,10 +32,10 @@ def _attend_one(attn, q_b1hd, kt_xds, v_xsd, visible_bs) -> jax.Array:
     acc = attn.prec.accum_dtype
     b, _, h, d = q_b1hd.shape
     scores_x1s = jnp.einsum("xtd,xds->xts", q_b1hd.reshape(b * h, 1, d), kt_xds, preferred_element_type=acc)
-    probs_bhs = attn.probs(scores_x1s.reshape(b, h, -1), visible_bs)
-    out_x1d = jnp.einsum("xts,xsd->xtd", probs_bhs.reshape(b * h, 1, -1).astype(v_xsd.dtype), v_xsd,
+    e_bhs, sum_bh = attn.weights(scores_x1s.reshape(b, h, -1), visible_bs)
+    out_x1d = jnp.einsum("xts,xsd->xtd", e_bhs.reshape(b * h, 1, -1).astype(v_xsd.dtype), v_xsd,
                          preferred_element_type=acc)
-    return attn.project_out(out_x1d, b, 1)
+    return attn.project_out(out_x1d / sum_bh.reshape(b * h, 1, 1), b, 1)
 
 
 def _name(path) -> str:
