@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tpulab.libtpu_env import quiet_libtpu_off_tpu
+from tpulab.libtpu_env import quiet_libtpu_off_tpu, set_explicitly
 
 quiet_libtpu_off_tpu()  # libtpu is installed for the AOT tests; off a TPU it must not print on every jax init
 
@@ -50,4 +50,4 @@ def trained_run(tmp_path_factory) -> Path:
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m tpulab.cli ARGS` in a real subprocess (same venv), output captured."""
     return subprocess.run([sys.executable, "-m", "tpulab.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd or REPO)
+                          timeout=timeout, env=set_explicitly(dict(os.environ), env or {}), cwd=cwd or REPO)

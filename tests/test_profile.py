@@ -45,3 +45,45 @@ def test_profile_of_a_run_without_checkpoints_is_one_line(tmp_path):
     r = run_cli("profile", "--run-dir", str(tmp_path))
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "no checkpoints" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "profile").exists()
+
+
+_IDLE_UNDER_PROFILER = """
+import resource, time
+import jax, jax.numpy as jnp
+jnp.ones(2).block_until_ready()  # backends started (with or without the TPU plugin)
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+options = jax.profiler.ProfileOptions()
+options.python_tracer_level = 0
+options.host_tracer_level = 0
+with jax.profiler.trace(__import__("sys").argv[1], profiler_options=options):
+    c0 = cpu()
+    time.sleep(1.5)
+    print(cpu() - c0)
+"""
+
+
+def test_off_a_tpu_no_profiler_thread_spins_while_tracing(tmp_path):
+    """Off TPU and GPU hosts tpulab keeps JAX from starting libtpu's backend, whose host profiler busy-waits on
+    a core for a whole profiler session (on 2 cores: profiled steps 50-60% slower than unprofiled ones). An idle
+    process under the profiler uses about no CPU; negative control: with JAX_PLATFORMS removed (libtpu loaded
+    by backend discovery) the same idle second costs about a CPU-second."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from tpulab.libtpu_env import MARKER, host_has_gpu, host_has_tpu, placeholders
+
+    if host_has_tpu() or host_has_gpu() or "JAX_PLATFORMS" not in placeholders():
+        pytest.skip("a TPU or GPU host, or libtpu not installed: tpulab leaves JAX_PLATFORMS alone")
+
+    def idle_cpu_s(env: dict) -> float:
+        p = subprocess.run([sys.executable, "-c", _IDLE_UNDER_PROFILER, str(tmp_path / f"t{len(env)}")], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return float(p.stdout.split()[-1])
+
+    assert idle_cpu_s(dict(os.environ)) < 0.3  # 1.5 s idle under the profiler: ~0.00 CPU-s measured
+    discovery = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", MARKER)}
+    assert idle_cpu_s(discovery) > 0.75  # libtpu's profiler thread: ~1.5 CPU-s measured

@@ -1,15 +1,24 @@
-"""Quiet libtpu on hosts without a TPU, without hiding any accelerator.
+"""Keep libtpu out of the way on hosts without a TPU, without hiding any accelerator.
 
-With ``libtpu`` installed (it is, for ahead-of-time compiles for TPU targets), JAX's first backend
-initialization on a host without a TPU makes libtpu print several lines about missing metadata
-(accelerator type, worker hostnames) before JAX falls back to the CPU. ``JAX_PLATFORMS=cpu``
-would silence the backend part but hides a GPU and would break a real TPU VM; instead, when the
-host has no TPU device nodes, the TPU_* variables libtpu would otherwise look up are given
-single-host placeholders (only where unset). Measured here: JAX then still reports the CPU, and
-topology descriptions for any TPU target (``get_topology_desc``) and their compiles still work.
-On a TPU VM (``/dev/accel*`` or ``/dev/vfio``), or where libtpu is not installed (a GPU host), nothing
-is touched. The names set are listed in ``TPULAB_PLACEHOLDERS`` (inherited by child processes), so a
-receipt can tell them from the environment that really decides the runtime.
+``libtpu`` is installed on Linux x86_64 (for ahead-of-time compiles for TPU targets), and JAX's backend
+discovery loads it as a PJRT plugin on any host. Off a TPU that costs twice:
+
+- libtpu prints several lines about missing metadata (accelerator type, worker hostnames) before
+  JAX falls back to the CPU, and a second process loading it fails on ``/tmp/libtpu_lockfile``;
+- the loaded plugin registers libtpu's host profiler, which busy-waits on one core for the whole of
+  any ``jax.profiler`` session (gdb: ``xprof::cpu::HostPerfProfiler`` spinning on
+  ``PermanentEvent::HasBeenNotified``). Measured on a 2-core host: a profiled default train step
+  128-137 ms against 82-84 ms unprofiled; GEMM and large elementwise programs 60-70% slower.
+
+So when the host has no TPU device nodes, the TPU_* variables libtpu would look up get single-host
+placeholders, and when it also has no GPU device nodes, ``JAX_PLATFORMS=cpu`` keeps JAX from
+starting the TPU backend at all (profiled step then 82.7 vs 82.0 ms). All only where unset. Measured
+here: JAX reports the same CPU, and topology descriptions for any TPU target (``get_topology_desc``)
+and their compiles still work. On a GPU host ``JAX_PLATFORMS`` is left alone (it would hide the GPU;
+profiles there read device time); on a TPU VM, or where libtpu is not installed, nothing is touched.
+The names set are listed in ``TPULAB_PLACEHOLDERS`` (inherited by child processes), so a receipt can
+tell them from the environment that really decides the runtime; a caller that sets one of them on
+purpose uses ``set_explicitly``.
 """
 
 from __future__ import annotations
@@ -37,11 +46,17 @@ def host_has_tpu() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+def host_has_gpu() -> bool:
+    """NVIDIA (/dev/nvidia0, ...) or AMD ROCm (/dev/kfd) device nodes: a backend JAX_PLATFORMS=cpu would hide."""
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+
+
 def quiet_libtpu_off_tpu(environ=os.environ) -> dict[str, str]:
     """Set the placeholders that are unset, off a TPU host; returns what it set (for provenance)."""
     if host_has_tpu() or importlib.util.find_spec("libtpu") is None:
         return {}
-    added = {k: v for k, v in _PLACEHOLDERS.items() if k not in environ}
+    wanted = dict(_PLACEHOLDERS) if host_has_gpu() else {**_PLACEHOLDERS, "JAX_PLATFORMS": "cpu"}
+    added = {k: v for k, v in wanted.items() if k not in environ}
     environ.update(added)
     if added:
         names = [n for n in environ.get(MARKER, "").split(",") if n]
@@ -53,3 +68,15 @@ def placeholders(environ=None) -> set[str]:
     """The names in ``environ`` (default: os.environ) that quiet_libtpu_off_tpu set (here or in a parent)."""
     environ = os.environ if environ is None else environ
     return {n for n in environ.get(MARKER, "").split(",") if n}
+
+
+def set_explicitly(environ: dict, values: dict[str, str]) -> dict:
+    """``environ`` with ``values`` set on purpose (a launcher pinning a child to the CPU, a test's own
+    settings): those names are the runtime's now, no longer tpulab placeholders."""
+    out = {**environ, **values}
+    names = [n for n in out.get(MARKER, "").split(",") if n and n not in values]
+    if names:
+        out[MARKER] = ",".join(names)
+    else:
+        out.pop(MARKER, None)
+    return out

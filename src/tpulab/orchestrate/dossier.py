@@ -150,6 +150,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         stage("profile", profile_stage)
         stage("precision", precision_stage)
         stage("hypothesis", hypothesis_stage)
+    # Last: compiling for a TPU topology loads libtpu, whose host profiler then busy-waits on a core during any
+    # later profiler session in this process (tpulab.libtpu_env).
     stage("budget", budget_stage)
 
     md = "\n".join(["# tpulab decision dossier", "", _decisions(results, plan), "",

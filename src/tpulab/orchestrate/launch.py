@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
+from tpulab.libtpu_env import set_explicitly
 from tpulab.proofs.driver import tpulab_argv
 from tpulab.train.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PEER_FAILED,
                                       EXIT_STALLED)
@@ -67,9 +68,9 @@ def _die_with_parent() -> None:
 
 def child_env(base: dict, *, coordinator: str, processes: int, index: int, devices: int) -> dict:
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", base.get("XLA_FLAGS", "")).strip()
-    return {**base, ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(processes), ENV_PROCESS_ID: str(index),
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip()}
+    return set_explicitly(base, {ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(processes),
+                                 ENV_PROCESS_ID: str(index), "JAX_PLATFORMS": "cpu",
+                                 "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip()})
 
 
 def default_log_dir(command: list[str]) -> Path:
