@@ -44,6 +44,7 @@ from tpulab.config import load, to_dict
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.evidence import metrics as M
+from tpulab.hostmem import reuse_freed_memory
 from tpulab.libtpu_env import quiet_libtpu_off_tpu
 from tpulab.proofs.driver import tpulab_argv
 from tpulab.model.config import ModelConfig
@@ -358,6 +359,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 20 or args.warmup < 1:
         ap.error("--steps must be >= 20 and --warmup >= 1")
+    reuse_freed_memory()  # as the CLI does, before JAX starts its threads (tpulab.hostmem)
     quiet_libtpu_off_tpu()  # as the CLI does, before JAX starts a backend: no libtpu complaints off a TPU
 
     config = load(RunConfig, CONFIG, OVERRIDES)

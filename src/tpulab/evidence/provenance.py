@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
+from tpulab.hostmem import allocator
 
 BASE_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
@@ -62,6 +63,7 @@ def environment(packages=BASE_PACKAGES, *, with_jax: bool = True) -> dict:
         "packages": package_versions(packages),
         "git_commit": git_commit(),
         "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host_allocator": allocator(),
     }
     if with_jax:
         env.update(jax_devices())
