@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tpulab.hostmem import reuse_freed_memory
 from tpulab.libtpu_env import quiet_libtpu_off_tpu, set_explicitly
 
-reuse_freed_memory()  # as the CLI does: in-process steps reuse heap pages instead of faulting in new ones
 quiet_libtpu_off_tpu()  # libtpu is installed for the AOT tests; off a TPU it must not print on every jax init
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,10 @@ medians of 15 steps, dropout 0): default step 85 -> 58 ms with 0 faults per step
 included (a default training run with dropout: RSS 660 -> 1,181 MB, flat after step 80).
 
 ``mallopt`` must run before JAX starts its threads (a thread keeps the arena it first used), so the
-CLI calls this first thing, as do ``tests/conftest.py`` and the benchmark scripts. Library users
-call it themselves. glibc only: elsewhere it does nothing, and ``allocator()`` (recorded with
-every benchmark's provenance) says which one ran.
+CLI calls this first thing, as do the benchmark scripts. Library users call it themselves. The test
+process does not (it runs many models one after another and would keep the largest heap of them
+all); every CLI process a test starts does. glibc only: elsewhere it does nothing, and
+``allocator()`` (recorded with every benchmark's provenance) says which one ran.
 """
 
 from __future__ import annotations
