@@ -9,10 +9,10 @@ pages: about 34,000 minor page faults per default step, 62,000 at d_model 256, 1
 
 ``reuse_freed_memory`` tells glibc to serve every thread from the main arena, never to ``mmap``,
 and never to give freed memory back (``mallopt``): the heap grows to its peak over the first steps
-(a default run with dropout: none after step 80 of 160) and later steps reuse it. All three are needed: with mmap off alone the faults stayed
-(a thread arena that cannot grow to the request falls back to ``mmap``). Measured (same host,
-medians of 15 steps, dropout 0): default step 85 -> 58 ms with 0 faults per step; d_model 256 212
--> 152 ms; 512 573 -> 483 ms. The cost is memory: the process keeps its peak heap, fragmentation
+(a default run with dropout: no new pages after step 80 of 160) and later steps reuse it. All
+three are needed: with mmap off alone the faults stayed (a thread arena that cannot grow to the
+request falls back to ``mmap``). Measured (same host, medians of 15 steps, dropout 0): default
+step 85 -> 58 ms with 0 faults per step; d_model 256 212 -> 152 ms; 512 573 -> 483 ms. The cost is memory: the process keeps its peak heap, fragmentation
 included (a default training run with dropout: RSS 660 -> 1,181 MB, flat after step 80).
 
 ``mallopt`` must run before JAX starts its threads (a thread keeps the arena it first used), so the
