@@ -29,11 +29,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args()
 
-    from tpulab.hostmem import reuse_freed_memory
-    from tpulab.libtpu_env import quiet_libtpu_off_tpu
+    from tpulab.process_setup import prepare
 
-    reuse_freed_memory()  # as the CLI does, before JAX starts its threads (tpulab.hostmem)
-    quiet_libtpu_off_tpu()  # as the CLI does, before JAX starts a backend: no libtpu complaints off a TPU
+    prepare()  # as the CLI does, before JAX starts its threads or a backend
     from tpulab.evidence.provenance import describe_hardware, environment
     from tpulab.inference.speed import batch_markdown, batch_table, decode_speed, speed_table
     from tpulab.model.transformer import param_count

@@ -21,9 +21,9 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tpulab.hostmem import reuse_freed_memory  # noqa: E402
+from tpulab.process_setup import prepare  # noqa: E402
 
-reuse_freed_memory()  # as the CLI does, before JAX starts its threads
+prepare()  # as the CLI does, before JAX starts its threads or a backend
 
 import argparse  # noqa: E402
 import collections  # noqa: E402

@@ -44,11 +44,10 @@ from tpulab.config import load, to_dict
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.evidence import metrics as M
-from tpulab.hostmem import reuse_freed_memory
-from tpulab.libtpu_env import quiet_libtpu_off_tpu
 from tpulab.proofs.driver import tpulab_argv
 from tpulab.model.config import ModelConfig
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps
+from tpulab.process_setup import prepare
 from tpulab.train.config import RunConfig
 from tpulab.train.step import lr_schedule, make_steps
 
@@ -359,8 +358,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 20 or args.warmup < 1:
         ap.error("--steps must be >= 20 and --warmup >= 1")
-    reuse_freed_memory()  # as the CLI does, before JAX starts its threads (tpulab.hostmem)
-    quiet_libtpu_off_tpu()  # as the CLI does, before JAX starts a backend: no libtpu complaints off a TPU
+    prepare()  # as the CLI does, before JAX starts its threads or a backend
 
     config = load(RunConfig, CONFIG, OVERRIDES)
     torch.set_num_threads(os.cpu_count())

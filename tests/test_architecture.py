@@ -11,7 +11,7 @@ from conftest import REPO
 SRC = REPO / "src" / "tpulab"
 # Lower layers first. A package may import its own layer and the layers below it, never above.
 LAYERS = [
-    {"errors", "config", "compile_cache", "progress", "libtpu_env", "hostmem"},
+    {"errors", "config", "compile_cache", "progress", "libtpu_env", "hostmem", "process_setup"},
     {"data"},
     {"model"},
     {"checkpoint"},

@@ -78,12 +78,12 @@ def test_off_a_tpu_no_profiler_thread_spins_while_tracing(tmp_path):
     if host_has_tpu() or host_has_gpu() or "JAX_PLATFORMS" not in placeholders():
         pytest.skip("a TPU or GPU host, or libtpu not installed: tpulab leaves JAX_PLATFORMS alone")
 
-    def idle_cpu_s(env: dict) -> float:
-        p = subprocess.run([sys.executable, "-c", _IDLE_UNDER_PROFILER, str(tmp_path / f"t{len(env)}")], env=env,
+    def idle_cpu_s(env: dict, name: str) -> float:
+        p = subprocess.run([sys.executable, "-c", _IDLE_UNDER_PROFILER, str(tmp_path / name)], env=env,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr[-2000:]
         return float(p.stdout.split()[-1])
 
-    assert idle_cpu_s(dict(os.environ)) < 0.3  # 1.5 s idle under the profiler: ~0.00 CPU-s measured
+    assert idle_cpu_s(dict(os.environ), "placeholders") < 0.3  # 1.5 s idle under the profiler: ~0.00 CPU-s measured
     discovery = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", MARKER)}
-    assert idle_cpu_s(discovery) > 0.75  # libtpu's profiler thread: ~1.5 CPU-s measured
+    assert idle_cpu_s(discovery, "discovery") > 0.75  # libtpu's profiler thread: ~1.5 CPU-s measured

@@ -74,9 +74,6 @@ def set_explicitly(environ: dict, values: dict[str, str]) -> dict:
     """``environ`` with ``values`` set on purpose (a launcher pinning a child to the CPU, a test's own
     settings): those names are the runtime's now, no longer tpulab placeholders."""
     out = {**environ, **values}
-    names = [n for n in out.get(MARKER, "").split(",") if n and n not in values]
-    if names:
-        out[MARKER] = ",".join(names)
-    else:
-        out.pop(MARKER, None)
-    return out
+    names = sorted(placeholders(out) - set(values))
+    out.pop(MARKER, None)
+    return {**out, MARKER: ",".join(names)} if names else out

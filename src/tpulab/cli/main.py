@@ -25,11 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpulab.hostmem import reuse_freed_memory
-    from tpulab.libtpu_env import quiet_libtpu_off_tpu
+    from tpulab.process_setup import prepare
 
-    reuse_freed_memory()  # before JAX starts threads: XLA:CPU's per-step temporaries reuse heap pages
-    quiet_libtpu_off_tpu()  # before any jax import: libtpu (installed for TPU compiles) stays quiet off a TPU
+    prepare()  # before any jax import: host allocator and libtpu settings (tpulab.process_setup)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -7,15 +7,8 @@ from pathlib import Path
 from tpulab.cli.train_cmds import add_config_args, load_run_config
 
 
-def _quiet_libtpu() -> None:
-    from tpulab.libtpu_env import quiet_libtpu_off_tpu
-
-    quiet_libtpu_off_tpu()
-
-
 def _budget(args) -> int:
     config = load_run_config(args)
-    _quiet_libtpu()
     from tpulab.perf.aot import parse_targets
     from tpulab.perf.budget import table, write_budget
 
@@ -87,7 +80,6 @@ def _hypothesis(args) -> int:
 
 def _dossier(args) -> int:
     config = load_run_config(args)
-    _quiet_libtpu()
     from tpulab.orchestrate.dossier import DossierPlan, build_dossier
 
     plan = DossierPlan(train_steps=args.train_steps, targets=args.target, target_overrides=tuple(args.target_set),
