@@ -32,6 +32,20 @@ def test_bytes_per_token_counts_all_layers_and_scales(policy, per_elem):
     assert kv.bytes_per_token(cache) == 2 * layers * heads * head_dim * per_elem + scales
 
 
+@pytest.mark.parametrize("policy", kv.POLICIES)
+def test_as_stored_is_what_read_returns_after_write(policy):
+    """Prefill attends over ``as_stored`` values instead of reading back the buffer it just wrote: they must
+    be bitwise what ``read`` returns after ``write``; and not the raw values, where the cache rounds them."""
+    rng = np.random.default_rng(1)
+    cache = kv.init_cache(policy, 2, 2, 8, 3, 4)
+    k = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
+    k_read, v_read = kv.read(kv.write(cache, 1, k, v, 0), 1, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(kv.as_stored(cache, k, jnp.float32)), np.asarray(k_read[:, :5]))
+    np.testing.assert_array_equal(np.asarray(kv.as_stored(cache, v, jnp.float32)), np.asarray(v_read[:, :5]))
+    assert np.array_equal(np.asarray(k_read[:, :5]), np.asarray(k)) == (policy == "fp32")
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("policy", kv.POLICIES)
 def test_loop_layout_rows_hold_exactly_what_the_exported_layout_holds(policy, batch):
@@ -131,3 +145,31 @@ def test_int8_bounds_on_default_model(tmp_path):
     result = kvcache_table(load_model(tmp_path / "run"), KVEvalConfig(windows=4))
     b = bounds(result)
     assert b["fp32_logit_diff_within_atol"] and b["int8_greedy_agreement_ok"] and b["int8_loss_ok"], result["rows"]
+
+
+@pytest.mark.parametrize("policy", kv.POLICIES)
+def test_decode_step_work_agrees_with_the_compiler_and_the_buffers(policy):
+    """The decode table's per-step FLOPs and bytes (``step_work``) are analytic: its FLOPs must agree with
+    XLA's cost analysis of one loop decode step, its bytes with the actual weight and cache buffers, and both
+    must scale with the batch (a constant, or a count that ignored the cache, fails)."""
+    import jax
+    from flax import nnx
+
+    from conftest import tiny_config
+    from tpulab.inference.decode import ModelFns
+    from tpulab.inference.speed import step_work
+    from tpulab.model.transformer import Transformer
+
+    cfg = tiny_config()
+    fns = ModelFns(Transformer(cfg.model, cfg.precision, rngs=nnx.Rngs(0)))
+    work = {b: step_work(fns, policy, b) for b in (1, 4)}
+    cache = kv.to_loop_layout(fns.shape.init(policy, 4))
+    buffers = sum(x.nbytes for x in jax.tree.leaves(cache)) + sum(x.nbytes for x in fns.params.values())
+    assert work[4]["bytes_per_step"] == buffers
+    assert work[1]["bytes_per_step"] < work[4]["bytes_per_step"]
+    assert abs(work[4]["flops_per_step"] - 4 * work[1]["flops_per_step"]) < 1
+    if policy == "fp32":  # XLA also counts elementwise ops as FLOPs: a bf16 or int8 cache adds converts
+        step = jax.jit(fns.decode_rows).lower(fns.params, cache, jnp.zeros((4,), jnp.int32), jnp.zeros((4,), jnp.int32))
+        compiled = step.compile().cost_analysis()
+        compiled = compiled[0] if isinstance(compiled, list) else compiled
+        assert abs(compiled["flops"] - work[4]["flops_per_step"]) <= 0.15 * work[4]["flops_per_step"]

@@ -148,6 +148,14 @@ def read(cache: KVCache, layer: int, dtype) -> tuple[jax.Array, jax.Array]:
             dequantize_int8(cache.v[layer], cache.v_scale[layer], dtype))
 
 
+def as_stored(cache: KVCache, x: jax.Array, dtype) -> jax.Array:
+    """What ``read`` returns for values ``x`` once ``write`` has stored them in this cache (cast, or
+    quantized and dequantized), without the round trip through the buffer."""
+    if cache.k_scale is None:
+        return x.astype(cache.k.dtype).astype(dtype)
+    return dequantize_int8(*quantize_int8(x), dtype)
+
+
 def bytes_per_token(cache: KVCache) -> float:
     """Bytes of the actual buffers (all layers, keys, values and scales) per (sequence, token slot)."""
     leaves = jax.tree.leaves(cache)

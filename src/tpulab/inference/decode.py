@@ -76,17 +76,20 @@ class ModelFns:
         """The training forward (no cache), deterministic: the reference every cached path is judged by."""
         return self.model(params)(tokens_bt)
 
-    def forward_cached(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array,
-                       start) -> tuple[jax.Array, kv.KVCache]:
-        """Logits [B, T, V] for tokens at positions start..start+T-1, and the cache with them written.
+    def forward_cached(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array, start,
+                       last_b: jax.Array | None = None) -> tuple[jax.Array, kv.KVCache]:
+        """Logits [B, T, V] for tokens at positions start..start+T-1, and the cache with them written;
+        with ``last_b`` (one index per row) only those positions' logits, [B, V].
 
-        Each block's attention writes its keys and values into the cache and reads them back (so every
-        cache precision attends over exactly what it stores), masked causally. A prefill (``start`` the
-        constant 0) reads back only its own T slots, since no query sees past them: attention then costs
-        T x T, not T x S (a 64-token prompt on a 512-slot cache: 8x less)."""
+        Each block's attention writes its keys and values into the cache and attends over exactly what
+        the cache stores (so every cache precision attends over what it keeps), masked causally. A prefill
+        (``start`` the constant 0) attends over its own T keys only, since no query sees past them (a
+        64-token prompt on a 512-slot cache: 8x less than T x S), as computed, not read back from the
+        buffer it just wrote (``kv.as_stored``: the same values without the round trip)."""
         b, t = tokens_bt.shape
-        s = t if isinstance(start, int) and start == 0 else self.shape.max_len
+        prefill = isinstance(start, int) and start == 0
         positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+        s = t if prefill else self.shape.max_len
         mask_bts = jnp.broadcast_to(causal_mask(t, s, start), (b, t, s))
         model = self.model(params)
         x_btd = model.embed(tokens_bt)
@@ -94,11 +97,16 @@ class ModelFns:
             def attn_fn(h_btd, block=block, layer=layer, cache=cache):
                 q, k, v = block.attn.project_qkv(h_btd, positions_bt)
                 cache = kv.write(cache, layer, k, v, start)
-                k_all, v_all = kv.read(cache, layer, q.dtype)
-                return block.attn.attend(q, k_all[:, :s], v_all[:, :s], mask_bts, deterministic=True,
-                                         rngs=None), cache
+                if prefill:
+                    k_all, v_all = kv.as_stored(cache, k, q.dtype), kv.as_stored(cache, v, q.dtype)
+                else:
+                    k_all, v_all = kv.read(cache, layer, q.dtype)
+                return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None), cache
 
             x_btd, cache = block.apply(x_btd, attn_fn, deterministic=True, rngs=None)
+        if last_b is not None:
+            x_btd = jnp.take_along_axis(x_btd, last_b.astype(jnp.int32)[:, None, None], axis=1)
+            return model.logits(x_btd)[:, 0], cache
         return model.logits(x_btd), cache
 
     def decode_rows(self, params: Params, cache: kv.KVCache, token_b: jax.Array,
@@ -129,9 +137,7 @@ class ModelFns:
         """Ragged prefill: row b holds its prompt in slots 0..lengths_b[b]-1 (right-padded, positions
         from 0, causal mask), so each row computes exactly what it would alone; logits at each row's end."""
         cache = self.shape.init(policy, tokens_bs.shape[0])
-        logits_bsv, cache = self.forward_cached(params, cache, tokens_bs, 0)
-        idx = (lengths_b.astype(jnp.int32) - 1)[:, None, None]
-        return jnp.take_along_axis(logits_bsv, idx, axis=1)[:, 0], cache
+        return self.forward_cached(params, cache, tokens_bs, 0, last_b=lengths_b - 1)
 
     def generate(self, policy: str, params: Params, tokens_bs: jax.Array, lengths_b: jax.Array,
                  max_new_b: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, keys_b2: jax.Array,
@@ -182,9 +188,9 @@ class ModelFns:
 
     def prefill(self, policy: str, params: Params, tokens_bs: jax.Array, length: jax.Array):
         """tokens [B, S] (the prompt in slots 0..length-1, anything after) -> (next-token logits [B, V], cache)."""
-        cache = self.shape.init(policy, tokens_bs.shape[0])
-        logits_bsv, cache = self.forward_cached(params, cache, tokens_bs, 0)
-        return jax.lax.dynamic_index_in_dim(logits_bsv, length - 1, axis=1, keepdims=False), cache
+        b = tokens_bs.shape[0]
+        last_b = jnp.broadcast_to(jnp.asarray(length, jnp.int32) - 1, (b,))
+        return self.forward_cached(params, self.shape.init(policy, b), tokens_bs, 0, last_b=last_b)
 
     def decode(self, params: Params, cache: kv.KVCache, token_b: jax.Array, pos: jax.Array):
         """One token at position ``pos`` -> (logits [B, V], cache with slot ``pos`` written)."""

@@ -10,7 +10,9 @@ warm-up that compiles every shape it uses, best of ``repeats``:
 - **recompute**: no cache; the full forward over the prefix padded up to a multiple of ``bucket``
   tokens for every new token (a handful of compiles, cost growing with the context).
 
-``batch_table`` measures the compiled loop's tokens/s against batch size for each cache precision.
+``batch_table`` measures the compiled loop's tokens/s against batch size for each cache precision, with
+what bounds each decode step: its arithmetic (achieved GFLOP/s) and the bytes it must read (every weight
+and the whole cache, once), next to the least time this host takes to read that many bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from tpulab.data.tokenizer import PAD
 from tpulab.inference import cache as kv
 from tpulab.inference.decode import Decoder, ModelFns
+from tpulab.model.config import matmul_params
 
 
 def _greedy_next(fns: ModelFns, params, tokens_bt, pos):
@@ -118,6 +121,32 @@ def speed_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def read_seconds(nbytes: float, repeats: int = 50) -> float:
+    """The least time one jitted XLA reduction takes to read ``nbytes`` of fp32 once (best of ``repeats``,
+    one dispatch included): a floor for any program that must read that many bytes, as a batch-1 decode
+    step reads every weight and its whole cache."""
+    x = jnp.ones((max(1, int(nbytes) // 512), 128), jnp.float32)
+    total = jax.jit(lambda a: jnp.sum(a, axis=0))
+    jax.block_until_ready(total(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(total(x))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def step_work(fns: ModelFns, policy: str, batch: int) -> dict:
+    """What one compiled-loop decode step of ``batch`` rows must do: FLOPs (2 per matmul parameter per row,
+    plus the two attention products over all S cache slots, which the loop computes masked or not) and
+    bytes read (every weight, and every layer's keys and values for all rows, in the cache's storage)."""
+    cfg, s = fns.cfg, fns.shape.max_len
+    flops = batch * (2 * matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.d_model)
+    weights = sum(int(x.size) * x.dtype.itemsize for x in fns.params.values())
+    cache = kv.bytes_per_token(jax.eval_shape(lambda: fns.shape.init(policy, 1))) * batch * s
+    return {"flops_per_step": float(flops), "bytes_per_step": float(weights + cache)}
+
+
 def measure_batch(fns: ModelFns, policy: str, batch: int, prompt_len: int, new_tokens: int, repeats: int = 3) -> dict:
     """Compiled-loop decode tokens/s for ``batch`` greedy rows: the time of a run with ``new_tokens`` new
     tokens minus that of a run with 1 (prefill and dispatch cancel), over ``batch * (new_tokens - 1)``."""
@@ -143,10 +172,14 @@ def measure_batch(fns: ModelFns, policy: str, batch: int, prompt_len: int, new_t
 
     t_all, t_one = best(new_tokens), best(1)
     steps = new_tokens - 1
+    step_s = (t_all - t_one) / steps
+    work = step_work(fns, policy, batch)
     return {"cache": policy, "batch": batch, "prompt_len": prompt_len, "prompt_width": width,
             "new_tokens": new_tokens, "seconds_total": t_all, "seconds_prefill_and_first": t_one,
-            "tokens_per_s": batch * steps / (t_all - t_one), "ms_per_step": (t_all - t_one) / steps * 1e3,
-            "end_to_end_tokens_per_s": batch * new_tokens / t_all}
+            "tokens_per_s": batch * steps / (t_all - t_one), "ms_per_step": step_s * 1e3,
+            "end_to_end_tokens_per_s": batch * new_tokens / t_all, **work,
+            "gflops_per_s": work["flops_per_step"] / step_s / 1e9,
+            "read_floor_ms": read_seconds(work["bytes_per_step"]) * 1e3}
 
 
 def batch_table(source, batches=(1, 8, 32), prompt_len: int | None = None, new_tokens: int | None = None,
@@ -159,11 +192,13 @@ def batch_table(source, batches=(1, 8, 32), prompt_len: int | None = None, new_t
 
 
 def batch_markdown(rows: list[dict]) -> str:
-    lines = ["| cache | batch | decode tok/s | ms per decode step | vs batch 1 | end-to-end tok/s (with prefill) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| cache | batch | decode tok/s | ms per decode step | vs batch 1 | GFLOP/s | MB read per step | "
+             "ms to read them once | end-to-end tok/s (with prefill) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     one = {r["cache"]: r["tokens_per_s"] for r in rows if r["batch"] == 1}
     for r in rows:
         rel = f"{r['tokens_per_s'] / one[r['cache']]:.1f}x" if r["cache"] in one else "-"
         lines.append(f"| {r['cache']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.3f} | {rel} | "
+                     f"{r['gflops_per_s']:.1f} | {r['bytes_per_step'] / 1e6:.2f} | {r['read_floor_ms']:.3f} | "
                      f"{r['end_to_end_tokens_per_s']:.0f} |")
     return "\n".join(lines)

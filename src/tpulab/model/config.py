@@ -89,6 +89,12 @@ def param_count(cfg: ModelConfig) -> int:
     return v * d + cfg.n_layers * block + d + (0 if cfg.tie_embeddings else d * v)
 
 
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (2 FLOPs each): the blocks' projections and the
+    output head (the embedding table when tied); the embedding lookup and norm scales are not matmuls."""
+    return cfg.n_layers * (4 * cfg.d_model**2 + 2 * cfg.mlp_ratio * cfg.d_model**2) + cfg.d_model * cfg.vocab_size
+
+
 # Training holds, per parameter: the value, its gradient, and Adam's two moments (all in param_dtype).
 TRAIN_STATE_COPIES = 4
 

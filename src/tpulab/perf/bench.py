@@ -139,7 +139,8 @@ def bench_step(config, *, steps: int = MIN_TIMED_STEPS, warmup: int = DEFAULT_WA
     import jax
 
     from tpulab.evidence.provenance import jax_devices
-    from tpulab.perf.budget import matmul_params, train_flops
+    from tpulab.model.config import matmul_params
+    from tpulab.perf.budget import train_flops
     from tpulab.perf.chips import chip_for_device_kind
     from tpulab.compile_cache import count_compiles
     from tpulab.train.step import make_steps

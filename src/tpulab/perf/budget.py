@@ -27,6 +27,7 @@ import dataclasses
 import math
 
 from tpulab.errors import TpulabError
+from tpulab.model.config import matmul_params, param_count
 from tpulab.perf import aot
 from tpulab.perf.chips import CHIPS
 
@@ -38,19 +39,6 @@ _BYTES = {"float32": 4, "bfloat16": 2}
 
 class DoesNotFit(TpulabError):
     """The configuration fits none of the requested targets."""
-
-
-def matmul_params(model) -> int:
-    """Parameters that take part in a matmul per token: the blocks' projections and the (tied) head."""
-    return model.n_layers * (4 * model.d_model**2 + 2 * model.mlp_ratio * model.d_model**2) \
-        + model.d_model * model.vocab_size
-
-
-def param_count(model) -> int:
-    d, hidden = model.d_model, model.mlp_ratio * model.d_model
-    per_block = 2 * d + 3 * d * d + d * d + 2 * d * hidden
-    head = 0 if model.tie_embeddings else d * model.vocab_size
-    return model.vocab_size * d + model.n_layers * per_block + d + head
 
 
 def train_flops(config) -> float:
