@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: tpulab's claims run on an NVIDIA GPU, as one prepared script (about 6 min on an H200).
+# The GPU check: tpulab's claims run on an NVIDIA GPU, as one prepared script (about 6 min on an H200 before the
+# decode512 and serve stages, which add about 2-3 min).
 #
 #   OUT=results_dir [PY=python3] [SIZE=full|tiny] [BUDGET=seconds] [STAGES="proof bench ..."] bash benchmarks/gpu_check.sh
 #
@@ -12,7 +13,9 @@
 #   export    export the proof run's endpoints (cpu, tpu, cuda) of the reference run, verify them on this GPU, generate from them
 #   bench     synchronized steady-state step time and utilization, sweep over d_model
 #   profile   a trace of 5 warmed steps (ops launched one by one, no CUDA graph) and its top-ops table
-#   decode    benchmarks/decode_speed.py on the proof run (compiled loop vs step loop vs recompute)
+#   decode    benchmarks/decode_speed.py on the proof run (compiled loop vs step loop vs recompute; batch table)
+#   decode512 the issue's measuring point: a max_seq_len 512 model (20 steps), 448 + 64 and 64 + 64 tokens
+#   serve     tpulab serve-bench on the exported endpoints (needs export): serial vs batching server, 1/4/8/16 clients
 #   proof_nd  the proof without --xla_gpu_deterministic_ops (is the GPU bitwise resumable without it?)
 # Everything lands in $OUT/gpu_check.tar.gz; $OUT/summary.txt has one line per stage (rc, seconds).
 set -u
@@ -29,9 +32,9 @@ export TPULAB_COMPILE_CACHE="$W/jax-cache"
 T="$PY -m tpulab.cli"
 DET="--xla_gpu_deterministic_ops=true"
 if [ "$SIZE" = tiny ]; then  # a smoke test of this script on any host (CPU included)
-  CFG="--config configs/tiny.yaml"; STEPS=40; SWEEP=model.d_model=32,64; KILLS=2; GEN=16
+  CFG="--config configs/tiny.yaml"; STEPS=40; SWEEP=model.d_model=32,64; KILLS=2; GEN=16; SERVE_NEW=16
 else
-  CFG=""; STEPS=300; SWEEP=model.d_model=128,256,512,1024; KILLS=5; GEN=64
+  CFG=""; STEPS=300; SWEEP=model.d_model=128,256,512,1024; KILLS=5; GEN=64; SERVE_NEW=32
 fi
 
 stage() {  # stage NAME LIMIT_S CMD...: run, log to $W/NAME.log, one summary line
@@ -63,9 +66,12 @@ stage bench 420 "$T bench --run-dir $W/bench $CFG --set model.dropout=0 --sweep 
 stage profile 180 "XLA_FLAGS=--xla_gpu_enable_command_buffer= $T profile --run-dir $W/proof/proof/reference --steps 5 &&
   $PY benchmarks/xplane_planes.py \$(ls -t \$(find $W/proof/proof/reference/profile -name '*.xplane.pb') | head -1)"
 stage decode 300 "$PY benchmarks/decode_speed.py --run-dir $W/proof/proof/reference --out $W/decode_speed"
+stage decode512 300 "$T train --run-dir $W/s512 $CFG --set model.max_seq_len=512 --steps 20 --no-progress --no-track &&
+  $PY benchmarks/decode_speed.py --run-dir $W/s512 --prompt-lens 448 64 --new-tokens 64 --batches 1 8 32 --out $W/decode_speed_s512"
+stage serve 300 "$T serve-bench --artifacts $W/export --out $W/serve_bench --clients 1 4 8 16 --requests 30 --max-new $SERVE_NEW"
 stage proof_nd 300 "$T prove-resume --run-dir $W/proof_nd $CFG --steps $STEPS"
 
-# Results: logs, verdicts, receipts, bench/profile tables, decode tables; no checkpoints, no traces, no cache.
+# Results: logs, verdicts, receipts, bench/profile tables, decode and serve tables; no checkpoints, no traces, no cache.
 (cd "$W" && tar czf "$OUT/gpu_check.tar.gz" --exclude='checkpoints' --exclude='jax-cache' --exclude='*.xplane.pb' \
   --exclude='*.trace.json.gz' --exclude='weights.npz' --exclude='*.bin' --exclude='rejected_checkpoints' .)
 cp "$W/summary.txt" "$OUT/summary.txt"
