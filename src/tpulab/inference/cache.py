@@ -178,3 +178,8 @@ class CacheShape:
 
     def init(self, policy: str, batch: int) -> KVCache:
         return init_cache(policy, self.n_layers, batch, self.max_len, self.n_heads, self.head_dim)
+
+    def nbytes(self, policy: str, batch: int) -> int:
+        """Bytes of the cache for ``batch`` sequences of ``max_len`` slots (all layers, keys, values and
+        scales), from the shapes alone."""
+        return int(bytes_per_token(jax.eval_shape(lambda: self.init(policy, 1))) * batch * self.max_len)

@@ -142,9 +142,8 @@ def step_work(fns: ModelFns, policy: str, batch: int) -> dict:
     bytes read (every weight, and every layer's keys and values for all rows, in the cache's storage)."""
     cfg, s = fns.cfg, fns.shape.max_len
     flops = batch * (2 * matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.d_model)
-    weights = sum(int(x.size) * x.dtype.itemsize for x in fns.params.values())
-    cache = kv.bytes_per_token(jax.eval_shape(lambda: fns.shape.init(policy, 1))) * batch * s
-    return {"flops_per_step": float(flops), "bytes_per_step": float(weights + cache)}
+    weights = sum(x.nbytes for x in fns.params.values())
+    return {"flops_per_step": float(flops), "bytes_per_step": float(weights + fns.shape.nbytes(policy, batch))}
 
 
 def measure_batch(fns: ModelFns, policy: str, batch: int, prompt_len: int, new_tokens: int, repeats: int = 3) -> dict:
@@ -176,7 +175,7 @@ def measure_batch(fns: ModelFns, policy: str, batch: int, prompt_len: int, new_t
     work = step_work(fns, policy, batch)
     return {"cache": policy, "batch": batch, "prompt_len": prompt_len, "prompt_width": width,
             "new_tokens": new_tokens, "seconds_total": t_all, "seconds_prefill_and_first": t_one,
-            "tokens_per_s": batch * steps / (t_all - t_one), "ms_per_step": step_s * 1e3,
+            "tokens_per_s": batch / step_s, "ms_per_step": step_s * 1e3,
             "end_to_end_tokens_per_s": batch * new_tokens / t_all, **work,
             "gflops_per_s": work["flops_per_step"] / step_s / 1e9,
             "read_floor_ms": read_seconds(work["bytes_per_step"]) * 1e3}

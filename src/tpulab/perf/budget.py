@@ -75,13 +75,10 @@ def train_budget(config, devices: int) -> dict:
 
 def kv_cache_bytes(config, batch: int, context: int, policy: str) -> int:
     """Bytes of the inference cache for ``batch`` sequences of ``context`` slots (its own layout and scales)."""
-    import jax
-
     from tpulab.inference import cache as kv
 
-    shape = kv.CacheShape(config.model.n_layers, context, config.model.n_heads, config.model.head_dim)
-    abstract = jax.eval_shape(lambda: shape.init(policy, 1))
-    return int(kv.bytes_per_token(abstract) * batch * context)
+    m = config.model
+    return kv.CacheShape(m.n_layers, context, m.n_heads, m.head_dim).nbytes(policy, batch)
 
 
 def _explain(kind: str, analytic: float, compiled: float) -> str:
