@@ -39,28 +39,52 @@ def main(argv=None) -> int:
         if d.exists():
             sys.exit(f"error: {d} exists; use a fresh --out")
         d.mkdir()
-        run_to_completion(train_argv(cfg, backend, method, d), args.out / f"{backend}-{method}.log",
-                          dict(os.environ), 900, f"{backend}/{method}")
+        run_to_completion(
+            train_argv(cfg, backend, method, d),
+            args.out / f"{backend}-{method}.log",
+            dict(os.environ),
+            900,
+            f"{backend}/{method}",
+        )
         times = M.curve(M.read_records(d), key="step_time_s")
         steady = [times[s] for s in sorted(times) if s > args.warmup]
         rec = start_record(d)
-        rows.append({"backend": backend, "method": method, "median_step_s": statistics.median(steady),
-                     "p90_step_s": sorted(steady)[int(0.9 * (len(steady) - 1))], "steps_timed": len(steady),
-                     "first_step_s": times[1], "device": device_line(rec["device"]),
-                     "device_kind": rec["device"].get("device_kind"), "dtype": rec["dtype"],
-                     "versions": rec["versions"]})
-    result = {"config": to_dict(cfg), "warmup_steps": args.warmup, "rows": rows,
-              "shapes": f"x ({cfg.n}, {cfg.d}), MLP {cfg.d}->{cfg.hidden}->1, full batch"}
+        rows.append(
+            {
+                "backend": backend,
+                "method": method,
+                "median_step_s": statistics.median(steady),
+                "p90_step_s": sorted(steady)[int(0.9 * (len(steady) - 1))],
+                "steps_timed": len(steady),
+                "first_step_s": times[1],
+                "device": device_line(rec["device"]),
+                "device_kind": rec["device"].get("device_kind"),
+                "dtype": rec["dtype"],
+                "versions": rec["versions"],
+            }
+        )
+    result = {
+        "config": to_dict(cfg),
+        "warmup_steps": args.warmup,
+        "rows": rows,
+        "shapes": f"x ({cfg.n}, {cfg.d}), MLP {cfg.d}->{cfg.hidden}->1, full batch",
+    }
     atomic_write_json(args.out / "step_time.json", result)
-    print(f"{result['shapes']}, float32, {args.steps} steps, median after {args.warmup} warmup steps")
+    print(
+        f"{result['shapes']}, float32, {args.steps} steps, median after {args.warmup} warmup steps"
+    )
     print("| backend | method | median step (ms) | p90 (ms) | first step (s) | device |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {r['method']} | {1e3 * r['median_step_s']:.3f} | {1e3 * r['p90_step_s']:.3f} "
-              f"| {r['first_step_s']:.2f} | {r['device']} |")
+        print(
+            f"| {r['backend']} | {r['method']} | {1e3 * r['median_step_s']:.3f} | {1e3 * r['p90_step_s']:.3f} "
+            f"| {r['first_step_s']:.2f} | {r['device']} |"
+        )
     v = rows[0]["versions"]
-    print(f"versions: torch {v['torch']}, torchax {v['torchax']}, jax {v['jax']}, jaxlib {v['jaxlib']}; "
-          f"written to {args.out / 'step_time.json'}")
+    print(
+        f"versions: torch {v['torch']}, torchax {v['torchax']}, jax {v['jax']}, jaxlib {v['jaxlib']}; "
+        f"written to {args.out / 'step_time.json'}"
+    )
     return 0
 
 

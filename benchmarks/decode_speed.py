@@ -23,8 +23,13 @@ def main() -> None:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=None)
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--cache", choices=("fp32", "bf16", "int8"), default="fp32")
-    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32],
-                        help="batch sizes for the per-cache table (none: skip it)")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="*",
+        default=[1, 8, 32],
+        help="batch sizes for the per-cache table (none: skip it)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args()
@@ -39,27 +44,49 @@ def main() -> None:
 
     restored = load_model(args.run_dir, args.step)
     load_before = os.getloadavg()
-    rows = decode_speed(restored, tuple(args.prompt_lens) if args.prompt_lens else None, args.new_tokens,
-                        policy=args.cache, repeats=args.repeats)
+    rows = decode_speed(
+        restored,
+        tuple(args.prompt_lens) if args.prompt_lens else None,
+        args.new_tokens,
+        policy=args.cache,
+        repeats=args.repeats,
+    )
     env = environment()
     m = restored.config.model
-    head = (f"{describe_hardware(env)}; jax {env['packages']['jax']}; commit {env['git_commit']}; model d_model "
-            f"{m.d_model}, {m.n_layers} layers, {m.n_heads} heads, max_seq_len {m.max_seq_len}, "
-            f"{param_count(restored.model):,} parameters, {restored.config.precision.compute_dtype} compute; "
-            f"checkpoint step {restored.step}; batch 1, greedy, best of {args.repeats}; load average before "
-            f"{load_before[0]:.1f} on {os.cpu_count()} host cores")
+    head = (
+        f"{describe_hardware(env)}; jax {env['packages']['jax']}; commit {env['git_commit']}; model d_model "
+        f"{m.d_model}, {m.n_layers} layers, {m.n_heads} heads, max_seq_len {m.max_seq_len}, "
+        f"{param_count(restored.model):,} parameters, {restored.config.precision.compute_dtype} compute; "
+        f"checkpoint step {restored.step}; batch 1, greedy, best of {args.repeats}; load average before "
+        f"{load_before[0]:.1f} on {os.cpu_count()} host cores"
+    )
     text = [head, "", f"Cache {args.cache}:", "", speed_table(rows)]
     batch_rows = []
     if args.batches:
         batch_rows = batch_table(restored, tuple(args.batches), repeats=args.repeats)
         r0 = batch_rows[0]
-        text += ["", f"Compiled loop, tokens/s against batch ({r0['prompt_len']}-token prompts, "
-                     f"{r0['new_tokens']} new tokens per row, greedy):", "", batch_markdown(batch_rows)]
+        text += [
+            "",
+            f"Compiled loop, tokens/s against batch ({r0['prompt_len']}-token prompts, "
+            f"{r0['new_tokens']} new tokens per row, greedy):",
+            "",
+            batch_markdown(batch_rows),
+        ]
     print("\n".join(text))
-    result = {"rows": rows, "batch_rows": batch_rows, "environment": env, "hardware": describe_hardware(env),
-              "checkpoint_step": restored.step, "run_dir": str(args.run_dir), "model": vars(m),
-              "parameters": param_count(restored.model), "precision": vars(restored.config.precision),
-              "repeats": args.repeats, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    result = {
+        "rows": rows,
+        "batch_rows": batch_rows,
+        "environment": env,
+        "hardware": describe_hardware(env),
+        "checkpoint_step": restored.step,
+        "run_dir": str(args.run_dir),
+        "model": vars(m),
+        "parameters": param_count(restored.model),
+        "precision": vars(restored.config.precision),
+        "repeats": args.repeats,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tpulab.process_setup import prepare  # noqa: E402
@@ -47,8 +49,22 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "default.yaml"
 MESHES = (("data parallel", 4, 1), ("hybrid", 2, 2), ("FSDP", 1, 4))
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8, "u64": 8}
-LINE = re.compile(r"=\s*(\([^()]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
+BYTES = {
+    "f32": 4,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
+LINE = re.compile(
+    r"=\s*(\([^()]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(" + "|".join(KINDS) + r")(?:-start)?\("
+)
 SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
@@ -66,7 +82,9 @@ def collectives(hlo: str) -> dict:
     return dict(out)
 
 
-def measure(config: RunConfig, name: str, data: int, fsdp: int, batches: list, n_steps: int, warmup: int) -> dict:
+def measure(
+    config: RunConfig, name: str, data: int, fsdp: int, batches: list, n_steps: int, warmup: int
+) -> dict:
     import dataclasses
 
     cfg = dataclasses.replace(config, mesh=MeshConfig(data=data, fsdp=fsdp))
@@ -78,8 +96,12 @@ def measure(config: RunConfig, name: str, data: int, fsdp: int, batches: list, n
     mem = compiled.memory_analysis()
     table = layout_table(abstract, mesh)
     state_bytes = sum(int(np.prod(r["per_device"])) * 4 for r in table)
-    param_bytes = sum(int(np.prod(r["shape"])) * 4 for r in table if r["path"].startswith("params/"))
-    replicated_fallback = [r["path"] for r in table if "replicated)" in r["rule"] and r["path"].startswith("params")]
+    param_bytes = sum(
+        int(np.prod(r["shape"])) * 4 for r in table if r["path"].startswith("params/")
+    )
+    replicated_fallback = [
+        r["path"] for r in table if "replicated)" in r["rule"] and r["path"].startswith("params")
+    ]
     state = steps.init()
     it = itertools.cycle(batches)
 
@@ -89,32 +111,61 @@ def measure(config: RunConfig, name: str, data: int, fsdp: int, batches: list, n
         return m["loss"]
 
     times = time_steps(one, jax.block_until_ready, n_steps, warmup=warmup)
-    return {"layout": name, "mesh": {"data": data, "fsdp": fsdp}, "collectives": collectives(compiled.as_text()),
-            "memory_analysis": {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
-                                                                   "temp_size_in_bytes", "alias_size_in_bytes")},
-            "state_bytes_per_device": state_bytes, "param_bytes_unsharded": param_bytes, "params_replicated_by_divisibility": replicated_fallback,
-            "step_time": summarize(times)}
+    return {
+        "layout": name,
+        "mesh": {"data": data, "fsdp": fsdp},
+        "collectives": collectives(compiled.as_text()),
+        "memory_analysis": {
+            k: int(getattr(mem, k))
+            for k in (
+                "argument_size_in_bytes",
+                "output_size_in_bytes",
+                "temp_size_in_bytes",
+                "alias_size_in_bytes",
+            )
+        },
+        "state_bytes_per_device": state_bytes,
+        "param_bytes_unsharded": param_bytes,
+        "params_replicated_by_divisibility": replicated_fallback,
+        "step_time": summarize(times),
+    }
 
 
 def markdown(rows: list[dict], env: dict, shapes: dict) -> str:
-    lines = [f"# Data parallel vs FSDP on 4 host devices ({env.get('backend')}, {env.get('device_kind')})", "",
-             f"Shapes: {shapes}. float32. jax {env.get('packages', {}).get('jax')}, commit {env.get('git_commit')}, "
-             f"{env.get('cpu_count')} cores, load {env.get('load_avg_1m_5m_15m')}.", "",
-             "| layout | mesh | collectives per step (count, result MiB per device) | state MiB / device | "
-             "argument MiB / device | temp MiB / device | step time median (p10-p90) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Data parallel vs FSDP on 4 host devices ({env.get('backend')}, {env.get('device_kind')})",
+        "",
+        f"Shapes: {shapes}. float32. jax {env.get('packages', {}).get('jax')}, commit {env.get('git_commit')}, "
+        f"{env.get('cpu_count')} cores, load {env.get('load_avg_1m_5m_15m')}.",
+        "",
+        "| layout | mesh | collectives per step (count, result MiB per device) | state MiB / device | "
+        "argument MiB / device | temp MiB / device | step time median (p10-p90) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        coll = "; ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.2f})" for k, v in sorted(r["collectives"].items()))
+        coll = "; ".join(
+            f"{k} x{v['count']} ({v['bytes'] / 2**20:.2f})"
+            for k, v in sorted(r["collectives"].items())
+        )
         ma = r["memory_analysis"]
         st = r["step_time"]
-        lines.append(f"| {r['layout']} | data={r['mesh']['data']} fsdp={r['mesh']['fsdp']} | {coll or 'none'} | "
-                     f"{r['state_bytes_per_device'] / 2**20:.2f} | {ma['argument_size_in_bytes'] / 2**20:.2f} | "
-                     f"{ma['temp_size_in_bytes'] / 2**20:.2f} | {st['median_s'] * 1e3:.1f} ms "
-                     f"({st['p10_s'] * 1e3:.1f}-{st['p90_s'] * 1e3:.1f}) |")
-    lines += ["", f"Parameters unsharded: {rows[0]['param_bytes_unsharded'] / 2**20:.2f} MiB (the gradient a data-parallel "
-                  "all-reduce must carry; a parser check: the data-parallel all-reduce bytes should be at least this)."]
+        lines.append(
+            f"| {r['layout']} | data={r['mesh']['data']} fsdp={r['mesh']['fsdp']} | {coll or 'none'} | "
+            f"{r['state_bytes_per_device'] / 2**20:.2f} | {ma['argument_size_in_bytes'] / 2**20:.2f} | "
+            f"{ma['temp_size_in_bytes'] / 2**20:.2f} | {st['median_s'] * 1e3:.1f} ms "
+            f"({st['p10_s'] * 1e3:.1f}-{st['p90_s'] * 1e3:.1f}) |"
+        )
+    lines += [
+        "",
+        f"Parameters unsharded: {rows[0]['param_bytes_unsharded'] / 2**20:.2f} MiB (the gradient a data-parallel "
+        "all-reduce must carry; a parser check: the data-parallel all-reduce bytes should be at least this).",
+    ]
     notes = {p for r in rows for p in r["params_replicated_by_divisibility"]}
     if notes:
-        lines += ["", f"Replicated because fsdp does not divide the split dimension: {', '.join(sorted(notes))}."]
+        lines += [
+            "",
+            f"Replicated because fsdp does not divide the split dimension: {', '.join(sorted(notes))}.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -131,12 +182,19 @@ def main() -> None:
     batches = list(itertools.islice(iter(train_dataset(splits.train_windows, config.data)), 8))
     rows = [measure(config, name, d, f, batches, args.steps, args.warmup) for name, d, f in MESHES]
     env = benchmark_environment()
-    shapes = {"batch": config.data.batch_size, "seq_len": config.data.seq_len, "d_model": config.model.d_model,
-              "n_layers": config.model.n_layers, "vocab": config.model.vocab_size}
+    shapes = {
+        "batch": config.data.batch_size,
+        "seq_len": config.data.seq_len,
+        "d_model": config.model.d_model,
+        "n_layers": config.model.n_layers,
+        "vocab": config.model.vocab_size,
+    }
     md = markdown(rows, env, shapes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(args.out.with_suffix(".json"), {"rows": rows, "environment": env, "shapes": shapes,
-                                                      "config": to_dict(config)})
+    atomic_write_json(
+        args.out.with_suffix(".json"),
+        {"rows": rows, "environment": env, "shapes": shapes, "config": to_dict(config)},
+    )
     atomic_write_bytes(args.out.with_suffix(".md"), md.encode())
     print(md)
 

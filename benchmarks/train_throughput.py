@@ -44,10 +44,10 @@ from tpulab.config import load, to_dict
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.evidence import metrics as M
-from tpulab.proofs.driver import tpulab_argv
 from tpulab.model.config import ModelConfig
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps
 from tpulab.process_setup import prepare
+from tpulab.proofs.driver import tpulab_argv
 from tpulab.train.config import RunConfig
 from tpulab.train.step import lr_schedule, make_steps
 
@@ -57,6 +57,7 @@ OVERRIDES = ["model.dropout=0"]  # the benchmark measures the deterministic step
 
 
 # --- the PyTorch eager baseline: the same architecture as tpulab.model.transformer -----------------
+
 
 class TorchBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -75,7 +76,9 @@ class TorchBlock(nn.Module):
         h_btd = F.rms_norm(x_btd, (d,), self.attn_norm, eps=1e-6)
         qkv = self.qkv(h_btd).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q_bhtd, k_bhtd, v_bhtd = rope(qkv[0], cos_td, sin_td), rope(qkv[1], cos_td, sin_td), qkv[2]
-        a_bhtd = F.scaled_dot_product_attention(q_bhtd, k_bhtd, v_bhtd, is_causal=True)  # scale 1/sqrt(Dh)
+        a_bhtd = F.scaled_dot_product_attention(
+            q_bhtd, k_bhtd, v_bhtd, is_causal=True
+        )  # scale 1/sqrt(Dh)
         x_btd = x_btd + self.out(a_bhtd.transpose(1, 2).reshape(b, t, d))
         h_btd = F.rms_norm(x_btd, (d,), self.mlp_norm, eps=1e-6)
         # jax.nn.gelu defaults to approximate=True, the tanh form.
@@ -94,7 +97,9 @@ class TorchTransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(TorchBlock(cfg) for _ in range(cfg.n_layers))
         self.final_norm = nn.Parameter(torch.ones(cfg.d_model))
-        inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        inv_freq = 1.0 / (
+            cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        )
         angles_td = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq
         self.register_buffer("cos_td", angles_td.cos(), persistent=False)
         self.register_buffer("sin_td", angles_td.sin(), persistent=False)
@@ -115,13 +120,19 @@ class TorchTransformer(nn.Module):
             p = params["blocks"][i]
             blk.attn_norm.copy_(torch.tensor(np.asarray(p["attn_norm"]["scale"])))
             blk.mlp_norm.copy_(torch.tensor(np.asarray(p["mlp_norm"]["scale"])))
-            for lin, src in ((blk.qkv, p["attn"]["qkv"]), (blk.out, p["attn"]["out"]),
-                             (blk.up, p["mlp"]["up"]), (blk.down, p["mlp"]["down"])):
+            for lin, src in (
+                (blk.qkv, p["attn"]["qkv"]),
+                (blk.out, p["attn"]["out"]),
+                (blk.up, p["mlp"]["up"]),
+                (blk.down, p["mlp"]["down"]),
+            ):
                 lin.weight.copy_(torch.tensor(np.asarray(src["kernel"])).T)
 
 
 def masked_xent(logits_btv, targets_bt, mask_bt):
-    nll_bt = F.cross_entropy(logits_btv.flatten(0, 1), targets_bt.flatten(), reduction="none").view_as(mask_bt)
+    nll_bt = F.cross_entropy(
+        logits_btv.flatten(0, 1), targets_bt.flatten(), reduction="none"
+    ).view_as(mask_bt)
     return (nll_bt * mask_bt).sum() / mask_bt.sum().clamp(min=1.0)
 
 
@@ -133,10 +144,14 @@ class TorchTrainer:
         self.model = TorchTransformer(config.model, config.data.seq_len)
         self.model.load_tpulab(params)
         ps = list(self.model.parameters())
-        groups = [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": o.weight_decay},
-                  {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in ps if p.ndim >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0},
+        ]
         # fused=True: the fastest AdamW torch offers on CPU (one kernel over all params).
-        self.opt = torch.optim.AdamW(groups, lr=float(lrs[0]), betas=(o.b1, o.b2), eps=o.eps, fused=True)
+        self.opt = torch.optim.AdamW(
+            groups, lr=float(lrs[0]), betas=(o.b1, o.b2), eps=o.eps, fused=True
+        )
         self.clip, self.lrs, self.k = o.clip_norm, lrs, 0
 
     def step(self, batch):
@@ -144,7 +159,9 @@ class TorchTrainer:
             g["lr"] = float(self.lrs[self.k])
         self.k += 1
         logits = self.model(torch.from_numpy(batch["inputs"]).long())
-        loss = masked_xent(logits, torch.from_numpy(batch["targets"]).long(), torch.from_numpy(batch["mask"]))
+        loss = masked_xent(
+            logits, torch.from_numpy(batch["targets"]).long(), torch.from_numpy(batch["mask"])
+        )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.clip > 0:
@@ -154,6 +171,7 @@ class TorchTrainer:
 
 
 # --- part 1: throughput ------------------------------------------------------------------------------
+
 
 def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dict:
     splits = build_splits(load_corpus(config.data.path), config.data)
@@ -167,7 +185,9 @@ def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dic
     cores = os.cpu_count()
     # Torch at the core count (the baseline) and at 1 thread: on a loaded host OpenMP's spinning
     # workers can make the multi-threaded run many times slower, which would flatter tpulab.
-    torch_runs = {"torch_eager": cores, "torch_eager_1thread": 1} if cores > 1 else {"torch_eager": 1}
+    torch_runs = (
+        {"torch_eager": cores, "torch_eager_1thread": 1} if cores > 1 else {"torch_eager": 1}
+    )
     out = {"tpulab": []} | {k: [] for k in torch_runs}
     runners = {}
     jit_batches = iter(batches)
@@ -187,7 +207,11 @@ def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dic
             out[name].append(loss)
             return loss
 
-        runners[name] = (torch_step, torch.Tensor.item, lambda threads=threads: torch.set_num_threads(threads))
+        runners[name] = (
+            torch_step,
+            torch.Tensor.item,
+            lambda threads=threads: torch.set_num_threads(threads),
+        )
 
     t0 = time.perf_counter()
     jax.block_until_ready(jax_step())  # compile (and the first step)
@@ -208,27 +232,51 @@ def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dic
     jl = np.array([float(m["loss"]) for m in out["tpulab"]])
     tl = np.array([float(x) for x in out["torch_eager"]])
     rel = np.abs(jl - tl) / np.abs(jl)
-    res = {"tokens_per_step": tokens, "warmup_steps": warmup, "timed_steps": n_steps, "rounds": rounds,
-           "torch_threads": torch_runs}
+    res = {
+        "tokens_per_step": tokens,
+        "warmup_steps": warmup,
+        "timed_steps": n_steps,
+        "rounds": rounds,
+        "torch_threads": torch_runs,
+    }
     for name, ts in times.items():
         s = summarize(ts)
         res[name] = {**s, "tokens_per_s": tokens / s["median_s"], "samples_s": ts}
     res["tpulab"]["compile_and_first_step_s"] = compile_and_first_s
     res["speedup"] = res["torch_eager"]["median_s"] / res["tpulab"]["median_s"]
-    res["speedup_vs_fastest_torch"] = min(res[k]["median_s"] for k in torch_runs) / res["tpulab"]["median_s"]
-    res["agreement"] = {"first_step_loss_tpulab": float(jl[0]), "first_step_loss_torch": float(tl[0]),
-                        "first_step_rel_diff": float(rel[0]), "max_rel_loss_diff_all_steps": float(rel.max()),
-                        "last_step_loss_tpulab": float(jl[-1]), "last_step_loss_torch": float(tl[-1]),
-                        "steps_compared": len(jl)}
+    res["speedup_vs_fastest_torch"] = (
+        min(res[k]["median_s"] for k in torch_runs) / res["tpulab"]["median_s"]
+    )
+    res["agreement"] = {
+        "first_step_loss_tpulab": float(jl[0]),
+        "first_step_loss_torch": float(tl[0]),
+        "first_step_rel_diff": float(rel[0]),
+        "max_rel_loss_diff_all_steps": float(rel.max()),
+        "last_step_loss_tpulab": float(jl[-1]),
+        "last_step_loss_torch": float(tl[-1]),
+        "steps_compared": len(jl),
+    }
     return res
 
 
 # --- part 2: time from process start to the first resumed step ----------------------------------------
 
+
 def train_argv(run_dir: Path, cache: Path, steps: int) -> list[str]:
-    argv = tpulab_argv("train", "--run-dir", str(run_dir), "--config", str(CONFIG),
-                       "--steps", str(steps), "--compile-cache", str(cache), "--no-progress",
-                       "--set", "checkpoint.save_every=10")
+    argv = tpulab_argv(
+        "train",
+        "--run-dir",
+        str(run_dir),
+        "--config",
+        str(CONFIG),
+        "--steps",
+        str(steps),
+        "--compile-cache",
+        str(cache),
+        "--no-progress",
+        "--set",
+        "checkpoint.save_every=10",
+    )
     for o in OVERRIDES:
         argv += ["--set", o]
     return argv
@@ -248,24 +296,34 @@ def timed_resume(base: Path, run_dir: Path, cache: Path, first_step: int, last_s
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:
         t0 = time.monotonic()
-        proc = subprocess.Popen(train_argv(run_dir, cache, last_step), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            train_argv(run_dir, cache, last_step), stdout=f, stderr=subprocess.STDOUT
+        )
         t_first, size = None, -1
         while t_first is None and proc.poll() is None:
             time.sleep(0.01)
             new_size = (run_dir / M.METRICS).stat().st_size
             if new_size != size:
                 size = new_size
-                if any(r.get("step") == first_step and r.get("segment") == segment
-                       for r in M.read_records(run_dir)):
+                if any(
+                    r.get("step") == first_step and r.get("segment") == segment
+                    for r in M.read_records(run_dir)
+                ):
                     t_first = time.monotonic() - t0
         rc = proc.wait(timeout=300)
         t_exit = time.monotonic() - t0
     if rc != 0 or t_first is None:
-        sys.exit(f"error: resume in {run_dir} exited {rc} before step {first_step} was logged; see {log}")
+        sys.exit(
+            f"error: resume in {run_dir} exited {rc} before step {first_step} was logged; see {log}"
+        )
     start = M.starts(M.read_records(run_dir))[segment]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"spawn_to_first_step_s": t_first, "in_process_to_first_step_s": summary["time_to_first_step_s"],
-            "process_wall_s": t_exit, "resumed_from": start["resumed_from"]}
+    return {
+        "spawn_to_first_step_s": t_first,
+        "in_process_to_first_step_s": summary["time_to_first_step_s"],
+        "process_wall_s": t_exit,
+        "resumed_from": start["resumed_from"],
+    }
 
 
 def resume_startup(work: Path, repeats: int, base_steps: int = 12, resume_to: int = 14) -> dict:
@@ -273,19 +331,27 @@ def resume_startup(work: Path, repeats: int, base_steps: int = 12, resume_to: in
     run_logged(train_argv(base, warm_cache, base_steps), work / "base.log")
     trials = {"cold": [], "warm": []}
     for i in range(repeats):  # interleaved, so host-load drift hits both
-        trials["cold"].append(timed_resume(base, work / f"cold-{i}", work / f"cache-cold-{i}", base_steps + 1,
-                                           resume_to))
-        trials["warm"].append(timed_resume(base, work / f"warm-{i}", warm_cache, base_steps + 1, resume_to))
+        trials["cold"].append(
+            timed_resume(
+                base, work / f"cold-{i}", work / f"cache-cold-{i}", base_steps + 1, resume_to
+            )
+        )
+        trials["warm"].append(
+            timed_resume(base, work / f"warm-{i}", warm_cache, base_steps + 1, resume_to)
+        )
     out = {"base_steps": base_steps, "resume_to": resume_to, "repeats": repeats, "trials": trials}
     for kind, rows in trials.items():
         if any(r["resumed_from"] != base_steps for r in rows):
             sys.exit(f"error: a {kind} resume did not start from checkpoint {base_steps}: {rows}")
-        out[kind] = {k: statistics.median(r[k] for r in rows)
-                     for k in ("spawn_to_first_step_s", "in_process_to_first_step_s", "process_wall_s")}
+        out[kind] = {
+            k: statistics.median(r[k] for r in rows)
+            for k in ("spawn_to_first_step_s", "in_process_to_first_step_s", "process_wall_s")
+        }
     return out
 
 
 # --- report ---------------------------------------------------------------------------------------------
+
 
 def markdown(result: dict) -> str:
     t, env, c = result["throughput"], result["environment"], result["config"]
@@ -301,15 +367,19 @@ def markdown(result: dict) -> str:
         "| implementation | median step (ms) | p10-p90 (ms) | tokens/s | vs torch eager |",
         "|---|---|---|---|---|",
     ]
-    names = {"tpulab": "tpulab (jit, donated)",
-             "torch_eager": f"PyTorch eager, {t['torch_threads']['torch_eager']} threads (baseline)",
-             "torch_eager_1thread": "PyTorch eager, 1 thread (sensitivity)"}
+    names = {
+        "tpulab": "tpulab (jit, donated)",
+        "torch_eager": f"PyTorch eager, {t['torch_threads']['torch_eager']} threads (baseline)",
+        "torch_eager_1thread": "PyTorch eager, 1 thread (sensitivity)",
+    }
     for key, name in names.items():
         if key not in t:
             continue
         r = t[key]
-        lines.append(f"| {name} | {1e3 * r['median_s']:.1f} | {1e3 * r['p10_s']:.1f}-{1e3 * r['p90_s']:.1f} "
-                     f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / t['torch_eager']['tokens_per_s']:.2f}x |")
+        lines.append(
+            f"| {name} | {1e3 * r['median_s']:.1f} | {1e3 * r['p10_s']:.1f}-{1e3 * r['p90_s']:.1f} "
+            f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / t['torch_eager']['tokens_per_s']:.2f}x |"
+        )
     lines += [
         "",
         f"Agreement (same init, same batches): first-step loss tpulab {a['first_step_loss_tpulab']:.7f}, "
@@ -332,16 +402,19 @@ def markdown(result: dict) -> str:
         ]
         for kind in ("cold", "warm"):
             x = r[kind]
-            lines.append(f"| {kind} ({'empty dir' if kind == 'cold' else 'filled by an earlier run'}) | "
-                         f"{x['spawn_to_first_step_s']:.2f} | {x['in_process_to_first_step_s']:.2f} | "
-                         f"{x['process_wall_s']:.2f} |")
+            lines.append(
+                f"| {kind} ({'empty dir' if kind == 'cold' else 'filled by an earlier run'}) | "
+                f"{x['spawn_to_first_step_s']:.2f} | {x['in_process_to_first_step_s']:.2f} | "
+                f"{x['process_wall_s']:.2f} |"
+            )
     pk = env["packages"]
     lines += [
         "",
         f"Provenance: backend `{env['backend']}`, device kind `{env['device_kind']}` x{env['device_count']}, "
         f"{env['cpu_count']} CPU cores, torch threads {result['torch_threads']} (baseline) and 1 (sensitivity row), "
         "load average at start "
-        f"{env['load_avg_1m_5m_15m']}; " + ", ".join(f"{k} {v}" for k, v in pk.items() if v)
+        f"{env['load_avg_1m_5m_15m']}; "
+        + ", ".join(f"{k} {v}" for k, v in pk.items() if v)
         + f"; commit `{env['git_commit']}`; {env['time_utc']}.",
     ]
     return "\n".join(lines) + "\n"
@@ -350,9 +423,13 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=21, help="timed steps per implementation (>= 20)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (tpulab's include the compile)")
+    ap.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first (tpulab's include the compile)"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    ap.add_argument("--resume-repeats", type=int, default=2, help="cold and warm resumes each (0 skips part 2)")
+    ap.add_argument(
+        "--resume-repeats", type=int, default=2, help="cold and warm resumes each (0 skips part 2)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-train-throughput")
     args = ap.parse_args(argv)
@@ -363,12 +440,22 @@ def main(argv=None) -> int:
     config = load(RunConfig, CONFIG, OVERRIDES)
     torch.set_num_threads(os.cpu_count())
     env = benchmark_environment(("torch",))
-    result = {"config": to_dict(config), "overrides": OVERRIDES, "torch_threads": os.cpu_count(),
-              "environment": env, "dtype": config.precision.compute_dtype,
-              "shapes": {"batch": config.data.batch_size, "seq": config.data.seq_len,
-                         "d_model": config.model.d_model, "n_layers": config.model.n_layers,
-                         "n_heads": config.model.n_heads, "vocab": config.model.vocab_size},
-              "throughput": throughput(config, args.steps, args.warmup, args.rounds)}
+    result = {
+        "config": to_dict(config),
+        "overrides": OVERRIDES,
+        "torch_threads": os.cpu_count(),
+        "environment": env,
+        "dtype": config.precision.compute_dtype,
+        "shapes": {
+            "batch": config.data.batch_size,
+            "seq": config.data.seq_len,
+            "d_model": config.model.d_model,
+            "n_layers": config.model.n_layers,
+            "n_heads": config.model.n_heads,
+            "vocab": config.model.vocab_size,
+        },
+        "throughput": throughput(config, args.steps, args.warmup, args.rounds),
+    }
     if args.resume_repeats > 0:
         if args.work.exists():
             shutil.rmtree(args.work)
@@ -379,7 +466,9 @@ def main(argv=None) -> int:
     md = markdown(result)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "train_throughput.json", result)
-    atomic_write_bytes(args.out / "train_throughput.md", ("# Training throughput\n\n" + md).encode())
+    atomic_write_bytes(
+        args.out / "train_throughput.md", ("# Training throughput\n\n" + md).encode()
+    )
     print(md, end="")
     print(f"written to {args.out / 'train_throughput.md'} and .json")
     return 0

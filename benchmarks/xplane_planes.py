@@ -19,5 +19,7 @@ for plane in ProfileData.from_file(sys.argv[1]).planes:
             keys.update(stats.keys())
             if "hlo_module" in stats:
                 modules[str(stats["hlo_module"])] += 1
-    print(f"{plane.name!r}: lines {[ln.name for ln in plane.lines][:8]}, {n} events, "
-          f"stats {dict(keys.most_common(8))}, modules {dict(modules.most_common(4))}")
+    print(
+        f"{plane.name!r}: lines {[ln.name for ln in plane.lines][:8]}, {n} events, "
+        f"stats {dict(keys.most_common(8))}, modules {dict(modules.most_common(4))}"
+    )

@@ -20,7 +20,9 @@ TINY = REPO / "configs" / "tiny.yaml"
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_env(tmp_path_factory) -> dict:
     """One persistent JAX compilation cache for this process and every child it starts."""
-    cache = os.environ.get("TPULAB_COMPILE_CACHE") or str(tmp_path_factory.mktemp("jax-compile-cache"))
+    cache = os.environ.get("TPULAB_COMPILE_CACHE") or str(
+        tmp_path_factory.mktemp("jax-compile-cache")
+    )
     os.environ["TPULAB_COMPILE_CACHE"] = cache
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
     from tpulab import compile_cache
@@ -47,7 +49,15 @@ def trained_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python -m tpulab.cli ARGS` in a real subprocess (same venv), output captured."""
-    return subprocess.run([sys.executable, "-m", "tpulab.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=set_explicitly(dict(os.environ), env or {}), cwd=cwd or REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "tpulab.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=set_explicitly(dict(os.environ), env or {}),
+        cwd=cwd or REPO,
+    )

@@ -40,7 +40,10 @@ class NanAt(Hooks):
         if step != self.step:
             return state, metrics
         poison = lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else x  # noqa: E731
-        return state._replace(params=jax.tree.map(poison, state.params)), {**metrics, "loss": metrics["loss"] * jnp.nan}
+        return state._replace(params=jax.tree.map(poison, state.params)), {
+            **metrics,
+            "loss": metrics["loss"] * jnp.nan,
+        }
 
 
 class HangAt(Hooks):
@@ -82,13 +85,23 @@ def main() -> int:
     if args.stall_timeout:
         from tpulab.train.watchdog import STALL_EXIT_CODE, StallWatchdog
 
-        hooks.append(StallWatchdog(args.run_dir, timeout_s=args.stall_timeout,
-                                   exit_code=STALL_EXIT_CODE if args.stall_exit else None))
+        hooks.append(
+            StallWatchdog(
+                args.run_dir,
+                timeout_s=args.stall_timeout,
+                exit_code=STALL_EXIT_CODE if args.stall_exit else None,
+            )
+        )
     from tpulab.errors import TpulabError
 
     try:
-        train(load(RunConfig, args.config, args.overrides), args.run_dir, progress=False,
-              compile_cache_dir=args.compile_cache, hooks=hooks)
+        train(
+            load(RunConfig, args.config, args.overrides),
+            args.run_dir,
+            progress=False,
+            compile_cache_dir=args.compile_cache,
+            hooks=hooks,
+        )
     except TpulabError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -19,7 +19,7 @@ LAYERS = [
     {"train"},
     {"proofs"},
     {"inference", "bridge", "cloud", "tracking"},
-    {"perf"},
+    {"perf", "ops"},
     {"orchestrate"},
     {"cli"},
 ]
@@ -37,8 +37,11 @@ def _imports(path: Path) -> set[str]:
 
 
 def _unit(module_or_path) -> str:
-    parts = module_or_path.split(".") if isinstance(module_or_path, str) else \
-        module_or_path.relative_to(SRC).with_suffix("").parts
+    parts = (
+        module_or_path.split(".")
+        if isinstance(module_or_path, str)
+        else module_or_path.relative_to(SRC).with_suffix("").parts
+    )
     parts = [p for p in parts if p != "tpulab"] if isinstance(module_or_path, str) else list(parts)
     return parts[0] if parts else ""
 
@@ -64,15 +67,22 @@ def test_imports_only_go_down_the_layers():
 def test_no_import_cycles_between_modules():
     tool = REPO.parent / "shared" / "tools" / "import_cycles.py"
     script = tool if tool.exists() else None
-    if script is None:  # the shared tool is optional; the layer test above already forbids package cycles
+    if (
+        script is None
+    ):  # the shared tool is optional; the layer test above already forbids package cycles
         return
-    result = subprocess.run([sys.executable, str(script), str(REPO / "src"), "tpulab"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(script), str(REPO / "src"), "tpulab"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout
 
 
 def test_the_library_never_imports_the_cli():
-    users = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if _unit(p) != "cli"
-             and any(m.startswith("tpulab.cli") for m in _imports(p))]
+    users = [
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if _unit(p) != "cli" and any(m.startswith("tpulab.cli") for m in _imports(p))
+    ]
     assert not users
 
 

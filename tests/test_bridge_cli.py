@@ -23,7 +23,11 @@ def run(capsys, *argv) -> tuple[int, str]:
 
 
 def snapshot(d: Path) -> dict:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
@@ -36,19 +40,40 @@ def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
 @pytest.fixture
 def trained(tmp_path, capsys):
     d = tmp_path / "run"
-    rc, err = run(capsys, "train", "--backend", "torch", "--run-dir", d, *SMALL, "--augment", "0.1", "--dropout", "0.2")
+    rc, err = run(
+        capsys,
+        "train",
+        "--backend",
+        "torch",
+        "--run-dir",
+        d,
+        *SMALL,
+        "--augment",
+        "0.1",
+        "--dropout",
+        "0.2",
+    )
     assert rc == 0, err
     return d
 
 
 def test_unknown_backend_and_method(tmp_path, capsys):
     d = tmp_path / "x"
-    assert_one_line_error(*run(capsys, "train", "--backend", "tensorflow", "--run-dir", d), "unknown backend 'tensorflow'")
-    assert_one_line_error(*run(capsys, "train", "--backend", "torch", "--method", "jit", "--run-dir", d),
-                          "backend 'torch' has no method 'jit'")
-    assert_one_line_error(*run(capsys, "prove-resume", "--backend", "torchax", "--method", "aot", "--run-dir", d),
-                          "has no method 'aot'")
-    assert_one_line_error(*run(capsys, "train", "--backend", "torch", "--run-dir", d, "--dropout", "1.5"), "dropout")
+    assert_one_line_error(
+        *run(capsys, "train", "--backend", "tensorflow", "--run-dir", d),
+        "unknown backend 'tensorflow'",
+    )
+    assert_one_line_error(
+        *run(capsys, "train", "--backend", "torch", "--method", "jit", "--run-dir", d),
+        "backend 'torch' has no method 'jit'",
+    )
+    assert_one_line_error(
+        *run(capsys, "prove-resume", "--backend", "torchax", "--method", "aot", "--run-dir", d),
+        "has no method 'aot'",
+    )
+    assert_one_line_error(
+        *run(capsys, "train", "--backend", "torch", "--run-dir", d, "--dropout", "1.5"), "dropout"
+    )
     assert not d.exists()
 
 
@@ -56,7 +81,10 @@ def test_unknown_backend_and_method(tmp_path, capsys):
 def test_torch_xla_absent_is_one_line(tmp_path, capsys):
     d = tmp_path / "x"
     for cmd in ("train", "prove-resume"):
-        assert_one_line_error(*run(capsys, cmd, "--backend", "torch_xla", "--run-dir", d), "torch_xla is not installed here")
+        assert_one_line_error(
+            *run(capsys, cmd, "--backend", "torch_xla", "--run-dir", d),
+            "torch_xla is not installed here",
+        )
     assert not d.exists()
 
 
@@ -64,7 +92,12 @@ def test_checkpoint_layout_and_meta(trained):
     dirs = C.step_dirs(trained)
     assert [s for s, _ in dirs] == [3, 6]
     meta = C.read_meta(dirs[-1][1])
-    assert (meta["backend"], meta["method"], meta["step"], meta["rng_saved"]) == ("torch", "eager", 6, True)
+    assert (meta["backend"], meta["method"], meta["step"], meta["rng_saved"]) == (
+        "torch",
+        "eager",
+        6,
+        True,
+    )
     state = C.load_state(dirs[-1][1])
     assert set(state) >= {"model", "optimizer", "step", "rng"}
     assert set(state["rng"]) == {"torch_cpu", "augment"}
@@ -82,15 +115,30 @@ def _rewrite_meta(ckpt: Path, **changes) -> None:
     write_manifest(ckpt, extra={"step": meta["step"]})
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--backend", "torchax"], "backend: 'torch' -> 'torchax'"),
-    (["--backend", "torch", "--lr", "0.02"], "lr: 0.01 -> 0.02"),
-    (["--backend", "torch", "--seed", "3"], "seed: 0 -> 3"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--backend", "torchax"], "backend: 'torch' -> 'torchax'"),
+        (["--backend", "torch", "--lr", "0.02"], "lr: 0.01 -> 0.02"),
+        (["--backend", "torch", "--seed", "3"], "seed: 0 -> 3"),
+    ],
+)
 def test_refuses_foreign_checkpoint_and_writes_nothing(trained, capsys, argv, needle):
     before = snapshot(trained)
-    rc, err = run(capsys, "train", "--run-dir", trained, *SMALL, "--augment", "0.1", "--dropout", "0.2",
-                  *argv, "--steps", "9")
+    rc, err = run(
+        capsys,
+        "train",
+        "--run-dir",
+        trained,
+        *SMALL,
+        "--augment",
+        "0.1",
+        "--dropout",
+        "0.2",
+        *argv,
+        "--steps",
+        "9",
+    )
     assert_one_line_error(rc, err, "belongs to another run", needle, "--force")
     assert snapshot(trained) == before
 
@@ -98,12 +146,39 @@ def test_refuses_foreign_checkpoint_and_writes_nothing(trained, capsys, argv, ne
 def test_refuses_checkpoint_of_another_method(trained, capsys):
     _rewrite_meta(C.step_dirs(trained)[-1][1], method="jit", backend="torchax")
     before = snapshot(trained)
-    rc, err = run(capsys, "train", "--backend", "torch", "--run-dir", trained, *SMALL, "--augment", "0.1",
-                  "--dropout", "0.2", "--steps", "9")
+    rc, err = run(
+        capsys,
+        "train",
+        "--backend",
+        "torch",
+        "--run-dir",
+        trained,
+        *SMALL,
+        "--augment",
+        "0.1",
+        "--dropout",
+        "0.2",
+        "--steps",
+        "9",
+    )
     assert_one_line_error(rc, err, "method: 'jit' -> 'eager'")
     assert snapshot(trained) == before
-    rc, err = run(capsys, "train", "--backend", "torch", "--run-dir", trained, *SMALL, "--augment", "0.1",
-                  "--dropout", "0.2", "--steps", "9", "--force")
+    rc, err = run(
+        capsys,
+        "train",
+        "--backend",
+        "torch",
+        "--run-dir",
+        trained,
+        *SMALL,
+        "--augment",
+        "0.1",
+        "--dropout",
+        "0.2",
+        "--steps",
+        "9",
+        "--force",
+    )
     assert_one_line_error(rc, err, "even with --force")
     assert snapshot(trained) == before
 
@@ -114,15 +189,44 @@ def test_corrupt_checkpoint_is_refused(trained, capsys):
     data[len(data) // 2] ^= 0xFF
     state.write_bytes(bytes(data))
     before = snapshot(trained)
-    rc, err = run(capsys, "train", "--backend", "torch", "--run-dir", trained, *SMALL, "--augment", "0.1",
-                  "--dropout", "0.2", "--steps", "9")
+    rc, err = run(
+        capsys,
+        "train",
+        "--backend",
+        "torch",
+        "--run-dir",
+        trained,
+        *SMALL,
+        "--augment",
+        "0.1",
+        "--dropout",
+        "0.2",
+        "--steps",
+        "9",
+    )
     assert_one_line_error(rc, err, "checksum mismatch", "state.pt")
     assert snapshot(trained) == before
 
 
 def test_force_loads_other_config(trained, capsys):
-    rc, err = run(capsys, "train", "--backend", "torch", "--run-dir", trained, *SMALL, "--augment", "0.1",
-                  "--dropout", "0.2", "--lr", "0.02", "--steps", "9", "--force")
+    rc, err = run(
+        capsys,
+        "train",
+        "--backend",
+        "torch",
+        "--run-dir",
+        trained,
+        *SMALL,
+        "--augment",
+        "0.1",
+        "--dropout",
+        "0.2",
+        "--lr",
+        "0.02",
+        "--steps",
+        "9",
+        "--force",
+    )
     assert rc == 0, err
     last = M.starts(M.read_records(trained))[-1]
     assert last["resumed_from"] == 6 and "lr: 0.01 -> 0.02" in last["forced"][0]
@@ -130,7 +234,9 @@ def test_force_loads_other_config(trained, capsys):
 
 def _curve(d):
     recs = M.read_records(d)
-    return {s: v for seg in M.starts(recs) for s, v in M.curve(recs, segment=seg["segment"]).items()}
+    return {
+        s: v for seg in M.starts(recs) for s, v in M.curve(recs, segment=seg["segment"]).items()
+    }
 
 
 @pytest.mark.parametrize("restore_rng", [True, False])
@@ -142,7 +248,9 @@ def test_in_process_resume_is_exact_only_with_generator_state(tmp_path, restore_
     cfg = dict(n=32, hidden=16, checkpoint_every=3, augment=0.1, dropout=0.2)
     train(BridgeConfig(steps=12, **cfg), "torch", "eager", tmp_path / "ref")
     train(BridgeConfig(steps=6, **cfg), "torch", "eager", tmp_path / "res", restore_rng=restore_rng)
-    out = train(BridgeConfig(steps=12, **cfg), "torch", "eager", tmp_path / "res", restore_rng=restore_rng)
+    out = train(
+        BridgeConfig(steps=12, **cfg), "torch", "eager", tmp_path / "res", restore_rng=restore_rng
+    )
     assert out["resumed_from"] == 6
     ref, res = _curve(tmp_path / "ref"), _curve(tmp_path / "res")
     assert sorted(res) == list(range(1, 13))

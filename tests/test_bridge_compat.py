@@ -21,7 +21,9 @@ def torchax():
 
 
 def test_raw_import_still_fails_on_removed_named_overloads():
-    p = subprocess.run([sys.executable, "-c", "import torchax"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", "import torchax"], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode != 0, "torchax now imports beside this torch: drop the named-overload shim"
     assert "AttributeError" in p.stderr and "has no overload name" in p.stderr, p.stderr[-500:]
 
@@ -31,7 +33,9 @@ def test_shim_stubs_only_overloads_torch_removed(torchax):
     assert 15 <= len(set(torchax_compat.STUBBED_OVERLOADS)) <= 40
     for name in set(torchax_compat.STUBBED_OVERLOADS):
         op, overload = name.split("::")[1].split(".")
-        assert not hasattr(getattr(torch.ops.aten, op), overload), f"{name} exists in torch: shim too broad"
+        assert not hasattr(getattr(torch.ops.aten, op), overload), (
+            f"{name} exists in torch: shim too broad"
+        )
     # the shim is gone once torchax is imported: torch raises for missing overloads again
     with pytest.raises(AttributeError):
         torch.ops.aten.prod.dim_Dimname  # noqa: B018
@@ -41,7 +45,9 @@ def _backward_grad(env):
     model = torch.nn.Linear(3, 1)
     with env:
         model.to("jax")
-        loss = torch.nn.functional.mse_loss(model(torch.ones(4, 3, device="jax")), torch.zeros(4, 1, device="jax"))
+        loss = torch.nn.functional.mse_loss(
+            model(torch.ones(4, 3, device="jax")), torch.zeros(4, 1, device="jax")
+        )
         loss.backward()
         return model.weight.grad
 
@@ -50,7 +56,9 @@ def test_raw_linear_override_still_bypasses_autograd(torchax):
     from torchax.tensor import Environment
 
     fresh = Environment()  # its own op table, untouched by enable_eager_autograd
-    assert torch.nn.functional.linear in fresh._ops, "torchax no longer overrides F.linear: drop enable_eager_autograd"
+    assert torch.nn.functional.linear in fresh._ops, (
+        "torchax no longer overrides F.linear: drop enable_eager_autograd"
+    )
     with pytest.raises(RuntimeError, match="does not require grad"):
         _backward_grad(fresh)
 

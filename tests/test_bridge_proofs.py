@@ -26,7 +26,9 @@ def shared_jax_cache(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, method", [("torch", "eager"), ("torchax", "eager"), ("torchax", "jit")])
+@pytest.mark.parametrize(
+    "backend, method", [("torch", "eager"), ("torchax", "eager"), ("torchax", "jit")]
+)
 def test_prove_resume_bitwise(tmp_path, backend, method):
     from tpulab.bridge.prove import prove
 
@@ -61,13 +63,25 @@ def test_compare_torchax_agrees_with_torch_at_step_200(tmp_path):
     cfg = BridgeConfig()  # the defaults: 200 steps
     assert cfg.steps == 200
     out = compare(cfg, tmp_path, timeout_s=300)
-    rows = {(r["backend"], r["method"]): r for r in json.loads((tmp_path / "compare.json").read_text())["rows"]}
+    rows = {
+        (r["backend"], r["method"]): r
+        for r in json.loads((tmp_path / "compare.json").read_text())["rows"]
+    }
     assert {("torch", "eager"), ("torchax", "eager"), ("torchax", "jit")} <= set(rows)
     for r in rows.values():
-        assert set(r) >= {"backend", "method", "final_loss", "max_abs_diff_vs_torch", "rel_diff_final"}
+        assert set(r) >= {
+            "backend",
+            "method",
+            "final_loss",
+            "max_abs_diff_vs_torch",
+            "rel_diff_final",
+        }
         assert r["rel_diff_final"] < 1e-4, r
     assert rows[("torch", "eager")]["max_abs_diff_vs_torch"] == 0.0
-    assert "| torchax | jit |" in (tmp_path / "compare.md").read_text() and "| torchax | jit |" in out["markdown"]
+    assert (
+        "| torchax | jit |" in (tmp_path / "compare.md").read_text()
+        and "| torchax | jit |" in out["markdown"]
+    )
     assert (tmp_path / "compare.png").stat().st_size > 10_000
     with pytest.raises(TpulabError, match="already holds a comparison"):
         compare(cfg, tmp_path)

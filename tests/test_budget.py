@@ -8,13 +8,17 @@ import pytest
 
 from conftest import run_cli, tiny_config
 
-pytest.importorskip("libtpu", reason="libtpu (the XLA:TPU compiler) is installed by `make setup` on Linux x86_64")
+pytest.importorskip(
+    "libtpu", reason="libtpu (the XLA:TPU compiler) is installed by `make setup` on Linux x86_64"
+)
 
 
 def test_aot_train_step_compiles_for_v5e_v5p_v6e_with_peak_memory_and_flops():
     from tpulab.perf import aot
 
-    small = {t: aot.compile_train_step(tiny_config(), t) for t in ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")}
+    small = {
+        t: aot.compile_train_step(tiny_config(), t) for t in ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
+    }
     kinds = {t: r["device_kind"] for t, r in small.items()}
     assert kinds == {"v5e:2x2": "TPU v5 lite", "v5p:2x2x1": "TPU v5", "v6e:2x2": "TPU v6 lite"}
     for r in small.values():
@@ -56,21 +60,56 @@ def test_analytic_counts_match_the_model_and_remat_saves_activations():
 
 def test_budget_cli_writes_compiled_table_and_rejects_bad_targets(tmp_path):
     out = tmp_path / "budget"
-    r = run_cli("budget", "--config", "configs/tiny.yaml", "--target", "v5e:2x2", "--serve-batch", "4",
-                "--out", str(out))
+    r = run_cli(
+        "budget",
+        "--config",
+        "configs/tiny.yaml",
+        "--target",
+        "v5e:2x2",
+        "--serve-batch",
+        "4",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "Recommendation: v5e:2x2" in r.stdout and "compiled peak" in r.stdout
-    assert "libtpu_init" not in r.stderr and "TPU_WORKER_HOSTNAMES" not in r.stderr  # quiet off a TPU
+    assert (
+        "libtpu_init" not in r.stderr and "TPU_WORKER_HOSTNAMES" not in r.stderr
+    )  # quiet off a TPU
     data = json.loads((out / "budget.json").read_text())
     row = data["rows"][0]
     assert row["compiled_train"]["peak_bytes"] > 0 and row["compiled_decode_bf16"]["flops"] > 0
     assert row["bound"] in ("compute-bound", "memory-bound") and data["environment"]["libtpu"]
 
-    for bad, expect in (("v7x:2x2", "generations v4, v5e, v5p, v6e"), ("v5e:3x3", "libtpu rejected")):
-        r = run_cli("budget", "--config", "configs/tiny.yaml", "--target", bad, "--out", str(tmp_path / "bad"))
+    for bad, expect in (
+        ("v7x:2x2", "generations v4, v5e, v5p, v6e"),
+        ("v5e:3x3", "libtpu rejected"),
+    ):
+        r = run_cli(
+            "budget",
+            "--config",
+            "configs/tiny.yaml",
+            "--target",
+            bad,
+            "--out",
+            str(tmp_path / "bad"),
+        )
         assert r.returncode == 2 and r.stderr.startswith("error: ") and expect in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "bad").exists()
-    r = run_cli("budget", "--config", "configs/tiny.yaml", "--target", "v5e:2x2", "--set", "model.d_model=4096",
-                "--set", "model.n_layers=48", "--set", "model.n_heads=32", "--out", str(tmp_path / "huge"))
+    r = run_cli(
+        "budget",
+        "--config",
+        "configs/tiny.yaml",
+        "--target",
+        "v5e:2x2",
+        "--set",
+        "model.d_model=4096",
+        "--set",
+        "model.n_layers=48",
+        "--set",
+        "model.n_heads=32",
+        "--out",
+        str(tmp_path / "huge"),
+    )
     assert r.returncode == 2 and "fits none of v5e:2x2" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "huge").exists()

@@ -11,17 +11,38 @@ pytestmark = pytest.mark.slow
 
 def test_capstone_writes_report_overlay_and_verdict(tmp_path):
     out = tmp_path / "cap"
-    result = run_cli("capstone", "--out", str(out), "--config", str(TINY), "--skip-bridge", "--skip-inference",
-                     "--chaos-kills", "1", "--skip-scaleout", "--skip-dossier")  # both have their own slow tests
+    result = run_cli(
+        "capstone",
+        "--out",
+        str(out),
+        "--config",
+        str(TINY),
+        "--skip-bridge",
+        "--skip-inference",
+        "--chaos-kills",
+        "1",
+        "--skip-scaleout",
+        "--skip-dossier",
+    )  # both have their own slow tests
     assert result.returncode == 0, result.stderr
     report = (out / "report.md").read_text()
     assert "Status: **PASS**" in report and "bitwise identical" in report and "not a TPU" in report
-    assert "## Runtime receipt" in report and json.loads((out / "receipt" / "receipt.json").read_text())["runtime"]["backend"] == "cpu"
+    assert (
+        "## Runtime receipt" in report
+        and json.loads((out / "receipt" / "receipt.json").read_text())["runtime"]["backend"]
+        == "cpu"
+    )
     assert json.loads((out / "proof" / "verdict.json").read_text())["identical"] is True
     assert (out / "proof" / "overlay.png").stat().st_size > 10_000
     assert all(r["passed"] for r in json.loads((out / "checks.json").read_text())["rows"])
     chaos = json.loads((out / "chaos" / "verdict.json").read_text())
-    assert chaos["identical"] is True and chaos["kills"] == 1 and "Chaos: SIGKILL at random moments" in report
-    again = run_cli("capstone", "--out", str(out), "--config", str(TINY), "--skip-bridge", "--skip-inference")
+    assert (
+        chaos["identical"] is True
+        and chaos["kills"] == 1
+        and "Chaos: SIGKILL at random moments" in report
+    )
+    again = run_cli(
+        "capstone", "--out", str(out), "--config", str(TINY), "--skip-bridge", "--skip-inference"
+    )
     assert again.returncode != 0 and "already exists and is not empty" in again.stderr
     assert (out / "report.md").read_text() == report  # nothing overwritten

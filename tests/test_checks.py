@@ -26,12 +26,16 @@ def test_every_check_passes_on_a_clean_run_and_reads_the_ledger(trained_run):
     results = run_checks(tiny_config(), run_dir=trained_run)
     assert all(r["passed"] for r in results), [r for r in results if not r["passed"]]
     ledger = read_ledger(trained_run)
-    assert sorted(ledger["train"]) == list(range(1, 41)) and all(len(h) == 8 for h in ledger["train"].values())
+    assert sorted(ledger["train"]) == list(range(1, 41)) and all(
+        len(h) == 8 for h in ledger["train"].values()
+    )
     assert len(ledger["eval"]) > 0
     assert "cut points t = " in results[0]["detail"]
 
 
-@pytest.mark.parametrize("leak", ["validation window in a training batch", "training window in an eval batch"])
+@pytest.mark.parametrize(
+    "leak", ["validation window in a training batch", "training window in an eval batch"]
+)
 def test_a_planted_leak_fails_its_check(trained_run, tmp_path, leak):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)

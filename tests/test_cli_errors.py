@@ -21,14 +21,19 @@ def assert_one_line_error(result, *needles):
         assert n in errors[0], errors[0]
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("model.bogus=1", "unknown config key 'model.bogus'"),
-    ("optim.lr=-0.1", "optim.lr=-0.1 must be positive"),
-    ("data.seq_len=999", "data.seq_len=999 exceeds model.max_seq_len=32"),
-    ("model.n_heads=5", "model.d_model=32 is not divisible by model.n_heads=5"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model.bogus=1", "unknown config key 'model.bogus'"),
+        ("optim.lr=-0.1", "optim.lr=-0.1 must be positive"),
+        ("data.seq_len=999", "data.seq_len=999 exceeds model.max_seq_len=32"),
+        ("model.n_heads=5", "model.d_model=32 is not divisible by model.n_heads=5"),
+    ],
+)
 def test_bad_config_values(tmp_path, override, needle):
-    result = run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(TINY), "--set", override)
+    result = run_cli(
+        "train", "--run-dir", str(tmp_path / "r"), "--config", str(TINY), "--set", override
+    )
     assert_one_line_error(result, needle)
     assert not (tmp_path / "r").exists()
 
@@ -57,14 +62,23 @@ def run_cli_reaped(*args: str, cwd, timeout: float = 60) -> subprocess.Completed
     These inputs must fail before anything starts; if a regression lets them through, a proof or
     capstone spawns training children (in sessions of their own), which must not outlive the test.
     """
-    proc = subprocess.Popen([sys.executable, "-m", "tpulab.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tpulab.cli", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     finally:
         for pid in [proc.pid, *_descendants(proc.pid)]:  # collected while the tree is still linked
-            for kill in (lambda p: os.killpg(p, signal.SIGKILL), lambda p: os.kill(p, signal.SIGKILL)):
+            for kill in (
+                lambda p: os.killpg(p, signal.SIGKILL),
+                lambda p: os.kill(p, signal.SIGKILL),
+            ):
                 try:
                     kill(pid)
                 except (ProcessLookupError, PermissionError):
@@ -76,20 +90,38 @@ BINARY_JUNK = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x80\x81"
 LATIN1_YAML = "seed: 0\n# Fran\xe7ois\n".encode("latin-1")
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--set", "optim.lr=inf"], "config key 'optim.lr' must be a finite number, got 'inf'"),
-    (["--set", "optim.eps=.inf"], "config key 'optim.eps' must be a finite number, got inf"),
-    (["--set", "optim.b2=nan"], "config key 'optim.b2' must be a finite number"),
-    (["--set", f"seed={10**25}"], "seed=10000000000000000000000000 must be in [0, 4294967295]"),
-    (["--set", f"model.d_model={10**12}"], "model.d_model=1000000000000 must be in [1, 65536]"),
-    (["--set", "model.d_model=65536", "--set", "model.n_layers=4096"], "the model cannot fit in memory"),
-    (["--data", "x" * 5000], "data.path is 5000 bytes long"),
-    (["--data", ""], "data.path must not be empty"),
-    (["--config", "junk.yaml"], "junk.yaml is not UTF-8 text (byte 0xff at offset 0)"),
-    (["--config", "latin1.yaml"], "latin1.yaml is not UTF-8 text (byte 0xe7 at offset 14)"),
-    (["--run-dir", ""], "--run-dir must not be empty"),
-], ids=["lr-inf", "eps-inf", "b2-nan", "huge-seed", "huge-d_model", "unallocatable", "long-data-path",
-        "empty-data-path", "binary-config", "latin1-config", "empty-run-dir"])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--set", "optim.lr=inf"], "config key 'optim.lr' must be a finite number, got 'inf'"),
+        (["--set", "optim.eps=.inf"], "config key 'optim.eps' must be a finite number, got inf"),
+        (["--set", "optim.b2=nan"], "config key 'optim.b2' must be a finite number"),
+        (["--set", f"seed={10**25}"], "seed=10000000000000000000000000 must be in [0, 4294967295]"),
+        (["--set", f"model.d_model={10**12}"], "model.d_model=1000000000000 must be in [1, 65536]"),
+        (
+            ["--set", "model.d_model=65536", "--set", "model.n_layers=4096"],
+            "the model cannot fit in memory",
+        ),
+        (["--data", "x" * 5000], "data.path is 5000 bytes long"),
+        (["--data", ""], "data.path must not be empty"),
+        (["--config", "junk.yaml"], "junk.yaml is not UTF-8 text (byte 0xff at offset 0)"),
+        (["--config", "latin1.yaml"], "latin1.yaml is not UTF-8 text (byte 0xe7 at offset 14)"),
+        (["--run-dir", ""], "--run-dir must not be empty"),
+    ],
+    ids=[
+        "lr-inf",
+        "eps-inf",
+        "b2-nan",
+        "huge-seed",
+        "huge-d_model",
+        "unallocatable",
+        "long-data-path",
+        "empty-data-path",
+        "binary-config",
+        "latin1-config",
+        "empty-run-dir",
+    ],
+)
 def test_bad_input_found_by_attack(tmp_path, extra, needle):
     """Each fails before training (and before JAX): one line, and nothing written anywhere."""
     cwd = tmp_path / "cwd"
@@ -105,17 +137,42 @@ def test_bad_input_found_by_attack(tmp_path, extra, needle):
 
 def test_config_errors_come_before_jax_is_imported(tmp_path):
     """Fast failure: the config is validated (memory estimate included) before the heavy imports."""
-    result = run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(TINY), "--set",
-                     "model.d_model=65536", "--set", "model.n_layers=4096", env={"PYTHONPROFILEIMPORTTIME": "1"},
-                     timeout=60)
-    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert "tpulab.config" in imported and "tpulab.train.memory" in imported  # the profile sees our imports
-    assert not {m for m in imported if m == "jax" or m.startswith(("jax.", "jaxlib", "flax", "optax"))}
+    result = run_cli(
+        "train",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--config",
+        str(TINY),
+        "--set",
+        "model.d_model=65536",
+        "--set",
+        "model.n_layers=4096",
+        env={"PYTHONPROFILEIMPORTTIME": "1"},
+        timeout=60,
+    )
+    imported = {
+        line.split("|")[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert (
+        "tpulab.config" in imported and "tpulab.train.memory" in imported
+    )  # the profile sees our imports
+    assert not {
+        m for m in imported if m == "jax" or m.startswith(("jax.", "jaxlib", "flax", "optax"))
+    }
     assert_one_line_error(result, "cannot fit in memory")
 
 
-@pytest.mark.parametrize("argv", [["check", "--run-dir", ""], ["prove-resume", "--run-dir", ""],
-                                  ["capstone", "--out", ""], ["check", "--config", ""]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "--run-dir", ""],
+        ["prove-resume", "--run-dir", ""],
+        ["capstone", "--out", ""],
+        ["check", "--config", ""],
+    ],
+)
 def test_empty_paths_never_mean_the_current_directory(tmp_path, argv):
     result = run_cli_reaped(*argv, cwd=tmp_path)
     assert_one_line_error(result, f"{argv[1]} must not be empty")
@@ -125,17 +182,43 @@ def test_empty_paths_never_mean_the_current_directory(tmp_path, argv):
 def test_bad_paths(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    assert_one_line_error(run_cli("train", "--run-dir", str(a_file), "--config", str(TINY)), "is not a directory")
+    assert_one_line_error(
+        run_cli("train", "--run-dir", str(a_file), "--config", str(TINY)), "is not a directory"
+    )
     assert a_file.read_text() == "x"
-    assert_one_line_error(run_cli("train", "--run-dir", "/proc/tpulab-run", "--config", str(TINY)),
-                          "cannot create run dir")
-    assert_one_line_error(run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(TINY),
-                                  "--data", str(tmp_path / "nope")), "corpus not found")
+    assert_one_line_error(
+        run_cli("train", "--run-dir", "/proc/tpulab-run", "--config", str(TINY)),
+        "cannot create run dir",
+    )
+    assert_one_line_error(
+        run_cli(
+            "train",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--config",
+            str(TINY),
+            "--data",
+            str(tmp_path / "nope"),
+        ),
+        "corpus not found",
+    )
     (tmp_path / "empty").mkdir()
-    assert_one_line_error(run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(TINY),
-                                  "--data", str(tmp_path / "empty")), "holds no *.txt files")
-    assert_one_line_error(run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(tmp_path / "no.yaml")),
-                          "config file not found")
+    assert_one_line_error(
+        run_cli(
+            "train",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--config",
+            str(TINY),
+            "--data",
+            str(tmp_path / "empty"),
+        ),
+        "holds no *.txt files",
+    )
+    assert_one_line_error(
+        run_cli("train", "--run-dir", str(tmp_path / "r"), "--config", str(tmp_path / "no.yaml")),
+        "config file not found",
+    )
 
 
 def test_corrupt_checkpoints_refused_and_kept(trained_run, tmp_path):
@@ -146,12 +229,18 @@ def test_corrupt_checkpoints_refused_and_kept(trained_run, tmp_path):
         manifest.write_text(manifest.read_text().replace('"sha256": "', '"sha256": "0', 1))
     result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--steps", "45")
     assert_one_line_error(result, "no checkpoint", "passes verification")
-    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["20", "30", "40"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [
+        "20",
+        "30",
+        "40",
+    ]
     assert_one_line_error(run_cli("check", "--run-dir", str(run)), "no valid checkpoint")
 
 
 def test_changed_config_on_resume(trained_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--set", "model.dropout=0.2")
+    result = run_cli(
+        "train", "--run-dir", str(run), "--config", str(TINY), "--set", "model.dropout=0.2"
+    )
     assert_one_line_error(result, "refusing to resume step 40", "model.dropout", "--force")

@@ -36,9 +36,11 @@ TPU_WORD = re.compile(r"\bTPU\b")
 # Offline stand-in for the default bootstrap (which pip-installs jax[tpu] from the network): a real venv,
 # the staged wheel installed into it, this venv's site-packages for the third-party dependencies.
 # (--without-pip and the outer pip's --python: seconds faster per worker than seeding pip into each venv)
-OFFLINE_BOOTSTRAP = ("set -e; cd {remote_dir}; {python} -m venv --without-pip .venv; "
-                     f"echo {sysconfig.get_paths()['purelib']} > .venv/lib/python3.11/site-packages/_deps.pth; "
-                     "{python} -m pip --python .venv/bin/python install -q --no-deps --no-index {wheel}")
+OFFLINE_BOOTSTRAP = (
+    "set -e; cd {remote_dir}; {python} -m venv --without-pip .venv; "
+    f"echo {sysconfig.get_paths()['purelib']} > .venv/lib/python3.11/site-packages/_deps.pth; "
+    "{python} -m pip --python .venv/bin/python install -q --no-deps --no-index {wheel}"
+)
 
 
 @pytest.fixture
@@ -78,9 +80,17 @@ def _pids_under(root: Path) -> list[int]:
 
 
 def cloud_yaml(tmp_path, **over) -> Path:
-    cloud = {"project": "rehearsal-project", "zone": "us-central1-a", "name": "tpulab-rehearsal",
-             "accelerator_type": "v5litepod-8", "runtime_version": "v2-alpha-tpuv5-lite", "poll_s": 0.05,
-             "python": sys.executable, "bootstrap": OFFLINE_BOOTSTRAP, **over}
+    cloud = {
+        "project": "rehearsal-project",
+        "zone": "us-central1-a",
+        "name": "tpulab-rehearsal",
+        "accelerator_type": "v5litepod-8",
+        "runtime_version": "v2-alpha-tpuv5-lite",
+        "poll_s": 0.05,
+        "python": sys.executable,
+        "bootstrap": OFFLINE_BOOTSTRAP,
+        **over,
+    }
     path = tmp_path / "cloud.yaml"
     path.write_text(yaml.safe_dump({"cloud": cloud}))
     return path
@@ -100,21 +110,28 @@ def nodes_left(state: Path) -> list[str]:
 
 def one_error_line(p) -> str:
     lines = p.stderr.strip().splitlines()
-    assert lines and lines[-1].startswith("error: ") and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert lines and lines[-1].startswith("error: ") and "Traceback" not in p.stderr, p.stderr[
+        -2000:
+    ]
     return lines[-1]
 
 
 def form_signature(argv: list[str]) -> tuple:
     """verb, flag names, and whether --worker is all or one: what the real-parser test covered."""
     flags = sorted(a.split("=")[0] for a in argv if a.startswith("--"))
-    worker = next((("all" if a == "--worker=all" else "N") for a in argv if a.startswith("--worker=")), None)
+    worker = next(
+        (("all" if a == "--worker=all" else "N") for a in argv if a.startswith("--worker=")), None
+    )
     return argv[4], tuple(flags), worker
 
 
 def receipts_of(out: Path, run_name: str = "run") -> list[dict]:
     """Each worker's receipt(s), fetched from its own disk (workers/I/RUN/receipt/)."""
-    return [json.loads(p.read_text()) for i in range(2)
-            for p in sorted((out / "workers" / str(i) / run_name / "receipt").glob("receipt*.json"))]
+    return [
+        json.loads(p.read_text())
+        for i in range(2)
+        for p in sorted((out / "workers" / str(i) / run_name / "receipt").glob("receipt*.json"))
+    ]
 
 
 def assert_one_multiprocess_job(receipts: list[dict]) -> None:
@@ -126,8 +143,12 @@ def assert_one_multiprocess_job(receipts: list[dict]) -> None:
     assert sorted(rt["process_index"] for rt in rts) == [0, 1]
     n = sum(rt["local_device_count"] for rt in rts)
     assert all(rt["device_count"] == n for rt in rts)
-    assert rts[0]["devices"] == rts[1]["devices"]  # one global device list, the same in both processes
-    assert sorted(i for rt in rts for i in rt["local_device_ids"]) == sorted(d["id"] for d in rts[0]["devices"])
+    assert (
+        rts[0]["devices"] == rts[1]["devices"]
+    )  # one global device list, the same in both processes
+    assert sorted(i for rt in rts for i in rt["local_device_ids"]) == sorted(
+        d["id"] for d in rts[0]["devices"]
+    )
     for r in receipts:
         coll = r["evidence"]["collective"]
         assert coll["passed"] and coll["devices"] == n and coll["expected"] == n * (n - 1) / 2
@@ -142,8 +163,16 @@ PREEMPT_AT = 5
 
 def job_env(port: int) -> list[str]:
     """How the rehearsal forms the job: the coordinator env a real slice's cluster detection replaces."""
-    return ["--env", f"TPULAB_COORDINATOR=127.0.0.1:{port}", "--env", "TPULAB_NUM_PROCESSES=2",
-            "--worker-env", "0:TPULAB_PROCESS_ID=0", "--worker-env", "1:TPULAB_PROCESS_ID=1"]
+    return [
+        "--env",
+        f"TPULAB_COORDINATOR=127.0.0.1:{port}",
+        "--env",
+        "TPULAB_NUM_PROCESSES=2",
+        "--worker-env",
+        "0:TPULAB_PROCESS_ID=0",
+        "--worker-env",
+        "1:TPULAB_PROCESS_ID=1",
+    ]
 
 
 @pytest.mark.slow
@@ -154,39 +183,71 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     shared = state / "shared-mount"  # the "Filestore" every worker sees; it outlives the VM
     configure(shared_mount=str(shared))
     out = tmp_path / "cloud-run"
-    p = run_cli("tpu", "up", "--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path, expect="cpu",
-                                                                                   expect_devices=2)),
-                "--config", str(TINY), "--preempt-at", str(PREEMPT_AT), "--shared-dir", str(shared),
-                *job_env(free_port()),
-                env=env, timeout=600)
+    p = run_cli(
+        "tpu",
+        "up",
+        "--dir",
+        str(out),
+        "--cloud-config",
+        str(cloud_yaml(tmp_path, expect="cpu", expect_devices=2)),
+        "--config",
+        str(TINY),
+        "--preempt-at",
+        str(PREEMPT_AT),
+        "--shared-dir",
+        str(shared),
+        *job_env(free_port()),
+        env=env,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
 
     # The VM is gone, and tpulab verified it (describe NOT_FOUND, list without it).
     assert nodes_left(state) == []
     cleanup = json.loads((out / "cloud" / "cleanup.json").read_text())
-    assert cleanup["verified_gone"] and cleanup["describe"] == "absent" and cleanup["listed_names"] == []
+    assert (
+        cleanup["verified_gone"]
+        and cleanup["describe"] == "absent"
+        and cleanup["listed_names"] == []
+    )
 
     # Every gcloud call is recorded, and every one reached the (stand-in) CLI exactly as recorded.
     recorded = calls(out)
     # (per-worker calls run in parallel, so the two logs agree as multisets, not in order)
-    assert sorted(map(json.dumps, (c["argv"][1:] for c in recorded))) == \
-        sorted(map(json.dumps, (c["argv"] for c in fake_calls(state))))
+    assert sorted(map(json.dumps, (c["argv"][1:] for c in recorded))) == sorted(
+        map(json.dumps, (c["argv"] for c in fake_calls(state)))
+    )
     assert all({"rc", "duration_s", "stdout", "stderr", "command"} <= set(c) for c in recorded)
     steps = [c["step"] for c in recorded]
-    for expected in ("create", "create: wait for READY", "stage: copy", "stage: bootstrap",
-                     "run: shared dir (write on worker 0)", "run: shared dir (read on every worker)",
-                     "run: receipt[worker 0]", "run: job until preemption[worker 1]",
-                     "run: job (resume after preemption)[worker 0]", "fetch[worker 0]", "fetch[worker 1]",
-                     "fetch[shared run dir]", "delete", "delete: verify (describe)", "delete: verify (list)"):
+    for expected in (
+        "create",
+        "create: wait for READY",
+        "stage: copy",
+        "stage: bootstrap",
+        "run: shared dir (write on worker 0)",
+        "run: shared dir (read on every worker)",
+        "run: receipt[worker 0]",
+        "run: job until preemption[worker 1]",
+        "run: job (resume after preemption)[worker 0]",
+        "fetch[worker 0]",
+        "fetch[worker 1]",
+        "fetch[shared run dir]",
+        "delete",
+        "delete: verify (describe)",
+        "delete: verify (list)",
+    ):
         assert expected in steps, (expected, steps)
     # ...and each form is one the real gcloud parser accepted (tests/test_cloud_gcloud_parser.py).
     from tpulab.cloud.config import CloudConfig
     from tpulab.cloud.gcloud import command_forms
+
     tested = {form_signature(a) for a in command_forms(CloudConfig(project="p", zone="z")).values()}
     assert {form_signature(c["argv"]) for c in recorded} <= tested
     # the job ran in the shared dir: its run dir is SHARED/runs/run on every worker
     job_calls = [c for c in recorded if c["step"].startswith("run: job")]
-    assert len(job_calls) == 4 and all(f"--run-dir {shared}/runs/run" in c["command"] for c in job_calls)
+    assert len(job_calls) == 4 and all(
+        f"--run-dir {shared}/runs/run" in c["command"] for c in job_calls
+    )
 
     # Identity exactly as describe reported it.
     resource = json.loads((out / "cloud" / "resource.json").read_text())
@@ -210,31 +271,51 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     (w,) = fetch["workers"]
     assert w["source"] == "shared run dir" and [d["worker"] for d in fetch["worker_dirs"]] == [0, 1]
     run_dir = out / "shared" / "run"
-    assert Path(w["run_dir"]) == run_dir and not (out / "workers" / "0" / "run" / "checkpoints").exists()
+    assert (
+        Path(w["run_dir"]) == run_dir
+        and not (out / "workers" / "0" / "run" / "checkpoints").exists()
+    )
     (stopped,) = w["preempted_at"]
     assert PREEMPT_AT <= stopped < 40 and w["segments"] == 2
     assert w["resumed_from"] == [None, stopped] and w["final_step"] == 40
     records = read_records(run_dir / "metrics.jsonl")
-    assert [(r["process_index"], r["process_count"]) for r in records if r.get("event") == "start"] == [(0, 2)] * 2
+    assert [
+        (r["process_index"], r["process_count"]) for r in records if r.get("event") == "start"
+    ] == [(0, 2)] * 2
     # each worker's wrapper SIGTERM'd its own process (or, were it late, found it stopped on the other's notice);
     # both processes stopped at the one agreed step and exited 0
-    rehearsals = [json.loads((out / "workers" / str(i) / "run" / "preempt.json").read_text()) for i in range(2)]
+    rehearsals = [
+        json.loads((out / "workers" / str(i) / "run" / "preempt.json").read_text())
+        for i in range(2)
+    ]
     assert all(r["job_rc"] == 0 and r["preempted_at_step"] == stopped for r in rehearsals)
     assert any(r["stopped_by"] == "this wrapper's SIGTERM" for r in rehearsals)
-    assert all(r["signalled_after_logged_step"] is None or r["signalled_after_logged_step"] >= PREEMPT_AT
-               for r in rehearsals)
+    assert all(
+        r["signalled_after_logged_step"] is None or r["signalled_after_logged_step"] >= PREEMPT_AT
+        for r in rehearsals
+    )
     resumed = [r for r in records if r.get("event") == "start"][1]
-    assert resumed["resumed_from"] == stopped and resumed["checkpoint_digest"]  # the agreed step's checkpoint
+    assert (
+        resumed["resumed_from"] == stopped and resumed["checkpoint_digest"]
+    )  # the agreed step's checkpoint
     assert w["checkpoints"] and all(c["verified"] for c in w["checkpoints"])
-    for c in w["checkpoints"]:  # (keep=3: the agreed step's own checkpoint may be rotated out by 40)
-        assert sorted(x.name for x in (run_dir / c["path"] / "data").glob("process_*")) == \
-            ["process_0-of-2.json", "process_1-of-2.json"]  # both processes wrote into the one checkpoint
+    for c in w[
+        "checkpoints"
+    ]:  # (keep=3: the agreed step's own checkpoint may be rotated out by 40)
+        assert sorted(x.name for x in (run_dir / c["path"] / "data").glob("process_*")) == [
+            "process_0-of-2.json",
+            "process_1-of-2.json",
+        ]  # both processes wrote into the one checkpoint
     # independent re-check here, and a negative control: one flipped byte is caught
     ckpt = run_dir / w["checkpoints"][-1]["path"]
     verify_manifest(ckpt)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(ckpt, corrupt)
-    victim = next(f for f in sorted(corrupt.rglob("*")) if f.is_file() and f.name != MANIFEST and f.stat().st_size > 0)
+    victim = next(
+        f
+        for f in sorted(corrupt.rglob("*"))
+        if f.is_file() and f.name != MANIFEST and f.stat().st_size > 0
+    )
     data = bytearray(victim.read_bytes())
     data[0] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -244,9 +325,24 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     # The preempted-and-resumed job's loss on every step 1..40 is bit-identical to an uninterrupted 2-process
     # job trained here by another route (tpulab launch, this checkout, no cloud, no preemption).
     ref_dir = tmp_path / "reference"
-    p = run_cli("launch", "--processes", "2", "--devices-per-process", "1", "--log-dir", str(tmp_path / "ref-logs"),
-                "--", "train", "--config", str(TINY), "--run-dir", str(ref_dir), "--no-progress", "--no-track",
-                timeout=300)
+    p = run_cli(
+        "launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "1",
+        "--log-dir",
+        str(tmp_path / "ref-logs"),
+        "--",
+        "train",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(ref_dir),
+        "--no-progress",
+        "--no-track",
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     ref_records = read_records(ref_dir / "metrics.jsonl")
     assert [r["process_count"] for r in ref_records if r.get("event") == "start"] == [2]
@@ -266,11 +362,16 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     # The experiment log: identity, receipts, curve, verification, cleanup; never says TPU for a CPU run.
     log = (out / "experiment.md").read_text()
     assert not TPU_WORD.search(log)
-    assert "Hardware, from 2 worker receipt(s): CPU (cpu) x2 (global devices of one 2-process JAX job)." in log
+    assert (
+        "Hardware, from 2 worker receipt(s): CPU (cpu) x2 (global devices of one 2-process JAX job)."
+        in log
+    )
     assert "verified gone: **True**" in log and "all retrieved checkpoints verify" in log
     assert f"shared run dir `{shared}/runs/run`" in log
     assert (out / "curve.png").stat().st_size > 0 and "4242424242424242" in log
-    page = (out / "experiment.html").read_text()  # the same log as one page: curve embedded, nothing fetched
+    page = (
+        out / "experiment.html"
+    ).read_text()  # the same log as one page: curve embedded, nothing fetched
     assert "4242424242424242" in page and page.count("data:image/png;base64,") == 1
     assert not TPU_WORD.search(re.sub(r"data:[^\"']+", "", page))
     assert not re.search(r"""src=["'](?!data:)""", page)
@@ -286,17 +387,34 @@ def test_workers_without_the_coordinator_env_are_not_one_job(tmp_path, fake_clou
     shared = state / "shared-mount"
     configure(shared_mount=str(shared))
     out = tmp_path / "run"
-    p = run_cli("tpu", "up", "--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path, expect="cpu",
-                                                                                   expect_devices=2)),
-                "--config", str(TINY), "--shared-dir", str(shared), env=env, timeout=300)
+    p = run_cli(
+        "tpu",
+        "up",
+        "--dir",
+        str(out),
+        "--cloud-config",
+        str(cloud_yaml(tmp_path, expect="cpu", expect_devices=2)),
+        "--config",
+        str(TINY),
+        "--shared-dir",
+        str(shared),
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 1
     line = one_error_line(p)
     assert line.startswith("error: run: target qualification (cpu) failed on the workers")
     assert "expected 2 devices, JAX reports 1" in line
     assert not any(c["step"].startswith("run: job") for c in calls(out))
-    assert nodes_left(state) == [] and json.loads((out / "cloud" / "cleanup.json").read_text())["verified_gone"]
+    assert (
+        nodes_left(state) == []
+        and json.loads((out / "cloud" / "cleanup.json").read_text())["verified_gone"]
+    )
     receipts = receipts_of(out)
-    assert [(r["runtime"]["process_index"], r["runtime"]["process_count"]) for r in receipts] == [(0, 1), (0, 1)]
+    assert [(r["runtime"]["process_index"], r["runtime"]["process_count"]) for r in receipts] == [
+        (0, 1),
+        (0, 1),
+    ]
     with pytest.raises(AssertionError):
         assert_one_multiprocess_job(receipts)
     assert "(each worker its own single-process JAX runtime)" in (out / "experiment.md").read_text()
@@ -310,23 +428,70 @@ def test_a_shared_dir_that_is_not_shared_stops_the_run(tmp_path, fake_cloud):
     local.mkdir()
     configure(host_local=[str(local)])
     out = tmp_path / "run"
-    p = run_cli("tpu", "create", "--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path)), env=env, timeout=120)
+    p = run_cli(
+        "tpu",
+        "create",
+        "--dir",
+        str(out),
+        "--cloud-config",
+        str(cloud_yaml(tmp_path)),
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
-    for worker in range(2):  # the mount point exists on every host, but as each host's own directory
-        (state / "nodes" / "tpulab-rehearsal" / "workers" / str(worker) / "home" / "host-local" /
-         str(local).lstrip("/")).mkdir(parents=True)
-    p = run_cli("tpu", "run", "--dir", str(out), "--shared-dir", str(local), *job_env(1), env=env, timeout=120)
+    for worker in range(
+        2
+    ):  # the mount point exists on every host, but as each host's own directory
+        (
+            state
+            / "nodes"
+            / "tpulab-rehearsal"
+            / "workers"
+            / str(worker)
+            / "home"
+            / "host-local"
+            / str(local).lstrip("/")
+        ).mkdir(parents=True)
+    p = run_cli(
+        "tpu",
+        "run",
+        "--dir",
+        str(out),
+        "--shared-dir",
+        str(local),
+        *job_env(1),
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 1
-    assert one_error_line(p).startswith(f"error: run: the shared dir {local} is not one directory on every worker")
-    p = run_cli("tpu", "run", "--dir", str(out), "--shared-dir", str(tmp_path / "missing"), env=env, timeout=120)
+    assert one_error_line(p).startswith(
+        f"error: run: the shared dir {local} is not one directory on every worker"
+    )
+    p = run_cli(
+        "tpu",
+        "run",
+        "--dir",
+        str(out),
+        "--shared-dir",
+        str(tmp_path / "missing"),
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 1
-    assert one_error_line(p).startswith(f"error: run: cannot write to the shared dir {tmp_path / 'missing'} on "
-                                        "worker 0 (is it mounted?)")
+    assert one_error_line(p).startswith(
+        f"error: run: cannot write to the shared dir {tmp_path / 'missing'} on "
+        "worker 0 (is it mounted?)"
+    )
     assert not (tmp_path / "missing").exists()
     steps = [c["step"] for c in calls(out)]
     assert not any(s.startswith(("run: receipt", "run: job")) for s in steps)  # nothing started
-    p = run_cli("tpu", "run", "--dir", str(out), "--shared-dir", "gs://bucket/x", env=env, timeout=60)
-    assert p.returncode == 2 and "mount the bucket (gcsfuse) and name the mount point" in one_error_line(p)
+    p = run_cli(
+        "tpu", "run", "--dir", str(out), "--shared-dir", "gs://bucket/x", env=env, timeout=60
+    )
+    assert (
+        p.returncode == 2
+        and "mount the bucket (gcsfuse) and name the mount point" in one_error_line(p)
+    )
     p = run_cli("tpu", "delete", "--dir", str(out), env=env, timeout=120)
     assert p.returncode == 0 and nodes_left(state) == []
 
@@ -335,10 +500,22 @@ def test_create_failure_leaves_nothing_and_is_one_line(tmp_path, fake_cloud):
     state, env, configure = fake_cloud
     configure(fail={"create": "RESOURCE_EXHAUSTED: no capacity for v5litepod-8 in us-central1-a"})
     out = tmp_path / "run"
-    p = run_cli("tpu", "up", "--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path)), env=env, timeout=120)
+    p = run_cli(
+        "tpu",
+        "up",
+        "--dir",
+        str(out),
+        "--cloud-config",
+        str(cloud_yaml(tmp_path)),
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 1
     line = one_error_line(p)
-    assert line.startswith("error: create: could not create tpulab-rehearsal") and "RESOURCE_EXHAUSTED" in line
+    assert (
+        line.startswith("error: create: could not create tpulab-rehearsal")
+        and "RESOURCE_EXHAUSTED" in line
+    )
     cleanup = json.loads((out / "cloud" / "cleanup.json").read_text())
     assert cleanup["nothing_created"] and cleanup["verified_gone"]
     assert [c["step"] for c in calls(out)] == ["create", "cleanup: did create leave anything?"]
@@ -352,8 +529,18 @@ def test_run_failure_still_deletes(tmp_path, fake_cloud):
     on every worker, the job never starts, and the VM is still deleted and verified gone."""
     state, env, _ = fake_cloud
     out = tmp_path / "run"
-    p = run_cli("tpu", "up", "--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path)), "--config", str(TINY),
-                env=env, timeout=300)
+    p = run_cli(
+        "tpu",
+        "up",
+        "--dir",
+        str(out),
+        "--cloud-config",
+        str(cloud_yaml(tmp_path)),
+        "--config",
+        str(TINY),
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 1
     line = one_error_line(p)
     assert line.startswith("error: run: target qualification (tpu:v5e) failed on the workers")
@@ -361,7 +548,10 @@ def test_run_failure_still_deletes(tmp_path, fake_cloud):
     steps = [c["step"] for c in calls(out)]
     assert not any(s.startswith("run: job") for s in steps)  # the job never started
     assert steps[-3:] == ["delete", "delete: verify (describe)", "delete: verify (list)"]
-    assert nodes_left(state) == [] and json.loads((out / "cloud" / "cleanup.json").read_text())["verified_gone"]
+    assert (
+        nodes_left(state) == []
+        and json.loads((out / "cloud" / "cleanup.json").read_text())["verified_gone"]
+    )
     # The refusing receipts were salvaged before deletion: the log shows why, and claims no TPU.
     r = json.loads((out / "workers" / "0" / "run" / "receipt" / "receipt.json").read_text())
     assert r["qualification"]["passed"] is False and r["runtime"]["backend"] == "cpu"
@@ -374,7 +564,9 @@ def test_delete_failure_is_loud(tmp_path, fake_cloud):
     state, env, configure = fake_cloud
     out = tmp_path / "run"
     cfg = cloud_yaml(tmp_path)
-    p = run_cli("tpu", "create", "--dir", str(out), "--cloud-config", str(cfg), env=env, timeout=120)
+    p = run_cli(
+        "tpu", "create", "--dir", str(out), "--cloud-config", str(cfg), env=env, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     assert nodes_left(state) == ["tpulab-rehearsal"]
 
@@ -382,8 +574,14 @@ def test_delete_failure_is_loud(tmp_path, fake_cloud):
     p = run_cli("tpu", "delete", "--dir", str(out), env=env, timeout=120)  # config from DIR/cloud/
     assert p.returncode == 5
     line = one_error_line(p)
-    assert "DELETE NOT VERIFIED: VM tpulab-rehearsal in project rehearsal-project, zone us-central1-a" in line
-    assert "PERMISSION_DENIED" in line and shlex.join(["gcloud", "compute", "tpus", "tpu-vm", "delete"]) in line
+    assert (
+        "DELETE NOT VERIFIED: VM tpulab-rehearsal in project rehearsal-project, zone us-central1-a"
+        in line
+    )
+    assert (
+        "PERMISSION_DENIED" in line
+        and shlex.join(["gcloud", "compute", "tpus", "tpu-vm", "delete"]) in line
+    )
 
     # Negative control for the verification itself: a delete that reports success but deletes nothing.
     configure(delete_noop=True)
@@ -399,12 +597,34 @@ def test_delete_failure_is_loud(tmp_path, fake_cloud):
 
 def test_bad_cloud_input_is_one_line_and_calls_nothing(tmp_path, fake_cloud):
     state, env, _ = fake_cloud
-    p = run_cli("tpu", "create", "--dir", str(tmp_path / "r"), "--set", "zone=us-central1-a", env=env, timeout=60)
-    assert p.returncode == 2 and one_error_line(p) == ("error: cloud.project is not set (--set project=MY_PROJECT "
-                                                       "or in the cloud config)")
-    p = run_cli("tpu", "up", "--dir", str(tmp_path / "r2"), "--cloud-config", str(cloud_yaml(tmp_path)),
-                "--job", "train --config {config}", env=env, timeout=60)
-    assert p.returncode == 2 and "the job uses {config} but no --config was given" in one_error_line(p)
+    p = run_cli(
+        "tpu",
+        "create",
+        "--dir",
+        str(tmp_path / "r"),
+        "--set",
+        "zone=us-central1-a",
+        env=env,
+        timeout=60,
+    )
+    assert p.returncode == 2 and one_error_line(p) == (
+        "error: cloud.project is not set (--set project=MY_PROJECT or in the cloud config)"
+    )
+    p = run_cli(
+        "tpu",
+        "up",
+        "--dir",
+        str(tmp_path / "r2"),
+        "--cloud-config",
+        str(cloud_yaml(tmp_path)),
+        "--job",
+        "train --config {config}",
+        env=env,
+        timeout=60,
+    )
+    assert (
+        p.returncode == 2 and "the job uses {config} but no --config was given" in one_error_line(p)
+    )
     assert not (state / "calls.jsonl").exists()
 
 
@@ -416,17 +636,26 @@ def test_step_commands_against_a_missing_vm_fail_in_one_line(tmp_path, fake_clou
     (out / "cloud" / "resource.json").write_text(json.dumps({"network_endpoints": [{}, {}]}))
     base = ["--dir", str(out), "--cloud-config", str(cloud_yaml(tmp_path))]
     p = run_cli("tpu", "stage", *base, "--config", str(TINY), env=env, timeout=120)
-    assert p.returncode == 1 and one_error_line(p).startswith("error: stage: could not prepare the remote directory")
+    assert p.returncode == 1 and one_error_line(p).startswith(
+        "error: stage: could not prepare the remote directory"
+    )
     assert "NOT_FOUND" in one_error_line(p)
     p = run_cli("tpu", "run", *base, "--env", "A=1", "--worker-env", "1:B=2", env=env, timeout=120)
     assert p.returncode == 1 and "NOT_FOUND" in one_error_line(p)
-    assert [c["step"] for c in calls(out)][-2:] in (["run: receipt[worker 0]", "run: receipt[worker 1]"],
-                                                    ["run: receipt[worker 1]", "run: receipt[worker 0]"])
+    assert [c["step"] for c in calls(out)][-2:] in (
+        ["run: receipt[worker 0]", "run: receipt[worker 1]"],
+        ["run: receipt[worker 1]", "run: receipt[worker 0]"],
+    )
     earlier = out / "workers" / "0" / "run" / "metrics.jsonl"  # a copy fetched before: must survive
     earlier.parent.mkdir(parents=True)
     earlier.write_text("{}\n")
     p = run_cli("tpu", "fetch", *base, env=env, timeout=120)
     assert p.returncode == 1 and "could not retrieve run from worker 0" in one_error_line(p)
-    assert earlier.read_text() == "{}\n" and sorted(x.name for x in (out / "workers").iterdir()) == ["0"]
+    assert earlier.read_text() == "{}\n" and sorted(
+        x.name for x in (out / "workers").iterdir()
+    ) == ["0"]
     p = run_cli("tpu", "run", *base, "--worker-env", "x:B=2", env=env, timeout=60)
-    assert p.returncode == 2 and one_error_line(p) == "error: --worker-env expects WORKER:NAME=VALUE, got 'x:B=2'"
+    assert (
+        p.returncode == 2
+        and one_error_line(p) == "error: --worker-env expects WORKER:NAME=VALUE, got 'x:B=2'"
+    )

@@ -21,15 +21,18 @@ def test_every_shipped_config_loads(path: Path):
     assert cfg.data.seq_len <= cfg.model.max_seq_len
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.d_modle=64", "unknown config key 'model.d_modle'"),
-    ("optim.lr=-1", "optim.lr=-1.0 must be positive"),
-    ("data.seq_len=64", "data.seq_len=64 exceeds model.max_seq_len=32"),
-    ("model.n_heads=3", "not divisible by model.n_heads=3"),
-    ("model.n_layers=two", "must be an integer"),
-    ("precision.compute_dtype=float16", "must be one of"),
-    ("checkpoint.keep=1", "checkpoint.keep=1 must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.d_modle=64", "unknown config key 'model.d_modle'"),
+        ("optim.lr=-1", "optim.lr=-1.0 must be positive"),
+        ("data.seq_len=64", "data.seq_len=64 exceeds model.max_seq_len=32"),
+        ("model.n_heads=3", "not divisible by model.n_heads=3"),
+        ("model.n_layers=two", "must be an integer"),
+        ("precision.compute_dtype=float16", "must be one of"),
+        ("checkpoint.keep=1", "checkpoint.keep=1 must be >= 2"),
+    ],
+)
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
         tiny_config(override)
@@ -43,16 +46,30 @@ def test_overrides_apply_after_file_and_types_are_checked():
 
 def test_identity_ignores_step_count_logging_and_checkpoint_cadence():
     a = to_dict(tiny_config())
-    b = to_dict(tiny_config("train.steps=999", "train.log_every=1", "checkpoint.save_every=3", "data.path=/x"))
+    b = to_dict(
+        tiny_config(
+            "train.steps=999", "train.log_every=1", "checkpoint.save_every=3", "data.path=/x"
+        )
+    )
     assert identity_diff(RunConfig, a, b) == []
     c = to_dict(tiny_config("optim.lr=0.01", "seed=5"))
     assert sorted(d.split(":")[0] for d in identity_diff(RunConfig, a, c)) == ["optim.lr", "seed"]
 
 
-@pytest.mark.parametrize("override", [
-    "optim.lr=inf", "optim.lr=.inf", "optim.eps=inf", "optim.lr=-.inf", "optim.b1=nan", "optim.b2=.nan",
-    "optim.lr=1e999", f"optim.clip_norm={10**400}", "model.rope_base=Infinity",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.lr=inf",
+        "optim.lr=.inf",
+        "optim.eps=inf",
+        "optim.lr=-.inf",
+        "optim.b1=nan",
+        "optim.b2=.nan",
+        "optim.lr=1e999",
+        f"optim.clip_norm={10**400}",
+        "model.rope_base=Infinity",
+    ],
+)
 def test_non_finite_floats_are_refused(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"config key '{key}' must be a finite number"):
@@ -78,35 +95,40 @@ def test_long_values_are_cut_in_messages():
     assert len(str(e.value)) < 200 and "(401 characters)" in str(e.value)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
-    (f"seed={2**32}", "seed=4294967296 must be in [0, 4294967295]"),
-    (f"seed={10**30}", "must be in [0, 4294967295]"),
-    (f"data.shuffle_seed={2**32}", "data.shuffle_seed=4294967296 must be in [0, 4294967295]"),
-    ("data.split_seed=-3", "data.split_seed=-3 must be in"),
-    (f"train.steps={2**31}", "train.steps=2147483648 must be in [1, 2147483647]"),
-    (f"optim.schedule_steps={2**40}", "optim.schedule_steps=1099511627776 must be in"),
-    (f"checkpoint.save_every={2**31}", "checkpoint.save_every=2147483648 must be in"),
-    (f"model.d_model={2**20}", "model.d_model=1048576 must be in [1, 65536]"),
-    (f"model.n_layers={10**30}", "must be in [1, 4096]"),
-    (f"model.vocab_size={2**40}", "model.vocab_size=1099511627776 must be in [258, 1048576]"),
-    (f"model.mlp_ratio={2**33}", "model.mlp_ratio=8589934592 must be in [1, 64]"),
-    (f"data.batch_size={2**21}", "data.batch_size=2097152 must be in [1, 1048576]"),
-    ("optim.eps=1e-40", "optim.eps=1e-40 must be >= 1.18e-38"),
-    ("optim.eps=0", "optim.eps=0.0 must be >= 1.18e-38"),
-    ("model.rope_base=1", "model.rope_base=1.0 must be > 1"),
-    ("model.rope_base=1e-300", "model.rope_base=1e-300 must be > 1"),
-    ("data.path=", "data.path must not be empty"),
-    ("data.path=" + "x" * 5000, "data.path is 5000 bytes long; paths are limited to 4095"),
-    ("data.path=/tmp/" + "y" * 256 + "/z", "data.path has a 256-byte name"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
+        (f"seed={2**32}", "seed=4294967296 must be in [0, 4294967295]"),
+        (f"seed={10**30}", "must be in [0, 4294967295]"),
+        (f"data.shuffle_seed={2**32}", "data.shuffle_seed=4294967296 must be in [0, 4294967295]"),
+        ("data.split_seed=-3", "data.split_seed=-3 must be in"),
+        (f"train.steps={2**31}", "train.steps=2147483648 must be in [1, 2147483647]"),
+        (f"optim.schedule_steps={2**40}", "optim.schedule_steps=1099511627776 must be in"),
+        (f"checkpoint.save_every={2**31}", "checkpoint.save_every=2147483648 must be in"),
+        (f"model.d_model={2**20}", "model.d_model=1048576 must be in [1, 65536]"),
+        (f"model.n_layers={10**30}", "must be in [1, 4096]"),
+        (f"model.vocab_size={2**40}", "model.vocab_size=1099511627776 must be in [258, 1048576]"),
+        (f"model.mlp_ratio={2**33}", "model.mlp_ratio=8589934592 must be in [1, 64]"),
+        (f"data.batch_size={2**21}", "data.batch_size=2097152 must be in [1, 1048576]"),
+        ("optim.eps=1e-40", "optim.eps=1e-40 must be >= 1.18e-38"),
+        ("optim.eps=0", "optim.eps=0.0 must be >= 1.18e-38"),
+        ("model.rope_base=1", "model.rope_base=1.0 must be > 1"),
+        ("model.rope_base=1e-300", "model.rope_base=1e-300 must be > 1"),
+        ("data.path=", "data.path must not be empty"),
+        ("data.path=" + "x" * 5000, "data.path is 5000 bytes long; paths are limited to 4095"),
+        ("data.path=/tmp/" + "y" * 256 + "/z", "data.path has a 256-byte name"),
+    ],
+)
 def test_out_of_range_values_are_refused(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         tiny_config(override)
 
 
 def test_bounds_admit_their_edges():
-    cfg = tiny_config(f"seed={2**32 - 1}", f"data.shuffle_seed={2**32 - 1}", f"train.steps={2**31 - 1}")
+    cfg = tiny_config(
+        f"seed={2**32 - 1}", f"data.shuffle_seed={2**32 - 1}", f"train.steps={2**31 - 1}"
+    )
     assert cfg.seed == 2**32 - 1 and cfg.train.steps == 2**31 - 1
     assert tiny_config("seed=0").seed == 0
 
@@ -135,14 +157,20 @@ def test_the_eps_bound_is_what_float32_needs():
     tiny_config(f"optim.eps={2.0**-126!r}")  # the bound itself is accepted
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"\xff\xfe\x00\x01junk\x80", "is not UTF-8 text (byte 0xff at offset 0)"),
-    ("seed: 0\n# caf\xe9 (latin-1)\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9 at offset 13)"),
-    (b"seed: 0\x00\x01\x02\n", "is not valid YAML"),
-    (b"seed: [1, 2\n", "is not valid YAML"),
-    (b"when: 2024-13-01\n", "is not valid YAML"),
-    (b"- 1\n- 2\n", "must hold a mapping at the top level"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\xff\xfe\x00\x01junk\x80", "is not UTF-8 text (byte 0xff at offset 0)"),
+        (
+            "seed: 0\n# caf\xe9 (latin-1)\n".encode("latin-1"),
+            "is not UTF-8 text (byte 0xe9 at offset 13)",
+        ),
+        (b"seed: 0\x00\x01\x02\n", "is not valid YAML"),
+        (b"seed: [1, 2\n", "is not valid YAML"),
+        (b"when: 2024-13-01\n", "is not valid YAML"),
+        (b"- 1\n- 2\n", "must hold a mapping at the top level"),
+    ],
+)
 def test_config_files_that_are_not_utf8_yaml_mappings(tmp_path, content, message):
     path = tmp_path / "bad.yaml"
     path.write_bytes(content)
@@ -157,12 +185,15 @@ def test_config_path_that_is_a_directory_or_too_long(tmp_path):
         load(RunConfig, "/" + "c" * 5000 + ".yml")
 
 
-@pytest.mark.parametrize("shape", [
-    {},
-    {"d_model": 48, "n_heads": 3, "n_layers": 3, "mlp_ratio": 2},
-    {"tie_embeddings": False, "vocab_size": 300},
-    {"d_model": 64, "n_heads": 2, "n_layers": 1, "mlp_ratio": 1, "tie_embeddings": False},
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},
+        {"d_model": 48, "n_heads": 3, "n_layers": 3, "mlp_ratio": 2},
+        {"tie_embeddings": False, "vocab_size": 300},
+        {"d_model": 64, "n_heads": 2, "n_layers": 1, "mlp_ratio": 1, "tie_embeddings": False},
+    ],
+)
 def test_param_count_matches_the_built_model(shape):
     from flax import nnx
 
@@ -171,9 +202,13 @@ def test_param_count_matches_the_built_model(shape):
     from tpulab.model.transformer import param_count as built_param_count
 
     cfg = dataclasses.replace(tiny_config().model, **shape)
-    model = nnx.eval_shape(lambda: Transformer(cfg, PrecisionConfig(), rngs=nnx.Rngs(params=0)))  # shapes only
+    model = nnx.eval_shape(
+        lambda: Transformer(cfg, PrecisionConfig(), rngs=nnx.Rngs(params=0))
+    )  # shapes only
     assert param_count(cfg) == built_param_count(model)
-    assert param_count(dataclasses.replace(cfg, n_layers=cfg.n_layers + 1)) > param_count(cfg)  # shapes matter
+    assert param_count(dataclasses.replace(cfg, n_layers=cfg.n_layers + 1)) > param_count(
+        cfg
+    )  # shapes matter
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -187,8 +222,11 @@ def test_train_state_bytes_matches_the_real_state(dtype):
 
     cfg = tiny_config(f"precision.param_dtype={dtype}", f"precision.compute_dtype={dtype}")
     state = make_steps(cfg).abstract_state()
-    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)  # noqa: E731
-                              if np.issubdtype(x.dtype, np.floating) or x.dtype == jax.numpy.bfloat16)
+    nbytes = lambda tree: sum(
+        x.size * x.dtype.itemsize
+        for x in jax.tree.leaves(tree)  # noqa: E731
+        if np.issubdtype(x.dtype, np.floating) or x.dtype == jax.numpy.bfloat16
+    )
     real = 2 * nbytes(state.params) + nbytes(state.opt_state)
     assert train_state_bytes(cfg.model, cfg.precision) == real
 
@@ -200,10 +238,14 @@ def test_check_fits_host():
     cfg = tiny_config()
     need = train_state_bytes(cfg.model, cfg.precision)
     assert check_fits_host(cfg, available=need) == need
-    with pytest.raises(ConfigError, match="cannot fit in memory: .* parameters need at least .* GiB"):
+    with pytest.raises(
+        ConfigError, match="cannot fit in memory: .* parameters need at least .* GiB"
+    ):
         check_fits_host(cfg, available=need - 1)
     total = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
     assert 0 < available_host_bytes() <= total
-    big = tiny_config("model.d_model=65536", "model.n_layers=4096")  # ~2.3e14 parameters: no host has 3 PiB
+    big = tiny_config(
+        "model.d_model=65536", "model.n_layers=4096"
+    )  # ~2.3e14 parameters: no host has 3 PiB
     with pytest.raises(ConfigError, match="cannot fit in memory"):
         check_fits_host(big)

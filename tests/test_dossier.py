@@ -14,13 +14,36 @@ from conftest import run_cli
 def test_dossier_writes_decisions_with_their_evidence(tmp_path):
     pytest.importorskip("libtpu")
     out = tmp_path / "dossier"
-    r = run_cli("dossier", "--out", str(out), "--config", "configs/tiny.yaml", "--train-steps", "20",
-                "--batch-sweep", "data.batch_size=4,8", "--target", "v5e:2x2", timeout=600)
+    r = run_cli(
+        "dossier",
+        "--out",
+        str(out),
+        "--config",
+        "configs/tiny.yaml",
+        "--train-steps",
+        "20",
+        "--batch-sweep",
+        "data.batch_size=4,8",
+        "--target",
+        "v5e:2x2",
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     md = (out / "dossier.md").read_text()
-    for needle in ("**Slice**: v5e:2x2", "**Precision**: train with", "**Batch**:", "**Hypothesis**:",
-                   "Status: **complete**", "## Receipt", "## Bench", "## Profile", "## TPU budget",
-                   "## Precision policy", "## Hypothesis from the profile", "not a TPU"):
+    for needle in (
+        "**Slice**: v5e:2x2",
+        "**Precision**: train with",
+        "**Batch**:",
+        "**Hypothesis**:",
+        "Status: **complete**",
+        "## Receipt",
+        "## Bench",
+        "## Profile",
+        "## TPU budget",
+        "## Precision policy",
+        "## Hypothesis from the profile",
+        "not a TPU",
+    ):
         assert needle in md, needle
     page = (out / "dossier.html").read_text()
     assert page.count("data:image/png;base64,") >= 3  # sweep, budget and hypothesis plots embedded
@@ -33,10 +56,18 @@ def test_dossier_refuses_bad_input_before_writing(tmp_path):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "x").write_text("keep")
     r = run_cli("dossier", "--out", str(tmp_path / "used"), "--config", "configs/tiny.yaml")
-    assert r.returncode == 2 and "not empty" in r.stderr and (tmp_path / "used" / "x").read_text() == "keep"
-    for extra, expect in ((["--target", "v9:2x2"], "unknown TPU target"),
-                          (["--batch-sweep", "data.batch_size=4,x"], "must be an integer")):
-        r = run_cli("dossier", "--out", str(tmp_path / "new"), "--config", "configs/tiny.yaml", *extra)
+    assert (
+        r.returncode == 2
+        and "not empty" in r.stderr
+        and (tmp_path / "used" / "x").read_text() == "keep"
+    )
+    for extra, expect in (
+        (["--target", "v9:2x2"], "unknown TPU target"),
+        (["--batch-sweep", "data.batch_size=4,x"], "must be an integer"),
+    ):
+        r = run_cli(
+            "dossier", "--out", str(tmp_path / "new"), "--config", "configs/tiny.yaml", *extra
+        )
         assert r.returncode == 2 and r.stderr.startswith("error: ") and expect in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "new").exists()
 
@@ -45,15 +76,30 @@ def test_precision_and_batch_decisions_follow_the_measurements():
     from tpulab.orchestrate.dossier import recommend_batch, recommend_precision
 
     def row(policy, kl, weight, kv, train=True):
-        r = {"policy": policy, "mean_kl": kl, "greedy_agreement": 1.0, "heldout_loss": 2.0, "weight_bytes": weight,
-             "kv_bytes_per_token": kv}
+        r = {
+            "policy": policy,
+            "mean_kl": kl,
+            "greedy_agreement": 1.0,
+            "heldout_loss": 2.0,
+            "weight_bytes": weight,
+            "kv_bytes_per_token": kv,
+        }
         return {**r, "train_step_ms": 1.0} if train else r
 
-    rows = [row("fp32", 0.0, 4, 4), row("bf16-compute", 1e-6, 4, 2), row("bf16-params", 1e-6, 2, 2),
-            row("int8-weights", 1e-6, 1, 4, train=False), row("int8-cache", 1e-6, 4, 1, train=False)]
+    rows = [
+        row("fp32", 0.0, 4, 4),
+        row("bf16-compute", 1e-6, 4, 2),
+        row("bf16-params", 1e-6, 2, 2),
+        row("int8-weights", 1e-6, 1, 4, train=False),
+        row("int8-cache", 1e-6, 4, 1, train=False),
+    ]
     got = recommend_precision(rows, context=128)
     assert got["train"] == "bf16-compute" and got["serve"] == "int8-cache"
     rows[1]["mean_kl"] = 0.1  # control: bf16 compute outside the bounds falls back to fp32
     assert recommend_precision(rows, context=128)["train"] == "fp32"
-    assert recommend_batch([{"value": "8", "tokens_per_s": 10.0}, {"value": "16", "tokens_per_s": 12.0}])[
-        "batch_size"] == "16"
+    assert (
+        recommend_batch(
+            [{"value": "8", "tokens_per_s": 10.0}, {"value": "16", "tokens_per_s": 12.0}]
+        )["batch_size"]
+        == "16"
+    )

@@ -53,7 +53,8 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
     restored = load_model(trained_run)
     m = _manifest(artifacts)
     assert sorted(a["name"] for a in m["artifacts"]) == sorted(
-        f"{e}_{p}" for e in ("prefill", "decode", "generate") for p in ("fp32", "bf16", "int8"))
+        f"{e}_{p}" for e in ("prefill", "decode", "generate") for p in ("fp32", "bf16", "int8")
+    )
     for a in m["artifacts"]:
         assert (artifacts / a["file"]).is_file() and len(a["sha256"]) == 64
         assert a["platforms"] == ["cpu", "tpu", "cuda"]
@@ -61,7 +62,11 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
         assert a["checkpoint_manifest_sha256"] == restored.checkpoint_digest
         assert a["jax"] and a["jaxlib"] and isinstance(a["calling_convention_version"], int)
         assert a["tokenizer"]["vocab_size"] == 258 and a["cache_policy"]["name"] in a["name"]
-        assert a["inputs"] and a["outputs"] and all({"path", "shape", "dtype"} <= set(x) for x in a["inputs"])
+        assert (
+            a["inputs"]
+            and a["outputs"]
+            and all({"path", "shape", "dtype"} <= set(x) for x in a["inputs"])
+        )
     assert m["weights"]["passed_as"] == "arguments"
     from tpulab.inference.decode import ModelFns
     from tpulab.inference.export import tensor_sha256
@@ -153,13 +158,14 @@ def test_weights_from_another_checkpoint_are_rejected(art_copy, trained_run, tmp
 
 
 def test_artifacts_against_another_run_checkpoint_are_rejected(artifacts, tmp_path, capsys):
-    from tpulab.train.loop import train
-
     from conftest import tiny_config
+    from tpulab.train.loop import train
 
     other_run = tmp_path / "other_run"
     train(tiny_config("train.steps=40", "seed=1"), other_run, progress=False)
-    _rejects(artifacts, capsys, "the artifacts were exported from", extra=("--run-dir", str(other_run)))
+    _rejects(
+        artifacts, capsys, "the artifacts were exported from", extra=("--run-dir", str(other_run))
+    )
 
 
 @pytest.mark.slow
@@ -214,7 +220,9 @@ def _forge_record(art):
     rec.pop("hmac_sha256", None)
     m = _manifest(art)
     rec["manifest_sha256"] = sha256_file(art / "manifest.json")
-    rec["files_sha256"] = {e["file"]: sha256_file(art / e["file"]) for e in [*m["artifacts"], m["weights"]]}
+    rec["files_sha256"] = {
+        e["file"]: sha256_file(art / e["file"]) for e in [*m["artifacts"], m["weights"]]
+    }
     (art / "verification.json").write_text(json.dumps(rec))
 
 
@@ -241,14 +249,28 @@ def verified_copy(verified, tmp_path):
 def _generate(capsys, art, *extra):
     from tpulab.cli.main import main
 
-    rc = main(["generate", "--artifacts", str(art), "--prompt", "To", "--max-new", "4", "--temperature", "0",
-               *extra])
+    rc = main(
+        [
+            "generate",
+            "--artifacts",
+            str(art),
+            "--prompt",
+            "To",
+            "--max-new",
+            "4",
+            "--temperature",
+            "0",
+            *extra,
+        ]
+    )
     out, err = capsys.readouterr()
     return rc, out, err
 
 
 def test_forged_weights_are_refused_tensor_by_tensor(art_copy, capsys):
-    name = _forge_weights(art_copy)  # every hash agrees with the forged file; only the checkpoint can tell
+    name = _forge_weights(
+        art_copy
+    )  # every hash agrees with the forged file; only the checkpoint can tell
     _rejects(art_copy, capsys, f"tensor {name} differs from checkpoint step 40")
 
 
@@ -271,8 +293,14 @@ def test_corrupted_artifact_with_rehashed_manifest_is_refused(art_copy, capsys, 
     _rejects(art_copy, capsys, "decode_bf16")
 
 
-@pytest.mark.parametrize("a, b", [("prefill_fp32", "prefill_bf16"), ("decode_int8", "generate_int8"),
-                                  ("generate_fp32", "generate_bf16")])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("prefill_fp32", "prefill_bf16"),
+        ("decode_int8", "generate_int8"),
+        ("generate_fp32", "generate_bf16"),
+    ],
+)
 def test_swapped_artifacts_are_refused_by_name(art_copy, capsys, a, b):
     fa, fb = art_copy / f"{a}.jaxexport", art_copy / f"{b}.jaxexport"
     da, db = fa.read_bytes(), fb.read_bytes()
@@ -285,8 +313,12 @@ def test_swapped_artifacts_are_refused_by_name(art_copy, capsys, a, b):
 
 def test_generate_loads_only_verified_artifacts(art_copy, verified_copy, capsys):
     rc, out, err = _generate(capsys, art_copy)  # exported but never verified
-    assert rc != 0 and out == "" and err.strip() == f"error: artifacts {art_copy}: not verified " \
-        f"(run: tpulab verify-export {art_copy})"
+    assert (
+        rc != 0
+        and out == ""
+        and err.strip()
+        == f"error: artifacts {art_copy}: not verified (run: tpulab verify-export {art_copy})"
+    )
     art, key = verified_copy
     rc, out, err = _generate(capsys, art)
     assert rc == 0 and out.startswith("To") and "verified (record)" in err, err
@@ -303,13 +335,17 @@ def test_forged_weights_with_forged_record(verified_copy, trained_run, capsys, t
     from tpulab.checkpoint.files import sha256_file
 
     rec = json.loads((art / "verification.json").read_text())
-    rec["manifest_sha256"] = sha256_file(art / "manifest.json")  # half a forgery: the file hashes still old
+    rec["manifest_sha256"] = sha256_file(
+        art / "manifest.json"
+    )  # half a forgery: the file hashes still old
     (art / "verification.json").write_text(json.dumps(rec))
     rc, _, err = _generate(capsys, art)
     assert rc != 0 and "does not record these files' sha256 (weights.npz" in err, err
     _forge_record(art)
     rc, _, err = _generate(capsys, art)
-    assert rc == 0, err  # no key, no checkpoint: a consistent forgery passes (docs/inference.md says so)
+    assert rc == 0, (
+        err
+    )  # no key, no checkpoint: a consistent forgery passes (docs/inference.md says so)
     rc, _, err = _generate(capsys, art, "--key-file", str(key))
     assert rc != 0 and err.count("\n") == 1 and "not signed" in err, err
     rec = json.loads((art / "verification.json").read_text())
@@ -318,7 +354,9 @@ def test_forged_weights_with_forged_record(verified_copy, trained_run, capsys, t
     rc, _, err = _generate(capsys, art, "--key-file", str(key))
     assert rc != 0 and "signature does not match the key" in err, err
     rc, _, err = _generate(capsys, art, "--run-dir", str(trained_run))
-    assert rc != 0 and err.count("\n") == 1 and f"tensor {name} differs from checkpoint step 40" in err, err
+    assert (
+        rc != 0 and err.count("\n") == 1 and f"tensor {name} differs from checkpoint step 40" in err
+    ), err
     bad_key = tmp_path / "short"
     bad_key.write_bytes(b"abc")
     rc, _, err = _generate(capsys, art, "--key-file", str(bad_key))
@@ -337,20 +375,26 @@ def test_run_dir_reverification_and_model_identity(verified_copy, trained_run):
         load_verified(art)
 
 
-@pytest.mark.parametrize("argv, reason", [
-    (["export", "--batch", "0"], "batch=0 must be an integer in [1, 256]"),
-    (["export", "--batch", "257"], "batch=257"),
-    (["serve", "--max-batch", "0"], "max_batch=0 must be in [1, 256]"),
-    (["serve", "--max-batch", "100000"], "max_batch=100000"),
-    (["serve", "--request-timeout", "nan"], "request_timeout=nan"),
-    (["serve", "--max-queue", "0"], "max_queue=0"),
-    (["serve", "--batch-window-ms", "inf"], "batch_window_ms=inf"),
-])
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["export", "--batch", "0"], "batch=0 must be an integer in [1, 256]"),
+        (["export", "--batch", "257"], "batch=257"),
+        (["serve", "--max-batch", "0"], "max_batch=0 must be in [1, 256]"),
+        (["serve", "--max-batch", "100000"], "max_batch=100000"),
+        (["serve", "--request-timeout", "nan"], "request_timeout=nan"),
+        (["serve", "--max-queue", "0"], "max_queue=0"),
+        (["serve", "--batch-window-ms", "inf"], "batch_window_ms=inf"),
+    ],
+)
 def test_batch_and_service_bounds_are_one_line_errors(argv, reason, trained_run, tmp_path, capsys):
     from tpulab.cli.main import main
 
-    where = ["--run-dir", str(trained_run), "--out", str(tmp_path / "out")] if argv[0] == "export" else \
-        ["--artifacts", str(tmp_path / "none")]
+    where = (
+        ["--run-dir", str(trained_run), "--out", str(tmp_path / "out")]
+        if argv[0] == "export"
+        else ["--artifacts", str(tmp_path / "none")]
+    )
     rc = main([argv[0], *where, *argv[1:]])
     err = capsys.readouterr().err
     assert rc != 0 and err.count("\n") == 1 and reason in err, err

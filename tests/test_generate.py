@@ -21,9 +21,15 @@ def fns(trained_run):
 
 def _sample(logits, keys, step=0, temperature=1.0, top_k=0):
     b = keys.shape[0]
-    return np.asarray(jax.jit(sample_tokens)(
-        jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (b, len(logits))), jnp.asarray(keys), jnp.int32(step),
-        jnp.full((b,), temperature, jnp.float32), jnp.full((b,), top_k, jnp.int32)))
+    return np.asarray(
+        jax.jit(sample_tokens)(
+            jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (b, len(logits))),
+            jnp.asarray(keys),
+            jnp.int32(step),
+            jnp.full((b,), temperature, jnp.float32),
+            jnp.full((b,), top_k, jnp.int32),
+        )
+    )
 
 
 def _keys(n, seed0=0):
@@ -37,12 +43,23 @@ def test_a_row_samples_the_same_whatever_its_neighbours_ask_for():
     logits = jnp.asarray(rng.normal(size=(6, 256)) * 3, jnp.float32)
     keys = jnp.asarray(_keys(6, 100))
     temps = jnp.asarray([0.0, 1.0, 0.0, 2.0, 0.7, 0.0], jnp.float32)
-    top_k = jnp.asarray([0, 5, 3, 0, 1, 0], jnp.int32)  # row 2: a top_k with temperature 0 is still greedy
+    top_k = jnp.asarray(
+        [0, 5, 3, 0, 1, 0], jnp.int32
+    )  # row 2: a top_k with temperature 0 is still greedy
     f = jax.jit(sample_tokens)
     together = np.asarray(f(logits, keys, jnp.int32(4), temps, top_k))
-    alone = [int(f(logits[i:i + 1], keys[i:i + 1], jnp.int32(4), temps[i:i + 1], top_k[i:i + 1])[0]) for i in range(6)]
+    alone = [
+        int(
+            f(logits[i : i + 1], keys[i : i + 1], jnp.int32(4), temps[i : i + 1], top_k[i : i + 1])[
+                0
+            ]
+        )
+        for i in range(6)
+    ]
     assert together.tolist() == alone
-    assert together[0] == int(jnp.argmax(logits[0])) and together[4] == int(jnp.argmax(logits[4]))  # top_k 1
+    assert together[0] == int(jnp.argmax(logits[0])) and together[4] == int(
+        jnp.argmax(logits[4])
+    )  # top_k 1
 
 
 def test_sampler_greedy_top_k_and_distribution():
@@ -75,13 +92,23 @@ def test_sampler_key_and_step_decide_the_draw():
     assert key_data(2**63 - 1).tolist() == [0x7FFFFFFF, 0xFFFFFFFF]
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"max_new": 0}, "max_new"), ({"temperature": -0.1}, "temperature"), ({"temperature": 5e-324}, "temperature"),
-    ({"temperature": 1e-4}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"), ({"temperature": 11.0}, "temperature"),
-    ({"top_k": 999}, "top_k"), ({"seed": -1}, "seed"), ({"seed": 2**63}, "seed"), ({"max_new": 1.5}, "max_new"),
-    ({"temperature": True}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"max_new": 0}, "max_new"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 5e-324}, "temperature"),
+        ({"temperature": 1e-4}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 11.0}, "temperature"),
+        ({"top_k": 999}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"max_new": 1.5}, "max_new"),
+        ({"temperature": True}, "temperature"),
+    ],
+)
 def test_sampling_config_rejects_bad_values(bad, field):
     with pytest.raises(TpulabError, match=field):
         SamplingConfig(**bad)
@@ -92,10 +119,17 @@ def test_sampling_config_accepts_its_bounds():
         assert SamplingConfig(temperature=t).temperature == t
 
 
-@pytest.mark.parametrize("prompt, reason", [
-    ("", "empty"), ("\udcff", "not valid UTF-8"), ("ok\ud800", "not valid UTF-8"), ("x" * 5000, "at most 4096"),
-    ("x" * 30, "exceeds the model's 32 positions"), (b"bytes", "must be a string"),
-])
+@pytest.mark.parametrize(
+    "prompt, reason",
+    [
+        ("", "empty"),
+        ("\udcff", "not valid UTF-8"),
+        ("ok\ud800", "not valid UTF-8"),
+        ("x" * 5000, "at most 4096"),
+        ("x" * 30, "exceeds the model's 32 positions"),
+        (b"bytes", "must be a string"),
+    ],
+)
 def test_prompt_validation(prompt, reason):
     with pytest.raises(TpulabError, match=reason):
         prompt_ids(prompt, 32, 4)
@@ -106,7 +140,10 @@ def test_compiled_loop_equals_step_path_bitwise(fns):
     from tpulab.inference.decode import Decoder
     from tpulab.inference.generate import Request, generate_batch, generate_ids
 
-    cfgs = (SamplingConfig(max_new=10, temperature=0.0), SamplingConfig(max_new=10, temperature=1.3, top_k=40, seed=9))
+    cfgs = (
+        SamplingConfig(max_new=10, temperature=0.0),
+        SamplingConfig(max_new=10, temperature=1.3, top_k=40, seed=9),
+    )
     for policy in ("fp32", "bf16", "int8"):
         dec = Decoder(fns, policy)
         for cfg in cfgs:
@@ -117,7 +154,9 @@ def test_compiled_loop_equals_step_path_bitwise(fns):
     # Negative control: another seed gives other sampled tokens.
     dec = Decoder(fns, "fp32")
     other = SamplingConfig(max_new=10, temperature=1.3, top_k=40, seed=10)
-    assert generate_batch(dec, [Request.of("To be", other, 32)])[0] != list(generate_ids(dec, "To be", cfgs[1]))
+    assert generate_batch(dec, [Request.of("To be", other, 32)])[0] != list(
+        generate_ids(dec, "To be", cfgs[1])
+    )
 
 
 def test_ragged_batch_rows_equal_each_prompt_alone(fns):
@@ -126,20 +165,26 @@ def test_ragged_batch_rows_equal_each_prompt_alone(fns):
     from tpulab.inference.generate import Request, batch_arrays, generate_batch
 
     dec = Decoder(fns, "fp32")
-    reqs = [Request.of("a", SamplingConfig(max_new=7, temperature=0.0), 32),
-            Request.of("ROMEO: But soft", SamplingConfig(max_new=12, temperature=0.0), 32),
-            Request.of("To be, or", SamplingConfig(max_new=3, temperature=0.9, seed=4), 32)]
+    reqs = [
+        Request.of("a", SamplingConfig(max_new=7, temperature=0.0), 32),
+        Request.of("ROMEO: But soft", SamplingConfig(max_new=12, temperature=0.0), 32),
+        Request.of("To be, or", SamplingConfig(max_new=3, temperature=0.9, seed=4), 32),
+    ]
     together = generate_batch(dec, reqs)
     assert [len(t) for t in together] == [7, 12, 3]
     assert together == [generate_batch(dec, [r])[0] for r in reqs]
     # The prefill logits of each row, ragged batch vs alone: fp32, bitwise on CPU (tolerance 1e-5 stated).
     tokens, lengths = batch_arrays(reqs, 32, 4)[:2]
-    batch_logits = np.asarray(jax.jit(fns.prefill_rows, static_argnums=0)("fp32", fns.params, tokens, lengths)[0])
+    batch_logits = np.asarray(
+        jax.jit(fns.prefill_rows, static_argnums=0)("fp32", fns.params, tokens, lengths)[0]
+    )
     for b, r in enumerate(reqs):
-        alone = np.asarray(dec.prefill(tokens[b:b + 1], lengths[b])[0])[0]
+        alone = np.asarray(dec.prefill(tokens[b : b + 1], lengths[b])[0])[0]
         np.testing.assert_allclose(batch_logits[b], alone, rtol=0, atol=1e-5)
     # Negative control: a row given another row's length computes something else.
-    assert not np.allclose(batch_logits[1], np.asarray(dec.prefill(tokens[1:2], lengths[2])[0])[0], atol=1e-3)
+    assert not np.allclose(
+        batch_logits[1], np.asarray(dec.prefill(tokens[1:2], lengths[2])[0])[0], atol=1e-3
+    )
 
 
 def test_stop_token_ends_a_row_and_no_recompile_within_a_bucket(fns):
@@ -154,13 +199,21 @@ def test_stop_token_ends_a_row_and_no_recompile_within_a_bucket(fns):
     cut = generate_batch(dec, [Request.of("To be", cfg, 32)], stop_token=stop)[0]
     assert cut == full[: first + 1]
     before = dec.compiled_variants()["generate"]
-    for prompt, n in (("a", 1), ("KING:", 5), ("ROMEO: But soft", 9), ("xy", 3)):  # batch 1, width 16
+    for prompt, n in (
+        ("a", 1),
+        ("KING:", 5),
+        ("ROMEO: But soft", 9),
+        ("xy", 3),
+    ):  # batch 1, width 16
         generate_batch(dec, [Request.of(prompt, SamplingConfig(max_new=n, temperature=0.5), 32)])
     assert dec.compiled_variants()["generate"] == before
     for k in (3, 4):  # batch bucket 4, width 16
         generate_batch(dec, [Request.of("ab" * k, cfg, 32)] * k)
     assert dec.compiled_variants()["generate"] == before + 1
-    for prompt in ("ROMEO: But soft, what", "KING RICHARD III:"):  # width bucket 32 (prompt + BOS > 16)
+    for prompt in (
+        "ROMEO: But soft, what",
+        "KING RICHARD III:",
+    ):  # width bucket 32 (prompt + BOS > 16)
         generate_batch(dec, [Request.of(prompt, SamplingConfig(max_new=4), 32)])
     assert dec.compiled_variants()["generate"] == before + 2
 
@@ -178,18 +231,31 @@ def test_same_seed_same_text_and_prompt_bound(fns):
     assert dec.compiled_variants()["prefill"] == 1 and dec.compiled_variants()["decode"] == 1
 
 
-@pytest.mark.parametrize("args, reason", [
-    (("--temperature", "5e-324"), "temperature="), (("--temperature", "nan"), "temperature=nan"),
-    (("--temperature", "inf"), "temperature=inf"), (("--prompt", "\udcff\udcfe"), "not valid UTF-8"),
-    (("--prompt", ""), "prompt is empty"), (("--max-new", "0"), "max_new=0"), (("--seed", str(2**64)), "seed="),
-])
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (("--temperature", "5e-324"), "temperature="),
+        (("--temperature", "nan"), "temperature=nan"),
+        (("--temperature", "inf"), "temperature=inf"),
+        (("--prompt", "\udcff\udcfe"), "not valid UTF-8"),
+        (("--prompt", ""), "prompt is empty"),
+        (("--max-new", "0"), "max_new=0"),
+        (("--seed", str(2**64)), "seed="),
+    ],
+)
 def test_generate_cli_bad_input_is_one_line(trained_run, capsys, args, reason):
     from tpulab.cli.main import main
 
     argv = ["generate", "--run-dir", str(trained_run), "--prompt", "ab", "--max-new", "4", *args]
     rc = main(argv)
     out, err = capsys.readouterr()
-    assert rc != 0 and out == "" and err.count("\n") == 1 and err.startswith("error: ") and reason in err, err
+    assert (
+        rc != 0
+        and out == ""
+        and err.count("\n") == 1
+        and err.startswith("error: ")
+        and reason in err
+    ), err
 
 
 @pytest.mark.slow
@@ -199,18 +265,48 @@ def test_generate_cli_streams_deterministically(trained_run):
 
     from conftest import REPO, run_cli
 
-    args = ("generate", "--run-dir", str(trained_run), "--prompt", "ROMEO:", "--max-new", "12",
-            "--temperature", "0.8", "--top-k", "20", "--seed", "5", "--cache", "int8")
+    args = (
+        "generate",
+        "--run-dir",
+        str(trained_run),
+        "--prompt",
+        "ROMEO:",
+        "--max-new",
+        "12",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--seed",
+        "5",
+        "--cache",
+        "int8",
+    )
     a, b = run_cli(*args), run_cli(*args)
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout and a.stdout.startswith("ROMEO:")
     bad = run_cli("generate", "--run-dir", str(trained_run), "--prompt", "x" * 40)
     assert bad.returncode != 0 and bad.stderr.strip().startswith("error: prompt (40 bytes")
     # A prompt that is not UTF-8 on the real command line (bytes argv).
-    raw = subprocess.run([sys.executable, "-m", "tpulab.cli", "generate", "--run-dir", str(trained_run),
-                          "--prompt", b"\xff\xfeab"], capture_output=True, cwd=REPO, timeout=300)
+    raw = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tpulab.cli",
+            "generate",
+            "--run-dir",
+            str(trained_run),
+            "--prompt",
+            b"\xff\xfeab",
+        ],
+        capture_output=True,
+        cwd=REPO,
+        timeout=300,
+    )
     err = raw.stderr.decode()
-    assert raw.returncode != 0 and err.count("\n") == 1 and "not valid UTF-8" in err and not raw.stdout, err
+    assert (
+        raw.returncode != 0 and err.count("\n") == 1 and "not valid UTF-8" in err and not raw.stdout
+    ), err
 
 
 def _while_body_cache_work(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
@@ -233,7 +329,8 @@ def _while_body_cache_work(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
             continue
         iname, op = m.group(1), m.group(3)
         in_place = op in ("dynamic-update-slice", "scatter") or (
-            op == "fusion" and ("dynamic-update-slice" in iname or "scatter" in iname))
+            op == "fusion" and ("dynamic-update-slice" in iname or "scatter" in iname)
+        )
         if not in_place and op not in ("get-tuple-element", "parameter", "bitcast", "tuple"):
             found.append(f"{iname} ({op})")
     return found
@@ -249,8 +346,15 @@ def test_decode_loop_never_copies_a_cache_layer(fns, batch):
 
     dec = Decoder(fns, "fp32")
     tokens = np.full((batch, 16), 5, np.int32)
-    args = (tokens, np.full((batch,), 4, np.int32), np.full((batch,), 8, np.int32), np.zeros((batch,), np.float32),
-            np.zeros((batch,), np.int32), np.zeros((batch, 2), np.uint32), np.int32(-1))
+    args = (
+        tokens,
+        np.full((batch,), 4, np.int32),
+        np.full((batch,), 8, np.int32),
+        np.zeros((batch,), np.float32),
+        np.zeros((batch,), np.int32),
+        np.zeros((batch, 2), np.uint32),
+        np.int32(-1),
+    )
     hlo = dec._generate.lower(dec.params, *args).compile().as_text()
     loop_cache = jax.eval_shape(lambda: kv.to_loop_layout(fns.shape.init("fp32", batch)))
     shapes = {tuple(x.shape) for x in jax.tree.leaves(loop_cache)}
@@ -260,6 +364,7 @@ def test_decode_loop_never_copies_a_cache_layer(fns, batch):
         def body(c):
             i, b = c
             return i + 1, jnp.roll(b, 1, axis=1).at[:, 0].set(jnp.float32(i))
+
         return jax.lax.while_loop(lambda c: c[0] < 5, body, (0, buf))[1]
 
     buf = jnp.zeros(next(iter(shapes)), jnp.float32)
@@ -276,4 +381,11 @@ def test_prompt_width_buckets_cover_every_length_with_few_shapes():
         assert all(n <= w <= max_len for n, w in zip(range(1, max_len + 1), widths))
         assert widths == sorted(widths)
         assert len(set(widths)) <= 4 + (max_len - 128) // 64
-    assert [width_bucket(n, 512) for n in (1, 17, 100, 129, 448, 449)] == [16, 32, 128, 192, 448, 512]
+    assert [width_bucket(n, 512) for n in (1, 17, 100, 129, 448, 449)] == [
+        16,
+        32,
+        128,
+        192,
+        448,
+        512,
+    ]

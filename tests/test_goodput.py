@@ -21,9 +21,26 @@ def _hand_built(kill_resume_from: int = 5) -> list[dict]:
         if s == 4:
             recs.append({"event": "eval", "segment": 0, "step": 4, "val_loss": 1.0})
     recs.append({"event": "start", "segment": 1, "resumed_from": kill_resume_from})
-    recs += [{"step": s, "segment": 1, "loss": 1.0, "wall_s": 4.0 + 0.2 * (s - 6)} for s in range(kill_resume_from + 1, 11)]
-    recs.append({"event": "end", "segment": 1, "step": 10, "wall_s": 6.0,
-                 "phases_s": {"startup": 2.0, "first_step": 1.5, "step": 1.0, "data": 0.5, "eval": 0.5, "checkpoint": 0.5}})
+    recs += [
+        {"step": s, "segment": 1, "loss": 1.0, "wall_s": 4.0 + 0.2 * (s - 6)}
+        for s in range(kill_resume_from + 1, 11)
+    ]
+    recs.append(
+        {
+            "event": "end",
+            "segment": 1,
+            "step": 10,
+            "wall_s": 6.0,
+            "phases_s": {
+                "startup": 2.0,
+                "first_step": 1.5,
+                "step": 1.0,
+                "data": 0.5,
+                "eval": 0.5,
+                "checkpoint": 0.5,
+            },
+        }
+    )
     return recs
 
 
@@ -39,7 +56,9 @@ def test_hand_built_killed_and_resumed_arithmetic():
     assert b["productive"] == pytest.approx(2.5 + 1.0)
     assert b["eval"] == pytest.approx(1.0 + 0.5) and b["checkpoint"] == pytest.approx(2.0 + 0.5)
     assert b["data"] == pytest.approx(0.5) and b["kill_tail"] == 0.0
-    assert g["total_s"] == pytest.approx(9.5 + 6.0)  # the killed lifetime counts up to its last record
+    assert g["total_s"] == pytest.approx(
+        9.5 + 6.0
+    )  # the killed lifetime counts up to its last record
     assert sum(b.values()) == pytest.approx(g["total_s"])
     assert g["goodput"] == pytest.approx(3.5 / 15.5)
     assert g["restart_s"] == pytest.approx(5.0) and g["killed_lifetimes"] == 1
@@ -75,17 +94,31 @@ def test_goodput_of_a_real_killed_and_resumed_run(tmp_path):
     assert g["total_s"] == pytest.approx(killed_wall + end["wall_s"], abs=0.05)
     assert sum(g["buckets_s"].values()) == pytest.approx(g["total_s"], abs=1e-3)
     assert set(g["buckets_s"]) == set(BUCKETS)
-    assert g["buckets_s"]["restart_startup"] == pytest.approx(end["phases_s"]["startup"] + end["phases_s"]["first_step"],
-                                                              abs=1e-3)
+    assert g["buckets_s"]["restart_startup"] == pytest.approx(
+        end["phases_s"]["startup"] + end["phases_s"]["first_step"], abs=1e-3
+    )
     assert verdict["steps_redone"] > 0 and g["buckets_s"]["redone_steps"] > 0
     assert 0 < g["goodput"] < 1
-    ref = goodput(tmp_path / "proof" / "reference")  # control: the uninterrupted run lost nothing to restarts
+    ref = goodput(
+        tmp_path / "proof" / "reference"
+    )  # control: the uninterrupted run lost nothing to restarts
     assert ref["restart_s"] == 0.0 and ref["killed_lifetimes"] == 0 and g["restart_s"] > 0
 
     rep = run_cli("report", "--run-dir", str(tmp_path), "--no-track")
     assert rep.returncode == 0, rep.stderr
     md = (tmp_path / "report.md").read_text()
-    assert "Goodput of the killed-and-resumed run" in md and f"**goodput {100 * g['goodput']:.1f}%**" in md
+    assert (
+        "Goodput of the killed-and-resumed run" in md
+        and f"**goodput {100 * g['goodput']:.1f}%**" in md
+    )
     assert (tmp_path / "report.html").exists()
-    print(json.dumps({"goodput": g["goodput"], "buckets_s": g["buckets_s"], "total_s": g["total_s"],
-                      "config": yaml.safe_load(TINY.read_text())["train"]}))
+    print(
+        json.dumps(
+            {
+                "goodput": g["goodput"],
+                "buckets_s": g["buckets_s"],
+                "total_s": g["total_s"],
+                "config": yaml.safe_load(TINY.read_text())["train"],
+            }
+        )
+    )

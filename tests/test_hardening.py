@@ -3,8 +3,8 @@ temporary dirs of killed saves, fail-fast proofs, disk full, shapes that do not 
 
 import hashlib
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,34 +44,51 @@ def _copy(trained_run, tmp_path) -> Path:
 def test_a_nan_at_a_save_step_is_never_committed_and_the_named_checkpoint_resumes(tmp_path):
     run = tmp_path / "run"
     # step 30 is a save step (save_every 10) and not an eval step (eval_every 20): the old bug's window
-    with pytest.raises(TpulabError, match=r"loss is nan at step 30; last good checkpoint: step 20 in") as info:
+    with pytest.raises(
+        TpulabError, match=r"loss is nan at step 30; last good checkpoint: step 20 in"
+    ) as info:
         train(tiny_config(), run, progress=False, hooks=[NanAt(30)])
     assert info.value.exit_code == 3
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert "30" not in ckpts and "20" in ckpts and (run / "checkpoints" / "20" / MANIFEST).exists()
     restored = load_model(run)
     assert restored.step == 20
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(restored.state) if np.asarray(x).dtype.kind == "f")
+    assert all(
+        np.isfinite(np.asarray(x)).all()
+        for x in jax.tree.leaves(restored.state)
+        if np.asarray(x).dtype.kind == "f"
+    )
     summary = train(tiny_config(), run, progress=False)
-    assert summary["resumed_from"] == 20 and summary["final_step"] == 40 and np.isfinite(summary["final_loss"])
+    assert (
+        summary["resumed_from"] == 20
+        and summary["final_step"] == 40
+        and np.isfinite(summary["final_loss"])
+    )
 
 
 def test_a_non_finite_state_is_caught_even_when_the_loss_is_finite(tmp_path):
     """Negative control of the on-device state check: poison the parameters only, at a save step."""
+
     class ParamsOnly(NanAt):
         def after_step(self, step, state, metrics):
             poisoned, _ = super().after_step(step, state, metrics)
             return poisoned, metrics
 
-    with pytest.raises(TpulabError, match=r"non-finite values at step 10; last good checkpoint: step None"):
+    with pytest.raises(
+        TpulabError, match=r"non-finite values at step 10; last good checkpoint: step None"
+    ):
         train(tiny_config(), tmp_path / "run", progress=False, hooks=[ParamsOnly(10)])
     assert not any(p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())
 
 
 def test_a_refused_resume_changes_nothing_on_disk(trained_run, tmp_path):
     run = _copy(trained_run, tmp_path)
-    (run / "checkpoints" / "40" / MANIFEST).unlink()  # the newest step: an interrupted save, would be moved aside
-    (run / "checkpoints" / "45.orbax-checkpoint-tmp-99").mkdir()  # a killed save's temp dir, would be removed
+    (
+        run / "checkpoints" / "40" / MANIFEST
+    ).unlink()  # the newest step: an interrupted save, would be moved aside
+    (
+        run / "checkpoints" / "45.orbax-checkpoint-tmp-99"
+    ).mkdir()  # a killed save's temp dir, would be removed
     before = tree_digest(run)
     with pytest.raises(TpulabError, match="different optim.lr"):
         train(tiny_config("optim.lr=0.01", "train.steps=42"), run, progress=False)
@@ -84,7 +101,9 @@ def test_a_refused_resume_changes_nothing_on_disk(trained_run, tmp_path):
     assert tree_digest(run) == before
 
 
-def test_an_older_step_without_its_marker_is_corruption_not_an_interrupted_save(trained_run, tmp_path, capfd):
+def test_an_older_step_without_its_marker_is_corruption_not_an_interrupted_save(
+    trained_run, tmp_path, capfd
+):
     run = _copy(trained_run, tmp_path)
     for step in ("40", "30"):
         (run / "checkpoints" / step / MANIFEST).unlink()
@@ -92,7 +111,10 @@ def test_an_older_step_without_its_marker_is_corruption_not_an_interrupted_save(
     err = capfd.readouterr().err
     assert summary["resumed_from"] == 20
     assert "refusing checkpoint step 30" in err and "not the newest step (corrupt" in err
-    assert sorted(p.name.split("-")[0] for p in (run / "rejected_checkpoints").iterdir()) == ["30", "40"]
+    assert sorted(p.name.split("-")[0] for p in (run / "rejected_checkpoints").iterdir()) == [
+        "30",
+        "40",
+    ]
 
 
 def test_no_marker_anywhere_refuses_instead_of_starting_over(trained_run, tmp_path):
@@ -100,13 +122,21 @@ def test_no_marker_anywhere_refuses_instead_of_starting_over(trained_run, tmp_pa
     for step_dir in (run / "checkpoints").iterdir():
         (step_dir / MANIFEST).unlink()
     before = tree_digest(run)
-    result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--steps", "42", "--no-progress")
-    assert result.returncode == 2 and "no checkpoint in" in result.stderr and "refusing to start over" in result.stderr
+    result = run_cli(
+        "train", "--run-dir", str(run), "--config", str(TINY), "--steps", "42", "--no-progress"
+    )
+    assert (
+        result.returncode == 2
+        and "no checkpoint in" in result.stderr
+        and "refusing to start over" in result.stderr
+    )
     assert "Traceback" not in result.stderr
     assert tree_digest(run) == before
 
 
-def test_orbax_temporary_dirs_of_killed_saves_are_removed_with_a_warning(trained_run, tmp_path, capfd):
+def test_orbax_temporary_dirs_of_killed_saves_are_removed_with_a_warning(
+    trained_run, tmp_path, capfd
+):
     run = _copy(trained_run, tmp_path)
     tmp = run / "checkpoints" / "50.orbax-checkpoint-tmp-1234"
     (tmp / "state").mkdir(parents=True)
@@ -118,7 +148,9 @@ def test_orbax_temporary_dirs_of_killed_saves_are_removed_with_a_warning(trained
 
 def test_prove_resume_refuses_a_kill_before_the_first_checkpoint_up_front(tmp_path):
     t0 = time.monotonic()
-    result = run_cli("prove-resume", "--run-dir", str(tmp_path / "p"), "--config", str(TINY), "--kill-at", "7")
+    result = run_cli(
+        "prove-resume", "--run-dir", str(tmp_path / "p"), "--config", str(TINY), "--kill-at", "7"
+    )
     assert result.returncode == 2 and time.monotonic() - t0 < 30
     assert "comes before the first checkpoint (step 10" in result.stderr
     assert not (tmp_path / "p" / "proof" / "reference").exists()
@@ -127,14 +159,26 @@ def test_prove_resume_refuses_a_kill_before_the_first_checkpoint_up_front(tmp_pa
 def test_force_onto_a_checkpoint_of_another_shape_is_one_line(trained_run, tmp_path):
     run = _copy(trained_run, tmp_path)
     before = tree_digest(run)
-    result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--force", "--set", "model.d_model=64",
-                     "--steps", "45", "--no-progress")
+    result = run_cli(
+        "train",
+        "--run-dir",
+        str(run),
+        "--config",
+        str(TINY),
+        "--force",
+        "--set",
+        "model.d_model=64",
+        "--steps",
+        "45",
+        "--no-progress",
+    )
     assert result.returncode == 2
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert lines == [ln for ln in lines if ln.startswith("error: checkpoint")], result.stderr
     assert "(32, 32) float32 in the checkpoint, (64, 64) float32 in the model" in lines[0]
-    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints")} == \
-        {k: v for k, v in before.items() if k.startswith("checkpoints")}
+    assert {k: v for k, v in tree_digest(run).items() if k.startswith("checkpoints")} == {
+        k: v for k, v in before.items() if k.startswith("checkpoints")
+    }
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
@@ -142,23 +186,41 @@ def test_force_onto_a_checkpoint_of_another_shape_is_one_line(trained_run, tmp_p
 def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tmp_path, async_save):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(mnt)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(mnt)], capture_output=True
+    )
     if mounted.returncode != 0:
         pytest.fail(f"cannot mount a tmpfs as root: {mounted.stderr.decode().strip()}")
     try:
         run = mnt / "run"  # room for two checkpoints (~0.5 MB each) and the logs, not a third
         # --no-track: an MLflow store on the same small disk would take a varying share of it (the tracker's own
         # behaviour on a store it cannot write, one warning line, is tested in test_tracking)
-        result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--set", "checkpoint.keep=5",
-                         "--set", f"checkpoint.async_save={async_save}", "--no-progress", "--no-track")
+        result = run_cli(
+            "train",
+            "--run-dir",
+            str(run),
+            "--config",
+            str(TINY),
+            "--set",
+            "checkpoint.keep=5",
+            "--set",
+            f"checkpoint.async_save={async_save}",
+            "--no-progress",
+            "--no-track",
+        )
         assert result.returncode == 4, result.stderr
         errors = re.findall(r"error: [^\n]*", result.stderr)
         assert len(errors) == 1 and "No space left on device" in errors[0], result.stderr
         # nothing else: no Orbax/tensorstore tracebacks (Orbax's closed-loop echoes are dropped by the store)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert "last valid checkpoint: step 20" in errors[0] or "last valid checkpoint: step 10" in errors[0]
+        assert (
+            "last valid checkpoint: step 20" in errors[0]
+            or "last valid checkpoint: step 10" in errors[0]
+        )
         last = int(errors[0].split("last valid checkpoint: step ")[1].split()[0])
-        shutil.copytree(run, tmp_path / "moved", ignore=shutil.ignore_patterns("*.orbax-checkpoint-tmp*"))
+        shutil.copytree(
+            run, tmp_path / "moved", ignore=shutil.ignore_patterns("*.orbax-checkpoint-tmp*")
+        )
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
     assert load_model(tmp_path / "moved").step == last  # the named checkpoint stayed valid
@@ -203,7 +265,17 @@ def test_only_closed_loop_echoes_of_a_failed_save_are_dropped(monkeypatch):
 def test_a_sigterm_during_shutdown_of_a_finished_run_still_exits_0(tmp_path):
     """SIGTERMs are sent every few ms from the moment the run logs its end until the process is gone."""
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "tpulab.cli", "train", "--run-dir", str(run), "--config", str(TINY), "--no-progress"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tpulab.cli",
+        "train",
+        "--run-dir",
+        str(run),
+        "--config",
+        str(TINY),
+        "--no-progress",
+    ]
     sent = 0
     with Proc(argv, tmp_path / "log.txt", dict(os.environ)) as proc:
         deadline = time.monotonic() + 180
@@ -224,12 +296,29 @@ def test_a_sigterm_during_shutdown_of_a_finished_run_still_exits_0(tmp_path):
 
 @pytest.mark.slow
 def test_chaos_five_random_kills_end_identical(tmp_path):
-    result = run_cli("chaos", "--run-dir", str(tmp_path), "--config", str(TINY), "--kills", "5", "--seed", "3",
-                     "--set", "train.steps=60", "--set", "optim.schedule_steps=60", "--set", "checkpoint.save_every=5",
-                     timeout=600)
+    result = run_cli(
+        "chaos",
+        "--run-dir",
+        str(tmp_path),
+        "--config",
+        str(TINY),
+        "--kills",
+        "5",
+        "--seed",
+        "3",
+        "--set",
+        "train.steps=60",
+        "--set",
+        "optim.schedule_steps=60",
+        "--set",
+        "checkpoint.save_every=5",
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
-    assert v["identical"] and v["curves_identical"] and v["final_state_identical"] and v["kills"] == 5
+    assert (
+        v["identical"] and v["curves_identical"] and v["final_state_identical"] and v["kills"] == 5
+    )
     assert v["segments"] == 6 and len(v["kill_log"]) == 5 and v["signal"] == "SIGKILL"
     assert v["steps_compared"] >= 60 and not v["missing_steps"]
     assert (tmp_path / "chaos" / "segments.png").stat().st_size > 10_000
@@ -242,10 +331,15 @@ def test_chaos_judge_fails_on_a_tampered_lifetime(tmp_path):
 
     ref, vic = tmp_path / "ref", tmp_path / "vic"
     ref.mkdir(), vic.mkdir()
-    rows = [{"event": "start", "segment": 0}] + [{"step": s, "segment": 0, "loss": 1.0 / s} for s in range(1, 7)]
+    rows = [{"event": "start", "segment": 0}] + [
+        {"step": s, "segment": 0, "loss": 1.0 / s} for s in range(1, 7)
+    ]
     (ref / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    killed = rows[:5] + [{"event": "start", "segment": 1, "resumed_from": 2}] + \
-        [{"step": s, "segment": 1, "loss": 1.0 / s} for s in range(3, 7)]
+    killed = (
+        rows[:5]
+        + [{"event": "start", "segment": 1, "resumed_from": 2}]
+        + [{"step": s, "segment": 1, "loss": 1.0 / s} for s in range(3, 7)]
+    )
     (vic / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed))
     assert judge_segments(ref, vic, 6)["curves_identical"] is True
     killed[-2]["loss"] = float(np.nextafter(np.float32(killed[-2]["loss"]), np.float32(1)))

@@ -44,8 +44,12 @@ print(sorted(faults)[len(faults) // 2])  # the median step: the heap may still g
 
 
 def _faults_per_call(mode: str) -> tuple[str, float]:
-    p = subprocess.run([sys.executable, "-c", _FAULTS_PER_CALL, mode, str(DEFAULT)], capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", _FAULTS_PER_CALL, mode, str(DEFAULT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     lines = p.stdout.split("\n")
     return lines[-3], float(lines[-2])

@@ -25,10 +25,14 @@ def test_hypothesis_runner_alternates_same_batches_and_keeps_quality_evidence(tm
     from tpulab.perf.hypothesis import run_hypothesis
 
     # A deliberately wrong prediction (turning dropout off makes the step 50% slower): must come out refuted.
-    r = run_hypothesis(tiny_config(), "model.dropout=0", "step time +50%", tmp_path, steps=23, skip=3)
+    r = run_hypothesis(
+        tiny_config(), "model.dropout=0", "step time +50%", tmp_path, steps=23, skip=3
+    )
     assert r["verdict"] == "refuted" and r["predicted_step_time_change_pct"] == 50.0
     assert len(r["baseline"]["times"]) == len(r["changed"]["times"]) == 23
-    assert r["baseline"]["losses"][0] == pytest.approx(r["changed"]["losses"][0], rel=0.05)  # same init, same batch
+    assert r["baseline"]["losses"][0] == pytest.approx(
+        r["changed"]["losses"][0], rel=0.05
+    )  # same init, same batch
     assert r["baseline"]["losses"] != r["changed"]["losses"]  # the change did change the run
     assert r["quality_within_tolerance"] == (r["val_loss_difference"] <= r["loss_tolerance"])
     assert (tmp_path / "hypothesis.png").stat().st_size > 0
@@ -36,9 +40,18 @@ def test_hypothesis_runner_alternates_same_batches_and_keeps_quality_evidence(tm
 
 
 def test_hypothesis_bad_input_is_one_line(tmp_path):
-    for extra, expect in ((["--change", "model.dropout=0.1", "--predict=step time -10%"], "leaves the config"),
-                          (["--change", "model.dropout=0", "--predict=faster"], "signed percentage"),
-                          (["--change", "model.nope=1", "--predict=step time -10%"], "unknown config key")):
-        r = run_cli("hypothesis", "--run-dir", str(tmp_path / "run"), "--config", "configs/tiny.yaml", *extra)
+    for extra, expect in (
+        (["--change", "model.dropout=0.1", "--predict=step time -10%"], "leaves the config"),
+        (["--change", "model.dropout=0", "--predict=faster"], "signed percentage"),
+        (["--change", "model.nope=1", "--predict=step time -10%"], "unknown config key"),
+    ):
+        r = run_cli(
+            "hypothesis",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--config",
+            "configs/tiny.yaml",
+            *extra,
+        )
         assert r.returncode == 2 and r.stderr.startswith("error: ") and expect in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()

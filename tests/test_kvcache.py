@@ -41,8 +41,12 @@ def test_as_stored_is_what_read_returns_after_write(policy):
     k = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
     k_read, v_read = kv.read(kv.write(cache, 1, k, v, 0), 1, jnp.float32)
-    np.testing.assert_array_equal(np.asarray(kv.as_stored(cache, k, jnp.float32)), np.asarray(k_read[:, :5]))
-    np.testing.assert_array_equal(np.asarray(kv.as_stored(cache, v, jnp.float32)), np.asarray(v_read[:, :5]))
+    np.testing.assert_array_equal(
+        np.asarray(kv.as_stored(cache, k, jnp.float32)), np.asarray(k_read[:, :5])
+    )
+    np.testing.assert_array_equal(
+        np.asarray(kv.as_stored(cache, v, jnp.float32)), np.asarray(v_read[:, :5])
+    )
     assert np.array_equal(np.asarray(k_read[:, :5]), np.asarray(k)) == (policy == "fp32")
 
 
@@ -61,18 +65,24 @@ def test_loop_layout_rows_hold_exactly_what_the_exported_layout_holds(policy, ba
     start = [0, 3, 6][:batch] if batch > 1 else [5]  # every row at its own position
 
     def row(b):
-        one = jax.tree.map(lambda x: x[:, b:b + 1], cache)
-        return kv.write(one, 1, k[b:b + 1, None], v[b:b + 1, None], start[b])
+        one = jax.tree.map(lambda x: x[:, b : b + 1], cache)
+        return kv.write(one, 1, k[b : b + 1, None], v[b : b + 1, None], start[b])
 
-    expected = jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=1), *[row(b) for b in range(batch)])
+    expected = jax.tree.map(
+        lambda *rows: jnp.concatenate(rows, axis=1), *[row(b) for b in range(batch)]
+    )
     loop = kv.to_loop_layout(cache)
     assert loop.k[1].shape == (batch * 2, 4, 8) and loop.v[1].shape == (batch * 2, 8, 4)
-    want = jax.tree.leaves(kv.to_loop_layout(expected))  # the exported writer's cells, in the loop's order
+    want = jax.tree.leaves(
+        kv.to_loop_layout(expected)
+    )  # the exported writer's cells, in the loop's order
     got = jax.tree.leaves(kv.write_loop(loop, 1, k, v, jnp.asarray(start)))
     assert len(got) == len(want)
     for w, g in zip(want, got):
         np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
-    assert not np.array_equal(np.asarray(expected.k), np.asarray(cache.k))  # the write changed something
+    assert not np.array_equal(
+        np.asarray(expected.k), np.asarray(cache.k)
+    )  # the write changed something
     shifted = jax.tree.leaves(kv.write_loop(loop, 1, k, v, jnp.asarray(start) + 1))
     assert not all(np.array_equal(np.asarray(w), np.asarray(g)) for w, g in zip(want, shifted))
 
@@ -95,7 +105,9 @@ def test_decode_compiles_once_and_fp32_matches_full_forward(trained_run):
     for pos in range(prompt, s - 1):
         logits, cache = dec.decode(cache, tokens[:, pos], pos)
         got.append(np.asarray(logits))
-    np.testing.assert_allclose(np.stack(got, 1), full[:, prompt - 1: s - 1], rtol=0, atol=FP32_LOGIT_ATOL)
+    np.testing.assert_allclose(
+        np.stack(got, 1), full[:, prompt - 1 : s - 1], rtol=0, atol=FP32_LOGIT_ATOL
+    )
     assert dec.compiled_variants() == {"prefill": 1, "decode": 1, "generate": 0}
 
 
@@ -110,17 +122,29 @@ def test_kvcache_command_writes_table_within_bounds(trained_run, tmp_path, capsy
     rows = {r["precision"]: r for r in result["rows"]}
     assert set(rows) == {"fp32", "bf16", "int8"}
     for r in rows.values():
-        assert {"bytes_per_token", "ratio_to_fp32", "max_abs_logit_diff", "mean_kl", "greedy_agreement",
-                "heldout_loss"} <= set(r)
+        assert {
+            "bytes_per_token",
+            "ratio_to_fp32",
+            "max_abs_logit_diff",
+            "mean_kl",
+            "greedy_agreement",
+            "heldout_loss",
+        } <= set(r)
         assert r["greedy_tokens"] >= 256
-    assert rows["fp32"]["ratio_to_fp32"] == 1.0 and rows["int8"]["ratio_to_fp32"] < rows["bf16"]["ratio_to_fp32"] < 1
+    assert (
+        rows["fp32"]["ratio_to_fp32"] == 1.0
+        and rows["int8"]["ratio_to_fp32"] < rows["bf16"]["ratio_to_fp32"] < 1
+    )
     assert rows["fp32"]["max_abs_logit_diff"] <= result["fp32_logit_atol"]
     assert rows["bf16"]["max_abs_logit_diff"] < 0.05 and rows["bf16"]["mean_kl"] < 1e-3
     assert rows["int8"]["max_abs_logit_diff"] < 0.1 and rows["int8"]["mean_kl"] < 1e-3
     b = bounds(result)
     assert b["fp32_logit_diff_within_atol"] and b["int8_greedy_agreement_ok"] and b["int8_loss_ok"]
     assert abs(rows["fp32"]["heldout_loss"] - result["reference"]["heldout_loss"]) < 1e-4
-    assert result["dtypes"]["weights"] == "float32" and result["dtypes"]["cache"]["int8"]["storage_dtype"] == "int8"
+    assert (
+        result["dtypes"]["weights"] == "float32"
+        and result["dtypes"]["cache"]["int8"]["storage_dtype"] == "int8"
+    )
     assert "| int8 |" in capsys.readouterr().out
 
 
@@ -130,6 +154,7 @@ def test_int8_bounds_on_default_model(tmp_path):
 
     Trains configs/default.yaml for a short run (the bound is about the cache, not the model's quality).
     """
+    from conftest import REPO
     from tpulab.config import load
     from tpulab.inference.cache_eval import KVEvalConfig, kvcache_table
     from tpulab.inference.capstone import bounds
@@ -137,14 +162,22 @@ def test_int8_bounds_on_default_model(tmp_path):
     from tpulab.train.loop import train
     from tpulab.train.restore import load_model
 
-    from conftest import REPO
-
-    cfg = load(RunConfig, REPO / "configs" / "default.yaml",
-               ["train.steps=20", "train.eval_every=20", "train.eval_batches=1", "checkpoint.save_every=20"])
+    cfg = load(
+        RunConfig,
+        REPO / "configs" / "default.yaml",
+        [
+            "train.steps=20",
+            "train.eval_every=20",
+            "train.eval_batches=1",
+            "checkpoint.save_every=20",
+        ],
+    )
     train(cfg, tmp_path / "run", progress=False)
     result = kvcache_table(load_model(tmp_path / "run"), KVEvalConfig(windows=4))
     b = bounds(result)
-    assert b["fp32_logit_diff_within_atol"] and b["int8_greedy_agreement_ok"] and b["int8_loss_ok"], result["rows"]
+    assert (
+        b["fp32_logit_diff_within_atol"] and b["int8_greedy_agreement_ok"] and b["int8_loss_ok"]
+    ), result["rows"]
 
 
 @pytest.mark.parametrize("policy", kv.POLICIES)
@@ -164,12 +197,20 @@ def test_decode_step_work_agrees_with_the_compiler_and_the_buffers(policy):
     fns = ModelFns(Transformer(cfg.model, cfg.precision, rngs=nnx.Rngs(0)))
     work = {b: step_work(fns, policy, b) for b in (1, 4)}
     cache = kv.to_loop_layout(fns.shape.init(policy, 4))
-    buffers = sum(x.nbytes for x in jax.tree.leaves(cache)) + sum(x.nbytes for x in fns.params.values())
+    buffers = sum(x.nbytes for x in jax.tree.leaves(cache)) + sum(
+        x.nbytes for x in fns.params.values()
+    )
     assert work[4]["bytes_per_step"] == buffers
     assert work[1]["bytes_per_step"] < work[4]["bytes_per_step"]
     assert abs(work[4]["flops_per_step"] - 4 * work[1]["flops_per_step"]) < 1
-    if policy == "fp32":  # XLA also counts elementwise ops as FLOPs: a bf16 or int8 cache adds converts
-        step = jax.jit(fns.decode_rows).lower(fns.params, cache, jnp.zeros((4,), jnp.int32), jnp.zeros((4,), jnp.int32))
+    if (
+        policy == "fp32"
+    ):  # XLA also counts elementwise ops as FLOPs: a bf16 or int8 cache adds converts
+        step = jax.jit(fns.decode_rows).lower(
+            fns.params, cache, jnp.zeros((4,), jnp.int32), jnp.zeros((4,), jnp.int32)
+        )
         compiled = step.compile().cost_analysis()
         compiled = compiled[0] if isinstance(compiled, list) else compiled
-        assert abs(compiled["flops"] - work[4]["flops_per_step"]) <= 0.15 * work[4]["flops_per_step"]
+        assert (
+            abs(compiled["flops"] - work[4]["flops_per_step"]) <= 0.15 * work[4]["flops_per_step"]
+        )

@@ -13,12 +13,34 @@ pytestmark = pytest.mark.slow
 def test_trains_and_resumes_on_four_devices(tmp_path, trained_run):
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     run = tmp_path / "run"
-    result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--steps", "12", "--no-progress",
-                     "--set", "checkpoint.save_every=5", env=env)
+    result = run_cli(
+        "train",
+        "--run-dir",
+        str(run),
+        "--config",
+        str(TINY),
+        "--steps",
+        "12",
+        "--no-progress",
+        "--set",
+        "checkpoint.save_every=5",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads((run / "env.json").read_text())["device_count"] == 4
-    result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--steps", "14", "--no-progress",
-                     "--set", "checkpoint.save_every=5", env=env)
+    result = run_cli(
+        "train",
+        "--run-dir",
+        str(run),
+        "--config",
+        str(TINY),
+        "--steps",
+        "14",
+        "--no-progress",
+        "--set",
+        "checkpoint.save_every=5",
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     four = curve(read_records(run))
     one = curve(read_records(trained_run))

@@ -19,7 +19,9 @@ def test_hlo_categories_come_from_the_compiled_module():
     hlo = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((32, 48))).compile().as_text()
     cats = hlo_categories(hlo)
     assert "matmul" in cats.values()  # the dot, alone or inside a fusion
-    assert "matmul" not in {c for name, c in cats.items() if name.startswith(("exp", "reduce", "wrapped_exp"))}
+    assert "matmul" not in {
+        c for name, c in cats.items() if name.startswith(("exp", "reduce", "wrapped_exp"))
+    }
     # Control: a module without a dot has no matmul at all.
     plain = jax.jit(lambda a: jnp.exp(a).sum()).lower(jnp.ones((64, 32))).compile().as_text()
     assert "matmul" not in hlo_categories(plain).values()
@@ -33,10 +35,19 @@ def test_profile_traces_steps_and_builds_a_top_ops_table(trained_run):
     assert r["op_time_source"] == "host"  # XLA:CPU: no device plane holds the step's ops
     assert (trained_run / r["xplane"]).stat().st_size > 0 and r["perfetto"]
     assert r["categories"]["rng (random bits)"]["ms_per_step"] > 0  # tiny.yaml trains with dropout
-    assert r["categories"]["matmul"]["ms_per_step"] > 0 and r["categories"]["fusion"]["ms_per_step"] > 0
+    assert (
+        r["categories"]["matmul"]["ms_per_step"] > 0
+        and r["categories"]["fusion"]["ms_per_step"] > 0
+    )
     assert r["ops"] and all(o["ms_per_step"] > 0 for o in r["ops"])
-    assert {o["category"] for o in r["ops"]} <= {"matmul", "fusion", "copy/transposition", "collective", "rng (random bits)",
-                                                "other"}
+    assert {o["category"] for o in r["ops"]} <= {
+        "matmul",
+        "fusion",
+        "copy/transposition",
+        "collective",
+        "rng (random bits)",
+        "other",
+    }
     saved = json.loads((trained_run / "profile" / "profile.json").read_text())
     assert saved["unprofiled"]["steps"] == 20 and saved["environment"]["backend"] == "cpu"
 
@@ -79,11 +90,20 @@ def test_off_a_tpu_no_profiler_thread_spins_while_tracing(tmp_path):
         pytest.skip("a TPU or GPU host, or libtpu not installed: tpulab leaves JAX_PLATFORMS alone")
 
     def idle_cpu_s(env: dict, name: str) -> float:
-        p = subprocess.run([sys.executable, "-c", _IDLE_UNDER_PROFILER, str(tmp_path / name)], env=env,
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-c", _IDLE_UNDER_PROFILER, str(tmp_path / name)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         return float(p.stdout.split()[-1])
 
-    assert idle_cpu_s(dict(os.environ), "placeholders") < 0.3  # 1.5 s idle under the profiler: ~0.00 CPU-s measured
+    assert (
+        idle_cpu_s(dict(os.environ), "placeholders") < 0.3
+    )  # 1.5 s idle under the profiler: ~0.00 CPU-s measured
     discovery = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", MARKER)}
-    assert idle_cpu_s(discovery, "discovery") > 0.75  # libtpu's profiler thread: ~1.5 CPU-s measured
+    assert (
+        idle_cpu_s(discovery, "discovery") > 0.75
+    )  # libtpu's profiler thread: ~1.5 CPU-s measured

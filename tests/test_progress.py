@@ -13,10 +13,16 @@ class Tty(io.StringIO):
 def test_plain_lines_in_a_log():
     out = io.StringIO()
     assert list(progress(["a", "b", "c"], "export", stream=out)) == ["a", "b", "c"]
-    assert out.getvalue().splitlines() == ["[progress] export: 1/3", "[progress] export: 2/3", "[progress] export: 3/3"]
+    assert out.getvalue().splitlines() == [
+        "[progress] export: 1/3",
+        "[progress] export: 2/3",
+        "[progress] export: 3/3",
+    ]
 
 
 def test_a_bar_on_a_terminal_and_no_plain_lines():
     out = Tty()
     assert list(progress(range(4), "bench", stream=out)) == [0, 1, 2, 3]
-    assert "[progress]" not in out.getvalue() and "bench" in out.getvalue() and "4/4" in out.getvalue()
+    assert (
+        "[progress]" not in out.getvalue() and "bench" in out.getvalue() and "4/4" in out.getvalue()
+    )

@@ -8,8 +8,15 @@ import re
 import pytest
 
 from conftest import run_cli
-from tpulab.evidence.receipt import (Target, check_collective, check_matmul, hardware_line, kind_matches, qualify,
-                                     run_receipt)
+from tpulab.evidence.receipt import (
+    Target,
+    check_collective,
+    check_matmul,
+    hardware_line,
+    kind_matches,
+    qualify,
+    run_receipt,
+)
 
 # "TPU" as a word (a hardware claim); environment variable names such as TPU_SKIP_MDS_QUERY are raw data.
 TPU_WORD = re.compile(r"\bTPU\b")
@@ -31,8 +38,19 @@ def test_receipt_in_process_single_device(tmp_path):
 
 def test_receipt_cli_four_forced_host_devices(tmp_path):
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    p = run_cli("receipt", "--out", str(tmp_path), "--expect", "cpu", "--expect-devices", "4", "--matmul-size", "128",
-                env=env, timeout=120)
+    p = run_cli(
+        "receipt",
+        "--out",
+        str(tmp_path),
+        "--expect",
+        "cpu",
+        "--expect-devices",
+        "4",
+        "--matmul-size",
+        "128",
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     r = json.loads((tmp_path / "receipt.json").read_text())
     coll = r["evidence"]["collective"]
@@ -46,24 +64,66 @@ def test_receipt_cli_four_forced_host_devices(tmp_path):
 def test_receipt_joins_a_multi_process_job(tmp_path):
     """Launched as 2 processes x 2 devices, the receipt joins the job: each process writes its own receipt, the
     psum spans all 4 global devices (0+1+2+3 = 6 on each process's 2 shards) and --expect-devices is global."""
-    p = run_cli("launch", "--processes", "2", "--devices-per-process", "2", "--log-dir", str(tmp_path / "logs"), "--",
-                "receipt", "--out", str(tmp_path / "r"), "--expect", "cpu", "--expect-devices", "4",
-                "--matmul-size", "32", timeout=180)
+    p = run_cli(
+        "launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--",
+        "receipt",
+        "--out",
+        str(tmp_path / "r"),
+        "--expect",
+        "cpu",
+        "--expect-devices",
+        "4",
+        "--matmul-size",
+        "32",
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     receipts = [json.loads((tmp_path / "r" / f"receipt-p{i}.json").read_text()) for i in range(2)]
     for i, r in enumerate(receipts):
         rt, coll = r["runtime"], r["evidence"]["collective"]
-        assert (rt["process_index"], rt["process_count"], rt["device_count"], rt["local_device_count"]) == (i, 2, 4, 2)
-        assert coll["passed"] and coll["devices"] == 4 and coll["expected"] == 6.0 and coll["values"] == [6.0, 6.0]
+        assert (
+            rt["process_index"],
+            rt["process_count"],
+            rt["device_count"],
+            rt["local_device_count"],
+        ) == (i, 2, 4, 2)
+        assert (
+            coll["passed"]
+            and coll["devices"] == 4
+            and coll["expected"] == 6.0
+            and coll["values"] == [6.0, 6.0]
+        )
         assert r["qualification"]["passed"]
-    assert sorted(receipts[0]["runtime"]["local_device_ids"] + receipts[1]["runtime"]["local_device_ids"]) == \
-        sorted(d["id"] for d in receipts[0]["runtime"]["devices"])
+    assert sorted(
+        receipts[0]["runtime"]["local_device_ids"] + receipts[1]["runtime"]["local_device_ids"]
+    ) == sorted(d["id"] for d in receipts[0]["runtime"]["devices"])
     # negative control: the same 2 devices per process without the job's env are 2 separate 2-device runtimes
-    p = run_cli("receipt", "--out", str(tmp_path / "alone"), "--expect", "cpu", "--expect-devices", "4",
-                "--matmul-size", "32", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, timeout=120)
+    p = run_cli(
+        "receipt",
+        "--out",
+        str(tmp_path / "alone"),
+        "--expect",
+        "cpu",
+        "--expect-devices",
+        "4",
+        "--matmul-size",
+        "32",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        timeout=120,
+    )
     assert p.returncode == 4 and "expected 4 devices, JAX reports 2" in p.stderr
     alone = json.loads((tmp_path / "alone" / "receipt.json").read_text())
-    assert alone["runtime"]["process_count"] == 1 and alone["evidence"]["collective"]["expected"] == 1.0
+    assert (
+        alone["runtime"]["process_count"] == 1
+        and alone["evidence"]["collective"]["expected"] == 1.0
+    )
 
 
 def test_collective_checker_negative_controls():
@@ -78,10 +138,15 @@ def test_matmul_checker_negative_controls():
     import numpy as np
 
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((64, 64), dtype=np.float32), rng.standard_normal((64, 64), dtype=np.float32)
+    a, b = (
+        rng.standard_normal((64, 64), dtype=np.float32),
+        rng.standard_normal((64, 64), dtype=np.float32),
+    )
     good = a @ b
     assert check_matmul(good, a, b)[1]
-    assert check_matmul(good.astype(np.float16).astype(np.float32), a, b)[1]  # reduced precision still passes
+    assert check_matmul(good.astype(np.float16).astype(np.float32), a, b)[
+        1
+    ]  # reduced precision still passes
     assert not check_matmul(a @ b.T, a, b)[1]  # wrong math fails
     bad = good.copy()
     bad[3, 5] = np.nan
@@ -89,12 +154,16 @@ def test_matmul_checker_negative_controls():
 
 
 def test_expect_tpu_fails_on_cpu_with_one_line(tmp_path):
-    p = run_cli("receipt", "--out", str(tmp_path), "--expect", "tpu:v5e", "--matmul-size", "64", timeout=120)
+    p = run_cli(
+        "receipt", "--out", str(tmp_path), "--expect", "tpu:v5e", "--matmul-size", "64", timeout=120
+    )
     assert p.returncode == 4
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr
-    assert lines[0].startswith("error: target qualification failed (tpu:v5e): expected backend tpu, JAX reports "
-                               "backend cpu")
+    assert lines[0].startswith(
+        "error: target qualification failed (tpu:v5e): expected backend tpu, JAX reports "
+        "backend cpu"
+    )
     # the receipt is still written: it is the evidence of the refusal
     r = json.loads((tmp_path / "receipt.json").read_text())
     assert r["qualification"]["passed"] is False and r["runtime"]["backend"] == "cpu"
@@ -110,8 +179,10 @@ def test_expect_device_count_and_bad_target(tmp_path):
 
 
 def _fake(backend: str, kinds: list[str], n: int) -> dict:
-    return {"runtime": {"backend": backend, "device_kinds": kinds, "device_count": n},
-            "evidence": {"collective": {"passed": True}}}
+    return {
+        "runtime": {"backend": backend, "device_kinds": kinds, "device_count": n},
+        "evidence": {"collective": {"passed": True}},
+    }
 
 
 def test_target_matching_by_generation():
@@ -122,8 +193,9 @@ def test_target_matching_by_generation():
     assert not kind_matches(Target.parse("tpu:v5e"), "TPU v5")
     assert kind_matches(Target.parse("tpu:v6e"), "TPU v6 lite")
     assert qualify(_fake("tpu", ["TPU v5 lite"], 8), Target.parse("tpu:v5e", 8)) == []
-    assert qualify(_fake("tpu", ["TPU v5 lite"], 4), Target.parse("tpu:v5e", 8)) == ["expected 8 devices, JAX "
-                                                                                    "reports 4"]
+    assert qualify(_fake("tpu", ["TPU v5 lite"], 4), Target.parse("tpu:v5e", 8)) == [
+        "expected 8 devices, JAX reports 4"
+    ]
     failed = _fake("tpu", ["TPU v5 lite"], 8)
     failed["evidence"]["collective"]["passed"] = False
     assert qualify(failed, Target.parse("tpu:v5e")) == ["runtime evidence failed: collective"]

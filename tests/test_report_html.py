@@ -12,9 +12,18 @@ import pytest
 
 from conftest import run_cli
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run", "--virtual-time-budget=10000",
-                  "--enable-logging=stderr", "--v=0"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--virtual-time-budget=10000",
+    "--enable-logging=stderr",
+    "--v=0",
+]
 # Injected into a copy of the page only (the report itself has no script and its CSP forbids one): collects
 # errors, CSP violations and console.error calls, then reports every image's decode state into the DOM.
 CHECKER = """<script>
@@ -33,24 +42,38 @@ window.addEventListener('load', () => { const imgs = [...document.images];
 def chromium():
     path = shutil.which("chromium")
     if path is None and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"],
-                       capture_output=True, timeout=900, env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"})
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"],
+            capture_output=True,
+            timeout=900,
+            env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
+        )
         path = shutil.which("chromium")
     if path is None:
-        pytest.skip("Debian's chromium package is not installed and `apt-get install chromium` failed here "
-                    "(no root or no package index)")
+        pytest.skip(
+            "Debian's chromium package is not installed and `apt-get install chromium` failed here "
+            "(no root or no package index)"
+        )
     return path
 
 
 def browser_check(chromium: str, page, tmp_path) -> dict:
     text = page.read_text()
-    text = text.replace("style-src 'unsafe-inline'\">", "style-src 'unsafe-inline'; script-src 'unsafe-inline'\">", 1)
+    text = text.replace(
+        "style-src 'unsafe-inline'\">",
+        "style-src 'unsafe-inline'; script-src 'unsafe-inline'\">",
+        1,
+    )
     assert "script-src 'unsafe-inline'" in text
     probe = tmp_path / f"probe-{page.stem}.html"
     probe.write_text(text.replace("</head>", CHECKER + "</head>", 1))
     with tempfile.TemporaryDirectory() as profile:
-        out = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", probe.as_uri()],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", probe.as_uri()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     m = re.search(r'<pre id="tpulab-check">(.*?)</pre>', out.stdout, re.S)
     assert m, f"no check result from chromium (rc {out.returncode}): {out.stderr[-2000:]}"
     result = json.loads(html.unescape(m.group(1)))
@@ -67,9 +90,11 @@ def test_report_html_loads_clean_in_chromium(chromium, trained_run, tmp_path):
     body = page.read_text()
     # same content: every heading and every image of the Markdown is in the page; images are embedded
     for heading in re.findall(r"^#+ (.*)$", md, re.M):
-        assert html.escape(re.sub(r"[`*]", "", heading), quote=False) in re.sub(r"</?(code|strong)>", "", body)
+        assert html.escape(re.sub(r"[`*]", "", heading), quote=False) in re.sub(
+            r"</?(code|strong)>", "", body
+        )
     n_images = len(re.findall(r"!\[[^\]]*\]\(", md))
-    assert n_images >= 1 and body.count('<img alt=') == n_images
+    assert n_images >= 1 and body.count("<img alt=") == n_images
     assert not re.search(r'(src|href)="(https?:)?//', body) and "missing image" not in body
     assert re.findall(r'<img [^>]*src="([^"]{0,22})', body) == ["data:image/png;base64,"] * n_images
     assert "Goodput" in md and "Training curves" in md and "What this ran on" in md

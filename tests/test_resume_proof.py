@@ -8,13 +8,19 @@ import time
 
 import pytest
 
-from conftest import TINY, run_cli
-from conftest import REPO
+from conftest import REPO, TINY, run_cli
 from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.driver import Proc, prove_resume
 
 pytestmark = pytest.mark.slow
-VERDICT_KEYS = {"identical", "max_abs_diff", "steps_compared", "kill_step", "resumed_from_step", "signal"}
+VERDICT_KEYS = {
+    "identical",
+    "max_abs_diff",
+    "steps_compared",
+    "kill_step",
+    "resumed_from_step",
+    "signal",
+}
 
 
 def test_prove_resume_is_bitwise_identical(tmp_path):
@@ -22,18 +28,26 @@ def test_prove_resume_is_bitwise_identical(tmp_path):
     assert result.returncode == 0, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert VERDICT_KEYS <= set(verdict)
-    assert verdict["identical"] is True and verdict["max_abs_diff"] == 0.0 and verdict["signal"] == "SIGKILL"
+    assert (
+        verdict["identical"] is True
+        and verdict["max_abs_diff"] == 0.0
+        and verdict["signal"] == "SIGKILL"
+    )
     assert verdict["curves_identical"] is True and verdict["final_state_identical"] is True
     assert verdict["first_differing_leaf"] is None and verdict["leaves_compared"] > 20
     assert verdict["steps_compared"] == 40 and verdict["kill_step"] == 24
-    assert verdict["resumed_from_step"] in (10, 20) and verdict["steps_redone"] > 0  # killed between checkpoints
+    assert (
+        verdict["resumed_from_step"] in (10, 20) and verdict["steps_redone"] > 0
+    )  # killed between checkpoints
     assert (tmp_path / "proof" / "overlay.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("part", ["rng", "data"])
 def test_negative_control_resume_without_part_is_caught(tmp_path, part):
     """Resuming without the dropout key or the data position must be reported as NOT identical."""
-    result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--skip-restore", part)
+    result = run_cli(
+        "prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--skip-restore", part
+    )
     assert result.returncode == 1, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert verdict["identical"] is False and verdict["max_abs_diff"] > 0
@@ -44,8 +58,17 @@ def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
     """Negative control for the whole-state verdict: with dropout off, a resume that drops the dropout key
     logs exactly the reference losses (the key is never used), so the curves match; only the final-state
     comparison sees the different key, and the verdict must say NOT identical, naming the rng leaf."""
-    result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--set", "model.dropout=0.0",
-                     "--skip-restore", "rng")
+    result = run_cli(
+        "prove-resume",
+        "--run-dir",
+        str(tmp_path),
+        "--config",
+        str(TINY),
+        "--set",
+        "model.dropout=0.0",
+        "--skip-restore",
+        "rng",
+    )
     assert result.returncode == 1, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert verdict["curves_identical"] is True and verdict["max_abs_diff"] == 0.0
@@ -60,13 +83,25 @@ def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(t
     resume must not use it, must keep an unmarked one aside, and must match the reference bitwise."""
     from tpulab.proofs.state import final_state_verdict
 
-    hooked = lambda d: [sys.executable, str(REPO / "tests" / "hooked_train.py"), "--config", str(TINY),  # noqa: E731
-                        "--run-dir", str(d), "--withhold-commit", "30"]
-    verdict = prove_resume(hooked, tmp_path / "proof", steps=40, kill_at=31, compare_state=final_state_verdict)
+    hooked = lambda d: [
+        sys.executable,
+        str(REPO / "tests" / "hooked_train.py"),
+        "--config",
+        str(TINY),  # noqa: E731
+        "--run-dir",
+        str(d),
+        "--withhold-commit",
+        "30",
+    ]
+    verdict = prove_resume(
+        hooked, tmp_path / "proof", steps=40, kill_at=31, compare_state=final_state_verdict
+    )
     assert verdict["identical"] is True
     assert verdict["resumed_from_step"] == 20 and verdict["kill_step"] == 31
     at_kill = verdict["checkpoints_at_kill"]
-    assert "20" in at_kill and any(name == "30" or name.startswith("30.orbax-checkpoint-tmp") for name in at_kill)
+    assert "20" in at_kill and any(
+        name == "30" or name.startswith("30.orbax-checkpoint-tmp") for name in at_kill
+    )
     if "30" in at_kill:  # Orbax finished, the marker did not: refused and kept aside
         rejected = list((tmp_path / "proof" / "interrupted" / "rejected_checkpoints").iterdir())
         assert [p.name.split("-")[0] for p in rejected] == ["30"]
@@ -75,8 +110,19 @@ def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(t
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     run = tmp_path / "run"
-    argv = [sys.executable, "-m", "tpulab.cli", "train", "--run-dir", str(run), "--config", str(TINY),
-            "--steps", "5000", "--no-progress"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tpulab.cli",
+        "train",
+        "--run-dir",
+        str(run),
+        "--config",
+        str(TINY),
+        "--steps",
+        "5000",
+        "--no-progress",
+    ]
     with Proc(argv, tmp_path / "log.txt", dict(os.environ)) as proc:
         deadline = time.monotonic() + 120
         while max(curve(read_records(run)) or [0]) < 15:
@@ -91,7 +137,16 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     last = max(curve(read_records(run)))
     assert summary["preempted"] and summary["latest_checkpoint"] == last == summary["final_step"]
-    result = run_cli("train", "--run-dir", str(run), "--config", str(TINY), "--steps", str(last + 3), "--no-progress")
+    result = run_cli(
+        "train",
+        "--run-dir",
+        str(run),
+        "--config",
+        str(TINY),
+        "--steps",
+        str(last + 3),
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
     starts = [r for r in read_records(run) if r.get("event") == "start"]
     assert starts[-1]["resumed_from"] == last

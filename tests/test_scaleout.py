@@ -44,7 +44,9 @@ def test_layout_table_on_this_process_matches_the_compiled_shardings(tmp_path):
 
     steps = make_steps(tiny_config())
     rows = {r["path"]: r for r in layout_table(steps.abstract_state(), steps.mesh)}
-    assert rows["params/blocks/0/attn/qkv/kernel"]["spec"] == str(steps.state_sharding.params["blocks"][0]["attn"]["qkv"]["kernel"].get_value().spec)
+    assert rows["params/blocks/0/attn/qkv/kernel"]["spec"] == str(
+        steps.state_sharding.params["blocks"][0]["attn"]["qkv"]["kernel"].get_value().spec
+    )
     assert len(rows) == 46
 
 
@@ -55,18 +57,23 @@ def test_mesh_must_use_every_device_and_split_the_batch():
         resolve(MeshConfig(data=2), 4)
     with pytest.raises(ConfigError, match="does not divide"):
         resolve(MeshConfig(fsdp=3), 4)
-    with pytest.raises(ConfigError, match=r"batch_size=6 is not divisible by the data-parallel size 4"):
+    with pytest.raises(
+        ConfigError, match=r"batch_size=6 is not divisible by the data-parallel size 4"
+    ):
         check_batch(6, _Mesh(2, 2))
     check_batch(8, _Mesh(2, 2))
 
 
-@pytest.mark.parametrize("args,message", [
-    (["train", "--set", "mesh.data=2"], "mesh data=2 x fsdp=1 = 2 devices, but JAX sees 1"),
-    (["train", "--set", "mesh.fsdp=0"], "mesh.fsdp=0 must be >= 1"),
-    (["launch", "--processes", "0", "--", "train"], "--processes 0 must be at least 1"),
-    (["reshard", "--mesh", "data=3,fsdp=2"], "does not divide the 1 devices"),
-    (["reshard", "--mesh", "data=x"], "--mesh expects data=N,fsdp=M"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train", "--set", "mesh.data=2"], "mesh data=2 x fsdp=1 = 2 devices, but JAX sees 1"),
+        (["train", "--set", "mesh.fsdp=0"], "mesh.fsdp=0 must be >= 1"),
+        (["launch", "--processes", "0", "--", "train"], "--processes 0 must be at least 1"),
+        (["reshard", "--mesh", "data=3,fsdp=2"], "does not divide the 1 devices"),
+        (["reshard", "--mesh", "data=x"], "--mesh expects data=N,fsdp=M"),
+    ],
+)
 def test_bad_scaleout_input_is_one_line_and_writes_nothing(tmp_path, trained_run, args, message):
     run = tmp_path / "run"
     if args[0] == "reshard":
@@ -75,7 +82,10 @@ def test_bad_scaleout_input_is_one_line_and_writes_nothing(tmp_path, trained_run
         args = [*args, "--run-dir", str(run), "--config", str(TINY), "--no-progress"]
     result = run_cli(*args)
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {result.stderr.strip()[7:]}" and len(result.stderr.strip().splitlines()) == 1
+    assert (
+        result.stderr.strip() == f"error: {result.stderr.strip()[7:]}"
+        and len(result.stderr.strip().splitlines()) == 1
+    )
     assert message in result.stderr
     assert not run.exists()
 
@@ -85,16 +95,32 @@ def test_coordinator_port_in_use_is_refused(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        result = run_cli("launch", "--processes", "2", "--port", str(port), "--log-dir", str(tmp_path / "l"), "--",
-                         "train", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 2 and f"coordinator port {port} on 127.0.0.1 is in use" in result.stderr
+        result = run_cli(
+            "launch",
+            "--processes",
+            "2",
+            "--port",
+            str(port),
+            "--log-dir",
+            str(tmp_path / "l"),
+            "--",
+            "train",
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    assert (
+        result.returncode == 2
+        and f"coordinator port {port} on 127.0.0.1 is in use" in result.stderr
+    )
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("processes", [2, 4])
 def test_processes_draw_disjoint_rows_whose_union_is_the_single_process_batch(processes):
     cfg = DataConfig(seq_len=8, batch_size=8)
-    windows = np.arange(13 * 9, dtype=np.int32).reshape(13, 9)  # 13 windows: an epoch ends inside a batch
+    windows = np.arange(13 * 9, dtype=np.int32).reshape(
+        13, 9
+    )  # 13 windows: an epoch ends inside a batch
     one = iter(train_dataset(windows, cfg))
     many = [iter(train_dataset(windows, cfg, p, processes)) for p in range(processes)]
     for _ in range(7):  # several epochs
@@ -104,7 +130,9 @@ def test_processes_draw_disjoint_rows_whose_union_is_the_single_process_batch(pr
     import grain
 
     ds = grain.MapDataset.source(windows)[0::2].shuffle(seed=cfg.shuffle_seed).repeat().batch(4)
-    assert not np.array_equal(next(iter(ds))[:, :-1], next(iter(train_dataset(windows, cfg)))["inputs"][:4])
+    assert not np.array_equal(
+        next(iter(ds))[:, :-1], next(iter(train_dataset(windows, cfg)))["inputs"][:4]
+    )
 
 
 def test_a_resume_on_another_topology_is_refused_unless_forced():
@@ -112,7 +140,9 @@ def test_a_resume_on_another_topology_is_refused_unless_forced():
 
     saved = {"mesh": {"data": 2, "fsdp": 2}, "process_count": 2, "device_count": 4}
     here = {"mesh": {"data": 1, "fsdp": 1}, "process_count": 1, "device_count": 1}
-    with pytest.raises(TpulabError, match=r"written on 2 process\(es\) x 4 device\(s\).*use tpulab reshard"):
+    with pytest.raises(
+        TpulabError, match=r"written on 2 process\(es\) x 4 device\(s\).*use tpulab reshard"
+    ):
         check_topology({"step": 10, "topology": saved}, here, force=False)
     check_topology({"step": 10, "topology": saved}, here, force=True)
     check_topology({"step": 10, "topology": here}, here, force=False)
@@ -122,27 +152,62 @@ def test_topology_is_recorded_in_the_checkpoint(trained_run):
     import json
 
     meta = json.loads((trained_run / "checkpoints" / "40" / "meta" / "metadata").read_text())
-    assert meta["topology"] == {"mesh": {"data": 1, "fsdp": 1}, "process_count": 1, "device_count": 1}
+    assert meta["topology"] == {
+        "mesh": {"data": 1, "fsdp": 1},
+        "process_count": 1,
+        "device_count": 1,
+    }
 
 
 def test_a_process_that_cannot_reach_its_coordinator_fails_in_one_line_naming_worker_all(tmp_path):
     from tpulab.orchestrate.launch import free_port
 
-    env = {"TPULAB_COORDINATOR": f"127.0.0.1:{free_port()}", "TPULAB_NUM_PROCESSES": "2", "TPULAB_PROCESS_ID": "1",
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        "TPULAB_COORDINATOR": f"127.0.0.1:{free_port()}",
+        "TPULAB_NUM_PROCESSES": "2",
+        "TPULAB_PROCESS_ID": "1",
+        "JAX_PLATFORMS": "cpu",
+    }
     t0 = time.monotonic()
-    result = run_cli("train", "--run-dir", str(tmp_path / "run"), "--config", str(TINY), "--no-progress",
-                     "--init-timeout", "3", env=env, timeout=120)
+    result = run_cli(
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--config",
+        str(TINY),
+        "--no-progress",
+        "--init-timeout",
+        "3",
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: joining coordinator") and "within 3s" in last and "--worker=all" in last
+    assert (
+        last.startswith("error: joining coordinator")
+        and "within 3s" in last
+        and "--worker=all" in last
+    )
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "run").exists()
 
 
 def test_launcher_passes_on_the_code_when_every_process_fails_alike(tmp_path):
-    result = run_cli("launch", "--processes", "2", "--log-dir", str(tmp_path / "l"), "--", "train", "--run-dir",
-                     str(tmp_path / "run"), "--config", str(TINY), "--set", "mesh.fsdp=0")
+    result = run_cli(
+        "launch",
+        "--processes",
+        "2",
+        "--log-dir",
+        str(tmp_path / "l"),
+        "--",
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--config",
+        str(TINY),
+        "--set",
+        "mesh.fsdp=0",
+    )
     assert result.returncode == 2, result.stderr
     assert "error: mesh.fsdp=0 must be >= 1" in result.stderr  # process 0's own line, streamed
     assert "mesh.fsdp=0 must be >= 1" in (tmp_path / "l" / "p1.log").read_text()
@@ -161,5 +226,7 @@ def test_a_checkpoint_from_before_meshes_counts_as_the_default_mesh():
     old.pop("mesh")
     meta = {"config": old, "corpus_identity": "c", "tokenizer": DEFINITION, "step": 10}
     assert check_resume_identity(meta, config, "c", force=False) == []
-    with pytest.raises(TpulabError, match=r"mesh.fsdp: 1 -> 2 .*use tpulab reshard"):  # negative control
+    with pytest.raises(
+        TpulabError, match=r"mesh.fsdp: 1 -> 2 .*use tpulab reshard"
+    ):  # negative control
         check_resume_identity(meta, tiny_config("mesh.fsdp=2"), "c", force=False)

@@ -31,8 +31,13 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def config(corpus):
-    return tiny_config(f"data.path={corpus}", f"train.steps={STEPS}", f"checkpoint.save_every={SAVE_EVERY}",
-                       "train.eval_every=10", "checkpoint.keep=3")
+    return tiny_config(
+        f"data.path={corpus}",
+        f"train.steps={STEPS}",
+        f"checkpoint.save_every={SAVE_EVERY}",
+        "train.eval_every=10",
+        "checkpoint.keep=3",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +70,9 @@ def test_same_math_on_every_layout(layouts):
     from tpulab.proofs.scaleout import compare_layout
 
     ref = curve(read_records(out / "p1d1"))
-    assert not compare_layout(ref, {s: x * (1 + 10 * v["rtol"]) for s, x in ref.items()})["within_tolerance"]
+    assert not compare_layout(ref, {s: x * (1 + 10 * v["rtol"]) for s, x in ref.items()})[
+        "within_tolerance"
+    ]
 
 
 def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, layouts, tmp_path):
@@ -73,11 +80,19 @@ def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, la
     from tpulab.train.distributed import EXIT_PEER_FAILED
 
     out, _ = layouts
-    v = prove_multiprocess_resume(_with_mesh(config, 2, 2), tmp_path, mode="kill", kill_at=9,
-                                  reference_dir=out / "p2d2", stall_timeout_s=60)
+    v = prove_multiprocess_resume(
+        _with_mesh(config, 2, 2),
+        tmp_path,
+        mode="kill",
+        kill_at=9,
+        reference_dir=out / "p2d2",
+        stall_timeout_s=60,
+    )
     assert v["identical"], v
     assert v["final_state_identical"] and v["leaves_compared"] == 46
-    assert v["event"]["launcher_exit_code"] == EXIT_PEER_FAILED and v["event"]["survivors_after"] == []
+    assert (
+        v["event"]["launcher_exit_code"] == EXIT_PEER_FAILED and v["event"]["survivors_after"] == []
+    )
     assert v["event"]["job_end_s"] < GRACE_S + 5  # the survivor is gone within the stated bound
     assert v["resumed_from_step"] == 5 and v["kill_step"] == 9
     # proof 4: an epoch (about 4 steps here) ends between the checkpoint and the kill, so the
@@ -92,11 +107,19 @@ def test_stall_one_process_watchdog_tears_down_and_resume_is_bitwise(config, lay
 
     out, _ = layouts
     timeout = 15.0
-    v = prove_multiprocess_resume(_with_mesh(config, 2, 2), tmp_path, mode="stall", kill_at=9,
-                                  reference_dir=out / "p2d2", stall_timeout_s=timeout)
+    v = prove_multiprocess_resume(
+        _with_mesh(config, 2, 2),
+        tmp_path,
+        mode="stall",
+        kill_at=9,
+        reference_dir=out / "p2d2",
+        stall_timeout_s=timeout,
+    )
     assert v["event"]["launcher_exit_code"] == EXIT_STALLED, v
     assert v["stack_dumped"] and v["event"]["survivors_after"] == []
-    assert timeout <= v["event"]["job_end_s"] < timeout + 10  # detected by the watchdog, not by luck
+    assert (
+        timeout <= v["event"]["job_end_s"] < timeout + 10
+    )  # detected by the watchdog, not by luck
     assert v["identical"], v
 
 
@@ -106,14 +129,22 @@ def test_reshard_two_processes_onto_one_and_continue(config, layouts, tmp_path):
     out, _ = layouts
     v = prove_reshard(config, tmp_path, at_step=10, reference_dir=out / "p2d2")
     assert v["reshard"]["bitwise_equal"] and v["reshard"]["leaves"] == 46
-    assert v["reshard"]["from"].startswith("2 proc x 4 dev") and v["reshard"]["to"].startswith("1 proc x 2 dev")
+    assert v["reshard"]["from"].startswith("2 proc x 4 dev") and v["reshard"]["to"].startswith(
+        "1 proc x 2 dev"
+    )
     assert v["passed"], v
-    meta = json.loads((tmp_path / "resharded" / "checkpoints" / "10" / "meta" / "metadata").read_text())
-    assert meta["topology"]["mesh"] == {"data": 1, "fsdp": 2} and meta["resharded_from"]["step"] == 10
+    meta = json.loads(
+        (tmp_path / "resharded" / "checkpoints" / "10" / "meta" / "metadata").read_text()
+    )
+    assert (
+        meta["topology"]["mesh"] == {"data": 1, "fsdp": 2} and meta["resharded_from"]["step"] == 10
+    )
     assert (tmp_path / "overlay.png").stat().st_size > 10_000
 
 
-def test_windows_of_a_step_are_disjoint_across_processes_and_equal_the_single_process_batch(layouts, tmp_path):
+def test_windows_of_a_step_are_disjoint_across_processes_and_equal_the_single_process_batch(
+    layouts, tmp_path
+):
     from tpulab.proofs.scaleout import ledger_verdict
 
     out, _ = layouts
@@ -123,8 +154,11 @@ def test_windows_of_a_step_are_disjoint_across_processes_and_equal_the_single_pr
     bad = tmp_path / "bad"
     shutil.copytree(out / "p2d2", bad, ignore=shutil.ignore_patterns("checkpoints"))
     lines = [json.loads(x) for x in (bad / "windows.p1.jsonl").read_text().splitlines()]
-    p0 = {r["step"]: r["train"] for r in map(json.loads, (bad / "windows.p0.jsonl").read_text().splitlines())
-          if "step" in r}
+    p0 = {
+        r["step"]: r["train"]
+        for r in map(json.loads, (bad / "windows.p0.jsonl").read_text().splitlines())
+        if "step" in r
+    }
     lines = [{**r, "train": p0[3]} if r.get("step") == 3 else r for r in lines]
     (bad / "windows.p1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     v = ledger_verdict(bad, out / "p1d1")
@@ -143,7 +177,9 @@ def test_sigterm_to_the_launcher_preempts_every_process_at_the_same_step(config,
 
     cfg = write_child_config(_with_mesh(config, 2, 2), tmp_path / "c.yaml")
     run = tmp_path / "run"
-    with Proc(launch_argv(cfg, run, processes=2, devices=2, extra=("--steps", "400")), tmp_path / "log") as proc:
+    with Proc(
+        launch_argv(cfg, run, processes=2, devices=2, extra=("--steps", "400")), tmp_path / "log"
+    ) as proc:
         deadline = time.monotonic() + 300
         while 10 not in curve(read_records(run)):  # both processes past compile and warm-up
             assert proc.p.poll() is None and time.monotonic() < deadline, proc.tail()
@@ -155,5 +191,7 @@ def test_sigterm_to_the_launcher_preempts_every_process_at_the_same_step(config,
     assert len(stopped) == 1 and stopped[0]["step"] < 400
     step = stopped[0]["step"]
     assert scan(run / "checkpoints").latest == step  # both processes saved that step together
-    assert sorted(p.name for p in (run / "checkpoints" / str(step) / "data").glob("process_*")) == \
-        ["process_0-of-2.json", "process_1-of-2.json"]
+    assert sorted(p.name for p in (run / "checkpoints" / str(step) / "data").glob("process_*")) == [
+        "process_0-of-2.json",
+        "process_1-of-2.json",
+    ]

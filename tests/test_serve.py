@@ -35,9 +35,29 @@ def verified_artifacts(trained_run, tmp_path_factory):
 
 
 def _start(art, port, log, *extra):
-    return subprocess.Popen([sys.executable, "-m", "tpulab.cli", "serve", "--artifacts", str(art), "--host",
-                             "127.0.0.1", "--port", str(port), "--max-batch", "4", "--batch-window-ms", "30", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy())
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tpulab.cli",
+            "serve",
+            "--artifacts",
+            str(art),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-batch",
+            "4",
+            "--batch-window-ms",
+            "30",
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=os.environ.copy(),
+    )
 
 
 def _reap(proc):
@@ -89,7 +109,14 @@ def test_generate_is_seeded_and_matches_the_library(server, verified_artifacts):
     from tpulab.inference.export import open_artifacts
     from tpulab.inference.generate import SamplingConfig, generate_text
 
-    req = {"prompt": "ROMEO:", "max_new": 10, "temperature": 0.9, "top_k": 30, "seed": 11, "cache": "int8"}
+    req = {
+        "prompt": "ROMEO:",
+        "max_new": 10,
+        "temperature": 0.9,
+        "top_k": 30,
+        "seed": 11,
+        "cache": "int8",
+    }
     a = httpx.post(f"{server}/v1/generate", json=req, timeout=60)
     b = httpx.post(f"{server}/v1/generate", json=req, timeout=60)
     assert a.status_code == 200, a.text
@@ -99,33 +126,41 @@ def test_generate_is_seeded_and_matches_the_library(server, verified_artifacts):
     assert a.json()["text"] == "".join(generate_text(engine, "ROMEO:", cfg))
 
 
-@pytest.mark.parametrize("body, reason", [
-    (b"{not json", "json"),
-    (b'{"prompt": "' + b"x" * 40 + b'", "max_new": 4}', "exceeds the model's 32 positions"),
-    (b'{"prompt": "' + b"x" * 5000 + b'"}', "at most 4096"),
-    (b'{"prompt": "a", "temperature": -1}', "temperature"),
-    (b'{"prompt": "a", "temperature": 5e-324}', "temperature"),
-    (b'{"prompt": "a", "temperature": NaN}', "non-finite number NaN"),
-    (b'{"prompt": "a", "temperature": Infinity}', "non-finite number Infinity"),
-    (b'{"prompt": "a", "top_k": -Infinity}', "non-finite number -Infinity"),
-    (b'{"prompt": "a", "temperature": 1e999}', "1e999"),
-    (b'{"prompt": "a", "max_new": 1e999}', "1e999"),
-    (b'{"prompt": "a", "seed": NaN}', "NaN"),
-    (b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}", "json"),
-    (b'{"prompt": "a", "seed": 99999999999999999999}', "seed"),
-    (b'{"prompt": "a", "top_k": 1000}', "top_k"),
-    (b'{"prompt": "a", "max_new": 0}', "max_new"),
-    (b'{"prompt": "a", "max_new": 1.5}', "max_new"),
-    (b'{"prompt": "a", "cache": "fp8"}', "cache"),
-    (b'{"prompt": "a", "extra": 1}', "extra"),
-    (b'{"prompt": ""}', "prompt is empty"),
-    (b'{"prompt": 7}', "prompt"),
-    (b'{"prompt": "\\ud800"}', "not valid UTF-8"),
-    (b'{"prompt": "\xff\xfe"}', "not UTF-8"),
-    (b'[]', "valid dictionary"),
-])
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        (b"{not json", "json"),
+        (b'{"prompt": "' + b"x" * 40 + b'", "max_new": 4}', "exceeds the model's 32 positions"),
+        (b'{"prompt": "' + b"x" * 5000 + b'"}', "at most 4096"),
+        (b'{"prompt": "a", "temperature": -1}', "temperature"),
+        (b'{"prompt": "a", "temperature": 5e-324}', "temperature"),
+        (b'{"prompt": "a", "temperature": NaN}', "non-finite number NaN"),
+        (b'{"prompt": "a", "temperature": Infinity}', "non-finite number Infinity"),
+        (b'{"prompt": "a", "top_k": -Infinity}', "non-finite number -Infinity"),
+        (b'{"prompt": "a", "temperature": 1e999}', "1e999"),
+        (b'{"prompt": "a", "max_new": 1e999}', "1e999"),
+        (b'{"prompt": "a", "seed": NaN}', "NaN"),
+        (b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}", "json"),
+        (b'{"prompt": "a", "seed": 99999999999999999999}', "seed"),
+        (b'{"prompt": "a", "top_k": 1000}', "top_k"),
+        (b'{"prompt": "a", "max_new": 0}', "max_new"),
+        (b'{"prompt": "a", "max_new": 1.5}', "max_new"),
+        (b'{"prompt": "a", "cache": "fp8"}', "cache"),
+        (b'{"prompt": "a", "extra": 1}', "extra"),
+        (b'{"prompt": ""}', "prompt is empty"),
+        (b'{"prompt": 7}', "prompt"),
+        (b'{"prompt": "\\ud800"}', "not valid UTF-8"),
+        (b'{"prompt": "\xff\xfe"}', "not UTF-8"),
+        (b"[]", "valid dictionary"),
+    ],
+)
 def test_bad_requests_get_422_with_reason(server, body, reason):
-    r = httpx.post(f"{server}/v1/generate", content=body, headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{server}/v1/generate",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 422 and reason.lower() in r.json()["detail"].lower(), r.text
     assert httpx.get(f"{server}/healthz", timeout=10).status_code == 200
 
@@ -136,8 +171,16 @@ def test_concurrent_requests_are_batched_and_get_what_they_would_alone(server, v
     from tpulab.inference.generate import SamplingConfig, generate_ids
 
     prompts = ["To", "ROMEO: But soft", "a", "KING:", "What light", "O", "Thou art", "Fair"]
-    reqs = [{"prompt": p, "max_new": 3 + i, "temperature": 0.0 if i % 2 == 0 else 0.9, "seed": i, "top_k": 20}
-            for i, p in enumerate(prompts)]
+    reqs = [
+        {
+            "prompt": p,
+            "max_new": 3 + i,
+            "temperature": 0.0 if i % 2 == 0 else 0.9,
+            "seed": i,
+            "top_k": 20,
+        }
+        for i, p in enumerate(prompts)
+    ]
 
     def call(req):
         r = httpx.post(f"{server}/v1/generate", json=req, timeout=120)
@@ -149,11 +192,17 @@ def test_concurrent_requests_are_batched_and_get_what_they_would_alone(server, v
     assert max(r["batch"] for r in results) > 1, [r["batch"] for r in results]
     engine = open_artifacts(verified_artifacts).engine("fp32")
     for req, got in zip(reqs, results):
-        cfg = SamplingConfig(max_new=req["max_new"], temperature=req["temperature"], top_k=20, seed=req["seed"])
-        want = bytes(t for t in generate_ids(engine, req["prompt"], cfg) if t < 256).decode("utf-8", "replace")
+        cfg = SamplingConfig(
+            max_new=req["max_new"], temperature=req["temperature"], top_k=20, seed=req["seed"]
+        )
+        want = bytes(t for t in generate_ids(engine, req["prompt"], cfg) if t < 256).decode(
+            "utf-8", "replace"
+        )
         assert got["text"] == want and got["tokens"] == req["max_new"], (req, got)
     stats = httpx.get(f"{server}/v1/stats", timeout=10).json()
-    assert all(n <= 3 for n in stats["compiled_variants"].values())  # one executable per bucket (1, 2, 4)
+    assert all(
+        n <= 3 for n in stats["compiled_variants"].values()
+    )  # one executable per bucket (1, 2, 4)
 
 
 def test_a_slow_client_does_not_hold_up_others(server):
@@ -161,12 +210,24 @@ def test_a_slow_client_does_not_hold_up_others(server):
     before a request is queued, so nothing waits for it)."""
     port = int(server.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
-        stalled.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 200\r\n\r\n{\"prompt\": \"slo")
+        stalled.sendall(
+            b"POST /v1/generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 200\r\n\r\n{"prompt": "slo'
+        )
         t0 = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            codes = list(pool.map(lambda i: httpx.post(f"{server}/v1/generate", json={"prompt": "To", "max_new": 4,
-                                                       "seed": i}, timeout=30).status_code, range(4)))
+            codes = list(
+                pool.map(
+                    lambda i: (
+                        httpx.post(
+                            f"{server}/v1/generate",
+                            json={"prompt": "To", "max_new": 4, "seed": i},
+                            timeout=30,
+                        ).status_code
+                    ),
+                    range(4),
+                )
+            )
         assert codes == [200] * 4 and time.monotonic() - t0 < 30
 
 
@@ -193,11 +254,24 @@ def _rehash(art):
     (art / "manifest.json").write_text(json.dumps(m))
 
 
-def test_refuses_unverified_tampered_corrupt_or_swapped_artifacts_before_listening(verified_artifacts, tmp_path):
-    cases = {"unverified": (lambda a: (a / "verification.json").unlink(), "not verified"),
-             "tampered": (lambda a: open(a / "weights.npz", "ab").write(b"\0"), "sha256 mismatch in weights.npz"),
-             "corrupt": (lambda a: (_corrupt(a), _rehash(a)), "decode_bf16.jaxexport cannot be deserialized"),
-             "swapped": (lambda a: (_swap(a), _rehash(a)), "generate_fp32.jaxexport does not hold a fp32 cache")}
+def test_refuses_unverified_tampered_corrupt_or_swapped_artifacts_before_listening(
+    verified_artifacts, tmp_path
+):
+    cases = {
+        "unverified": (lambda a: (a / "verification.json").unlink(), "not verified"),
+        "tampered": (
+            lambda a: open(a / "weights.npz", "ab").write(b"\0"),
+            "sha256 mismatch in weights.npz",
+        ),
+        "corrupt": (
+            lambda a: (_corrupt(a), _rehash(a)),
+            "decode_bf16.jaxexport cannot be deserialized",
+        ),
+        "swapped": (
+            lambda a: (_swap(a), _rehash(a)),
+            "generate_fp32.jaxexport does not hold a fp32 cache",
+        ),
+    }
     for name, (damage, reason) in cases.items():
         art = tmp_path / name
         shutil.copytree(verified_artifacts, art)
@@ -245,10 +319,16 @@ def slow_server(verified_artifacts, trained_run):
 
     from tpulab.inference.serve import ServeConfig, Service, create_app
 
-    cfg = ServeConfig(max_batch=1, batch_window_ms=0, max_queue=3, request_timeout_s=1.0, retry_after_s=2)
-    service = Service(verified_artifacts, cfg, run_dir=trained_run)  # re-verified against the checkpoint
+    cfg = ServeConfig(
+        max_batch=1, batch_window_ms=0, max_queue=3, request_timeout_s=1.0, retry_after_s=2
+    )
+    service = Service(
+        verified_artifacts, cfg, run_dir=trained_run
+    )  # re-verified against the checkpoint
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -288,7 +368,9 @@ def test_overflow_503_time_limit_504_and_healthz_stays_responsive(slow_server):
         while not all(f.done() for f in futures):
             t0 = time.perf_counter()
             r = probe.get(f"{base}/healthz")
-            health.append((r.status_code, time.perf_counter() - t0, sum(not f.done() for f in futures)))
+            health.append(
+                (r.status_code, time.perf_counter() - t0, sum(not f.done() for f in futures))
+            )
             time.sleep(0.05)
         results = [f.result() for f in futures]
     probe.close()
@@ -298,10 +380,14 @@ def test_overflow_503_time_limit_504_and_healthz_stays_responsive(slow_server):
     assert all("time limit of 1 s" in b["detail"] for c, _, b in results if c == 504)
     busy = [h for h in health if h[2] > 0]
     assert len(busy) >= 5 and all(code == 200 for code, _, _ in busy)
-    assert max(dt for _, dt, _ in busy) < 0.5, busy  # the device work (0.6 s per batch) never blocks it
+    assert max(dt for _, dt, _ in busy) < 0.5, (
+        busy
+    )  # the device work (0.6 s per batch) never blocks it
     # After the storm (and the batch whose client gave up, which cannot be interrupted) it still serves.
     deadline = time.monotonic() + 10
-    while httpx.get(f"{base}/v1/stats", timeout=10).json()["queued"] and time.monotonic() < deadline:
+    while (
+        httpx.get(f"{base}/v1/stats", timeout=10).json()["queued"] and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
     time.sleep(0.7)
     assert call(0)[0] == 200
@@ -328,4 +414,6 @@ def test_failed_warm_up_stops_the_server(verified_artifacts):
     service.engines = {"fp32": Broken()}
     service.on_warmup_failure = lambda: stopped.append(True)
     service.warm_up()
-    assert stopped == [True] and not service.ready.is_set() and "device lost" in service.warmup_error
+    assert (
+        stopped == [True] and not service.ready.is_set() and "device lost" in service.warmup_error
+    )

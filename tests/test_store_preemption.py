@@ -16,8 +16,10 @@ from tpulab.checkpoint.store import CheckpointStore, _Manager
 
 
 def _save(manager_cls, directory) -> None:
-    manager = manager_cls(directory, options=ocp.CheckpointManagerOptions(create=True,
-                                                                         enable_async_checkpointing=True))
+    manager = manager_cls(
+        directory,
+        options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=True),
+    )
     try:
         manager.save(7, args=ocp.args.StandardSave({"x": np.arange(3)}))
         manager.wait_until_finished()
@@ -27,7 +29,9 @@ def _save(manager_cls, directory) -> None:
 
 def test_orbax_saves_do_not_read_the_preemption_sync_point(tmp_path, monkeypatch):
     calls: list[int] = []
-    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", lambda step: calls.append(step) or False)
+    monkeypatch.setattr(
+        multihost_utils, "reached_preemption_sync_point", lambda step: calls.append(step) or False
+    )
     _save(ocp.CheckpointManager, tmp_path / "plain")
     assert 7 in calls  # negative control: Orbax's own manager reads it, with the step number
     calls.clear()

@@ -8,11 +8,11 @@ import pytest
 from conftest import tiny_config
 from tpulab.checkpoint.files import MANIFEST
 from tpulab.checkpoint.store import CheckpointStore
+from tpulab.compile_cache import count_compiles
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
-from tpulab.compile_cache import count_compiles
 from tpulab.train.loop import train
 from tpulab.train.step import make_steps
 
@@ -51,7 +51,9 @@ def test_checkpoint_holds_the_full_state(trained_run):
     steps = make_steps(cfg)
     store = CheckpointStore(trained_run / "checkpoints", keep=3, async_save=False)
     try:
-        assert store.latest == 40 and sorted(int(p.name) for p in store.directory.iterdir() if p.name.isdigit()) == [20, 30, 40]
+        assert store.latest == 40 and sorted(
+            int(p.name) for p in store.directory.iterdir() if p.name.isdigit()
+        ) == [20, 30, 40]
         windows = build_splits(load_corpus(None), cfg.data).train_windows
         it = iter(train_dataset(windows, cfg.data))
         state = store.restore(40, steps.abstract_state(), it)
@@ -63,7 +65,9 @@ def test_checkpoint_holds_the_full_state(trained_run):
     assert all(float(jnp_abs_sum(x)) > 0 for x in (adam.mu, adam.nu, state.params))
     assert it.get_state()["next_index"] == 40
     manifest = json.loads((trained_run / "checkpoints" / "40" / MANIFEST).read_text())
-    assert any(k.startswith("state/") for k in manifest["files"]) and any(k.startswith("data/") for k in manifest["files"])
+    assert any(k.startswith("state/") for k in manifest["files"]) and any(
+        k.startswith("data/") for k in manifest["files"]
+    )
     # the dropout key is the one the uninterrupted run would use next, not the initial one
     assert not np.array_equal(np.asarray(state.rng), np.asarray(steps.init().rng))
 
@@ -78,10 +82,14 @@ def _copy_run(trained_run, tmp_path):
     return dst
 
 
-def test_corrupt_newest_checkpoint_is_refused_kept_and_the_previous_used(trained_run, tmp_path, capfd):
+def test_corrupt_newest_checkpoint_is_refused_kept_and_the_previous_used(
+    trained_run, tmp_path, capfd
+):
     run = _copy_run(trained_run, tmp_path)
-    victim = next((run / "checkpoints" / "40" / "state").rglob("*.0*"), None) or \
-        max((p for p in (run / "checkpoints" / "40" / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim = next((run / "checkpoints" / "40" / "state").rglob("*.0*"), None) or max(
+        (p for p in (run / "checkpoints" / "40" / "state").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -103,7 +111,9 @@ def test_all_checkpoints_corrupt_is_an_error_when_none_left(trained_run, tmp_pat
         load_model(run)
 
 
-@pytest.mark.parametrize("override, what", [("optim.lr=0.01", "optim.lr"), ("model.dropout=0.0", "model.dropout")])
+@pytest.mark.parametrize(
+    "override, what", [("optim.lr=0.01", "optim.lr"), ("model.dropout=0.0", "model.dropout")]
+)
 def test_resume_refuses_a_changed_config_unless_forced(trained_run, tmp_path, override, what):
     run = _copy_run(trained_run, tmp_path)
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -135,6 +145,12 @@ def test_metrics_hold_every_step_and_validation(trained_run):
 
 
 def test_non_finite_loss_stops_the_run_naming_step_and_checkpoint(tmp_path):
-    with pytest.raises(TpulabError, match=r"loss is (nan|inf) at step \d+; last good checkpoint") as info:
-        train(tiny_config("optim.lr=1e30", "optim.clip_norm=0", "train.steps=30"), tmp_path / "run", progress=False)
+    with pytest.raises(
+        TpulabError, match=r"loss is (nan|inf) at step \d+; last good checkpoint"
+    ) as info:
+        train(
+            tiny_config("optim.lr=1e30", "optim.clip_norm=0", "train.steps=30"),
+            tmp_path / "run",
+            progress=False,
+        )
     assert info.value.exit_code == 3

@@ -18,13 +18,19 @@ ENV = "TPULAB_COMPILE_CACHE"
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Tracing to a jaxpr, lowering to StableHLO and the XLA compile: together, what a first call pays
 # before it computes anything.
-COMPILE_PHASE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                        _BACKEND_COMPILE_EVENT)
+COMPILE_PHASE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    _BACKEND_COMPILE_EVENT,
+)
 
 
 def default_dir() -> Path:
-    return Path(os.environ.get(ENV) or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-                or Path.home() / ".cache" / "tpulab" / "jax-compile")
+    return Path(
+        os.environ.get(ENV)
+        or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        or Path.home() / ".cache" / "tpulab" / "jax-compile"
+    )
 
 
 def enable(path: str | Path | None = None) -> Path:

@@ -33,14 +33,18 @@ INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 
 
-def field(default: Any, doc: str, *, resume_mutable: bool = False, allow_nonfinite: bool = False) -> Any:
+def field(
+    default: Any, doc: str, *, resume_mutable: bool = False, allow_nonfinite: bool = False
+) -> Any:
     """A documented dataclass field; ``resume_mutable`` fields may change between a run and its resume.
 
     Float fields must be finite unless ``allow_nonfinite``: an ``inf`` learning rate or epsilon
     trains into NaN (or into nothing) instead of failing at the edge.
     """
-    return dataclasses.field(default=default, metadata={"doc": doc, "resume_mutable": resume_mutable,
-                                                        "allow_nonfinite": allow_nonfinite})
+    return dataclasses.field(
+        default=default,
+        metadata={"doc": doc, "resume_mutable": resume_mutable, "allow_nonfinite": allow_nonfinite},
+    )
 
 
 def nested(cls: type) -> Any:
@@ -56,12 +60,15 @@ def check(ok: bool, message: str) -> None:
 def short(value: Any, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters: an error line names the value, it does not print 400 digits."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 20]}...({len(text)} characters)"
+    return text if len(text) <= limit else f"{text[: limit - 20]}...({len(text)} characters)"
 
 
 def check_int(value: int, key: str, lo: int, hi: int, why: str = "") -> None:
     """Raise ConfigError unless ``lo <= value <= hi`` (``why`` says where the bound comes from)."""
-    check(lo <= value <= hi, f"{key}={short(value)} must be in [{lo}, {hi}]" + (f" ({why})" if why else ""))
+    check(
+        lo <= value <= hi,
+        f"{key}={short(value)} must be in [{lo}, {hi}]" + (f" ({why})" if why else ""),
+    )
 
 
 def check_path(value: str, key: str) -> None:
@@ -73,10 +80,16 @@ def check_path(value: str, key: str) -> None:
     check(value != "", f"{key} must not be empty")
     check("\0" not in value, f"{key} contains a NUL byte")
     raw = os.fsencode(value)
-    check(len(raw) <= PATH_MAX_BYTES, f"{key} is {len(raw)} bytes long; paths are limited to {PATH_MAX_BYTES}")
+    check(
+        len(raw) <= PATH_MAX_BYTES,
+        f"{key} is {len(raw)} bytes long; paths are limited to {PATH_MAX_BYTES}",
+    )
     longest = max(raw.split(b"/"), key=len)
-    check(len(longest) <= NAME_MAX_BYTES, f"{key} has a {len(longest)}-byte name "
-          f"'{os.fsdecode(longest[:40])}...'; names are limited to {NAME_MAX_BYTES} bytes")
+    check(
+        len(longest) <= NAME_MAX_BYTES,
+        f"{key} has a {len(longest)}-byte name "
+        f"'{os.fsdecode(longest[:40])}...'; names are limited to {NAME_MAX_BYTES} bytes",
+    )
 
 
 def _coerce(value: Any, tp: Any, key: str, allow_nonfinite: bool = False) -> Any:
@@ -97,7 +110,9 @@ def _coerce(value: Any, tp: Any, key: str, allow_nonfinite: bool = False) -> Any
         return tuple(_coerce(v, item_tp, key, allow_nonfinite) for v in value)
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
-            raise ConfigError(f"config key '{key}' must be one of {list(typing.get_args(tp))}, got {short(value)}")
+            raise ConfigError(
+                f"config key '{key}' must be one of {list(typing.get_args(tp))}, got {short(value)}"
+            )
         return value
     if tp is bool:
         if isinstance(value, bool):
@@ -137,9 +152,13 @@ def _build(cls: type[T], data: dict, prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(sorted(fields))})")
-    kwargs = {k: _coerce(v, hints[k], prefix + k, fields[k].metadata.get("allow_nonfinite", False))
-              for k, v in data.items()}
+        raise ConfigError(
+            f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(sorted(fields))})"
+        )
+    kwargs = {
+        k: _coerce(v, hints[k], prefix + k, fields[k].metadata.get("allow_nonfinite", False))
+        for k, v in data.items()
+    }
     return cls(**kwargs)
 
 
@@ -158,13 +177,21 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an impossible date such as 2024-13-01
+    except (
+        yaml.YAMLError,
+        ValueError,
+        RecursionError,
+    ):  # ValueError: an impossible date such as 2024-13-01
         value = raw
     return key.strip().split("."), value
 
 
-def load(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
-         base: dict | None = None) -> T:
+def load(
+    cls: type[T],
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict | None = None,
+) -> T:
     """Defaults, then ``base`` (e.g. a checkpoint's config), then a YAML file, then ``--set`` overrides."""
     data: dict = _deep_copy(base or {})
     if path is not None:
@@ -197,8 +224,9 @@ def _read_yaml(p: Path) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} "
-                          f"at offset {e.start})") from None
+        raise ConfigError(
+            f"config file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        ) from None
     try:
         return yaml.safe_load(text) or {}
     except yaml.YAMLError as e:

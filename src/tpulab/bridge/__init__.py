@@ -8,8 +8,16 @@ from __future__ import annotations
 
 from tpulab.bridge.config import BACKENDS, METHODS, BridgeConfig, check_backend_method
 
-__all__ = ["BACKENDS", "METHODS", "BridgeConfig", "check_backend_method", "train", "prove", "compare",
-           "capstone_stage"]
+__all__ = [
+    "BACKENDS",
+    "METHODS",
+    "BridgeConfig",
+    "check_backend_method",
+    "train",
+    "prove",
+    "compare",
+    "capstone_stage",
+]
 
 
 def train(*args, **kwargs):

@@ -48,11 +48,15 @@ def textbook_step(model, opt, x, y) -> torch.Tensor:
 def torch_xla_problem() -> str | None:
     """None where torch_xla imports beside this torch; otherwise the one-line reason it cannot be used."""
     if importlib.util.find_spec("torch_xla") is None:
-        return ("torch_xla is not installed here (the torch_xla backend needs a TPU VM with the torch_xla "
-                "build matched to its torch); use --backend torch or --backend torchax")
+        return (
+            "torch_xla is not installed here (the torch_xla backend needs a TPU VM with the torch_xla "
+            "build matched to its torch); use --backend torch or --backend torchax"
+        )
     try:
         import torch_xla  # noqa: F401
-    except Exception as e:  # an unmatched torch/torch_xla pair fails in many ways; name it, do not hide it
+    except (
+        Exception
+    ) as e:  # an unmatched torch/torch_xla pair fails in many ways; name it, do not hide it
         return f"torch_xla is installed but does not import beside torch {torch.__version__}: {type(e).__name__}: {e}"
     return None
 
@@ -106,8 +110,11 @@ class EagerRunner:
             import jax
             import numpy as np
 
-            key = jax.random.PRNGKey(cfg.seed + 2) if rng is None else jax.numpy.asarray(
-                rng.numpy().astype(np.uint32))
+            key = (
+                jax.random.PRNGKey(cfg.seed + 2)
+                if rng is None
+                else jax.numpy.asarray(rng.numpy().astype(np.uint32))
+            )
             self.env.param.prng = key
         elif self.backend == "torch_xla" and rng is not None:
             import torch_xla.core.xla_model as xm
@@ -127,7 +134,10 @@ class EagerRunner:
         from tpulab.bridge.torchax_compat import to_cpu
 
         with self._ctx():
-            out = {"model": to_cpu(self.model.state_dict()), "optimizer": to_cpu(self.opt.state_dict())}
+            out = {
+                "model": to_cpu(self.model.state_dict()),
+                "optimizer": to_cpu(self.opt.state_dict()),
+            }
         if with_rng and self.backend == "torchax":
             import numpy as np
 
@@ -135,7 +145,9 @@ class EagerRunner:
         elif with_rng and self.backend == "torch_xla":
             import torch_xla.core.xla_model as xm
 
-            out["device_rng"] = torch.tensor(xm.get_rng_state(device=self.device), dtype=torch.int64)
+            out["device_rng"] = torch.tensor(
+                xm.get_rng_state(device=self.device), dtype=torch.int64
+            )
         return out
 
     def describe(self) -> dict:
@@ -147,9 +159,19 @@ class EagerRunner:
             import torch_xla.core.xla_model as xm
 
             kind = xm.xla_device_hw(self.device)
-            return {"device": str(self.device), "backend": kind.lower(), "device_kind": kind, "device_count": 1}
-        return {"device": "cpu", "backend": "torch-cpu", "device_kind": _cpu_name(), "device_count": 1,
-                "torch_threads": torch.get_num_threads()}
+            return {
+                "device": str(self.device),
+                "backend": kind.lower(),
+                "device_kind": kind,
+                "device_count": 1,
+            }
+        return {
+            "device": "cpu",
+            "backend": "torch-cpu",
+            "device_kind": _cpu_name(),
+            "device_count": 1,
+            "torch_threads": torch.get_num_threads(),
+        }
 
 
 class JitRunner:
@@ -175,7 +197,9 @@ class JitRunner:
             model.load_state_dict(state["model"])
         model.train()
         self.model = model
-        self.params = {k: jax.numpy.asarray(v.detach().numpy()) for k, v in model.named_parameters()}
+        self.params = {
+            k: jax.numpy.asarray(v.detach().numpy()) for k, v in model.named_parameters()
+        }
         self.tx = optax.adam(cfg.lr)
         self.opt_state = self.tx.init(self.params)
         self.key = jax.random.PRNGKey(cfg.seed + 2)
@@ -194,7 +218,9 @@ class JitRunner:
         def jax_step(params, opt_state, key, x, y):
             key, dropout_key = jax.random.split(key)
             with env.override_property(prng=dropout_key):
-                loss, params, opt_state = torchax.interop.call_torch(torch_step, params, {}, opt_state, (x,), y)
+                loss, params, opt_state = torchax.interop.call_torch(
+                    torch_step, params, {}, opt_state, (x,), y
+                )
             return loss, params, opt_state, key
 
         # Donation saves a copy of params and optimizer state per step; the CPU client ignores it (and warns).
@@ -205,15 +231,24 @@ class JitRunner:
         import jax
 
         x = jax.numpy.asarray(x_cpu.numpy())
-        loss, self.params, self.opt_state, self.key = self._step(self.params, self.opt_state, self.key, x, self.y)
+        loss, self.params, self.opt_state, self.key = self._step(
+            self.params, self.opt_state, self.key, x, self.y
+        )
         return float(loss)
 
     def state(self, with_rng: bool = True) -> dict:
         import numpy as np
 
-        self.model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in self.params.items()}, strict=False)
-        out = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-               "optimizer": {"implementation": self.OPTIMIZER, "leaves": _optax_to_named(self.opt_state)}}
+        self.model.load_state_dict(
+            {k: torch.from_numpy(np.array(v)) for k, v in self.params.items()}, strict=False
+        )
+        out = {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": {
+                "implementation": self.OPTIMIZER,
+                "leaves": _optax_to_named(self.opt_state),
+            },
+        }
         if with_rng:
             out["device_rng"] = torch.from_numpy(np.asarray(self.key).astype(np.int64))
         return out
@@ -226,8 +261,10 @@ class JitRunner:
 
 def _load_torch_optimizer(opt, sd) -> None:
     if not isinstance(sd, dict) or "param_groups" not in sd:
-        raise CheckpointError("the checkpoint's optimizer state is not a torch.optim state_dict "
-                              "(written by the jit method?)")
+        raise CheckpointError(
+            "the checkpoint's optimizer state is not a torch.optim state_dict "
+            "(written by the jit method?)"
+        )
     opt.load_state_dict(sd)
 
 
@@ -243,14 +280,20 @@ def _optax_from_named(template, named: dict):
     import jax
 
     if not isinstance(named, dict) or named.get("implementation") != JitRunner.OPTIMIZER:
-        raise CheckpointError(f"the checkpoint's optimizer state is not {JitRunner.OPTIMIZER} state "
-                              "(written by an eager method?)")
+        raise CheckpointError(
+            f"the checkpoint's optimizer state is not {JitRunner.OPTIMIZER} state "
+            "(written by an eager method?)"
+        )
     leaves = named["leaves"]
     flat, treedef = jax.tree_util.tree_flatten_with_path(template)
     names = [jax.tree_util.keystr(p) for p, _ in flat]
     if sorted(names) != sorted(leaves):
-        raise CheckpointError(f"optax state in the checkpoint has leaves {sorted(leaves)[:3]}..., expected {names[:3]}...")
-    return jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(leaves[n].numpy()) for n in names])
+        raise CheckpointError(
+            f"optax state in the checkpoint has leaves {sorted(leaves)[:3]}..., expected {names[:3]}..."
+        )
+    return jax.tree_util.tree_unflatten(
+        treedef, [jax.numpy.asarray(leaves[n].numpy()) for n in names]
+    )
 
 
 def _cpu_name() -> str:

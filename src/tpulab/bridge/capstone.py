@@ -24,8 +24,12 @@ def capstone_stage(out_dir: str | Path) -> str:
     t0 = time.monotonic()
     # The children share one JAX compilation cache: torchax eager compiles every op on first use,
     # and each proof starts three processes. A cache the user already set wins.
-    env = {"JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(root / "jax-cache")),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {
+        "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR", str(root / "jax-cache")
+        ),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
     rows = []
     for backend, method in PROOFS:
         d = root / f"proof-{backend}-{method}"
@@ -37,17 +41,34 @@ def capstone_stage(out_dir: str | Path) -> str:
     cmp = compare(BridgeConfig(), root / "compare", env=env)
 
     rel = lambda p: p.relative_to(out_dir).as_posix()  # noqa: E731
-    lines = ["## Bridge capstone: a torch MLP through torchax, killed, resumed, compared", "",
-             f"Proof config: {json.dumps({k: getattr(PROOF_CONFIG, k) for k in ('n', 'd', 'hidden', 'lr', 'steps', 'checkpoint_every', 'augment', 'dropout')})}, float32.",
-             "", "| run | verdict | killed after | resumed from | report | overlay |", "|---|---|---|---|---|---|"]
+    lines = [
+        "## Bridge capstone: a torch MLP through torchax, killed, resumed, compared",
+        "",
+        f"Proof config: {json.dumps({k: getattr(PROOF_CONFIG, k) for k in ('n', 'd', 'hidden', 'lr', 'steps', 'checkpoint_every', 'augment', 'dropout')})}, float32.",
+        "",
+        "| run | verdict | killed after | resumed from | report | overlay |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, v, d in rows:
-        state = "bitwise identical" if v["identical"] else f"NOT identical (step {v['first_differing_step']})"
+        state = (
+            "bitwise identical"
+            if v["identical"]
+            else f"NOT identical (step {v['first_differing_step']})"
+        )
         if v.get("negative_control"):
             state += ": caught" if not v["identical"] else ": NOT caught"
-        lines.append(f"| {label} | {state} | {v['kill_step']} | {v['resumed_from_step']} | "
-                     f"[report]({rel(d / 'proof' / 'report.md')}) | [overlay]({rel(d / 'proof' / 'overlay.png')}) |")
-    lines += ["", "### Same seed, every runtime this machine runs", "", cmp["markdown"],
-              f"![cross-runtime curves]({rel(root / 'compare' / 'compare.png')})", ""]
+        lines.append(
+            f"| {label} | {state} | {v['kill_step']} | {v['resumed_from_step']} | "
+            f"[report]({rel(d / 'proof' / 'report.md')}) | [overlay]({rel(d / 'proof' / 'overlay.png')}) |"
+        )
+    lines += [
+        "",
+        "### Same seed, every runtime this machine runs",
+        "",
+        cmp["markdown"],
+        f"![cross-runtime curves]({rel(root / 'compare' / 'compare.png')})",
+        "",
+    ]
     for s in cmp["skipped"]:
         lines.append(f"Skipped {s['backend']}/{s['method']}: {s['reason']}")
     lines.append(f"\n(bridge stage took {time.monotonic() - t0:.0f} s)\n")

@@ -23,7 +23,13 @@ from pathlib import Path
 import torch
 
 from tpulab.bridge.config import BridgeConfig
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json, fsync_dir, verify_manifest, write_manifest
+from tpulab.checkpoint.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    verify_manifest,
+    write_manifest,
+)
 from tpulab.config import identity_diff
 from tpulab.errors import CheckpointError
 
@@ -36,7 +42,9 @@ def step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()
+    ]
     return sorted(found)
 
 
@@ -79,7 +87,9 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"{path}/meta.json is unreadable (corrupt checkpoint)") from None
 
 
-def check_identity(meta: dict, path: Path, backend: str, method: str, cfg: BridgeConfig, force: bool) -> list[str]:
+def check_identity(
+    meta: dict, path: Path, backend: str, method: str, cfg: BridgeConfig, force: bool
+) -> list[str]:
     """Refuse a checkpoint from another backend, method or config unless forced; return what differed."""
     from tpulab.config import to_dict
 
@@ -90,15 +100,25 @@ def check_identity(meta: dict, path: Path, backend: str, method: str, cfg: Bridg
         diffs.append(f"method: {meta.get('method')!r} -> {method!r}")
     diffs += identity_diff(BridgeConfig, meta.get("config") or {}, to_dict(cfg))
     if diffs and not force:
-        raise CheckpointError(f"{path} belongs to another run ({'; '.join(diffs)}); "
-                              "use a fresh --run-dir, or --force to load it anyway")
+        raise CheckpointError(
+            f"{path} belongs to another run ({'; '.join(diffs)}); "
+            "use a fresh --run-dir, or --force to load it anyway"
+        )
     old = meta.get("config") or {}
-    if (old.get("d"), old.get("hidden"), bool(old.get("dropout"))) != (cfg.d, cfg.hidden, bool(cfg.dropout)):
-        raise CheckpointError(f"{path} holds a model of another shape (d, hidden, dropout layer); "
-                              "even --force cannot load it")
+    if (old.get("d"), old.get("hidden"), bool(old.get("dropout"))) != (
+        cfg.d,
+        cfg.hidden,
+        bool(cfg.dropout),
+    ):
+        raise CheckpointError(
+            f"{path} holds a model of another shape (d, hidden, dropout layer); "
+            "even --force cannot load it"
+        )
     if force and (meta.get("method") == "jit") != (method == "jit"):
-        raise CheckpointError(f"{path} holds {meta.get('method')} optimizer state, which the {method} method "
-                              "cannot load, even with --force")
+        raise CheckpointError(
+            f"{path} holds {meta.get('method')} optimizer state, which the {method} method "
+            "cannot load, even with --force"
+        )
     return diffs
 
 
@@ -106,6 +126,10 @@ def load_state(path: Path) -> dict:
     """Verify the manifest again (the file may have changed since ``latest``), then load CPU tensors."""
     verify_manifest(path)
     try:
-        return torch.load(io.BytesIO((path / "state.pt").read_bytes()), map_location="cpu", weights_only=True)
+        return torch.load(
+            io.BytesIO((path / "state.pt").read_bytes()), map_location="cpu", weights_only=True
+        )
     except Exception as e:  # the checksum matched, so this is a format problem; say which file
-        raise CheckpointError(f"{path}/state.pt cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise CheckpointError(
+            f"{path}/state.pt cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from None

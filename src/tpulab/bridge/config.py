@@ -32,10 +32,13 @@ class BridgeConfig:
     lr: float = field(1e-2, "Adam learning rate")
     seed: int = field(0, "seed of the model init, the data and the augmentation generator")
     dropout: float = field(0.0, "dropout probability after the ReLU (0 = no dropout)")
-    augment: float = field(0.0, "std of Gaussian noise added to x each step from the augmentation generator")
+    augment: float = field(
+        0.0, "std of Gaussian noise added to x each step from the augmentation generator"
+    )
     steps: int = field(200, "total optimizer steps", resume_mutable=True)
-    checkpoint_every: int = field(10, "write a checkpoint every this many steps (and at the last step)",
-                                  resume_mutable=True)
+    checkpoint_every: int = field(
+        10, "write a checkpoint every this many steps (and at the last step)", resume_mutable=True
+    )
 
     def __post_init__(self):
         for name in ("n", "d", "hidden", "steps", "checkpoint_every"):
@@ -56,4 +59,6 @@ def check_backend_method(backend: str, method: str) -> None:
     if backend not in METHODS:
         raise TpulabError(f"unknown backend '{backend}' (known: {', '.join(BACKENDS)})")
     if method not in METHODS[backend]:
-        raise TpulabError(f"backend '{backend}' has no method '{method}' (it has: {', '.join(METHODS[backend])})")
+        raise TpulabError(
+            f"backend '{backend}' has no method '{method}' (it has: {', '.join(METHODS[backend])})"
+        )

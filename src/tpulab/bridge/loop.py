@@ -37,8 +37,16 @@ def versions() -> dict:
     return package_versions(("torch", "torchax", "jax", "jaxlib", "optax", "torch_xla"))
 
 
-def train(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, force: bool = False,
-          restore_rng: bool = True, hooks: list[Hooks] | tuple[Hooks, ...] = ()) -> dict:
+def train(
+    cfg: BridgeConfig,
+    backend: str,
+    method: str,
+    run_dir: str | Path,
+    *,
+    force: bool = False,
+    restore_rng: bool = True,
+    hooks: list[Hooks] | tuple[Hooks, ...] = (),
+) -> dict:
     """Train ``cfg.steps`` steps in ``run_dir``, resuming from its newest checkpoint. Returns a summary.
     ``hooks`` get ``on_metrics`` after each logged step (the proof's hold, trackers).
 
@@ -63,7 +71,9 @@ def train(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, 
 
     x_nd, y_n1 = make_data(cfg)
     aug = torch.Generator().manual_seed(cfg.seed + 1)
-    model = build_model(cfg)  # always rebuilt from scratch; the checkpoint then overwrites its weights
+    model = build_model(
+        cfg
+    )  # always rebuilt from scratch; the checkpoint then overwrites its weights
     runner = make_runner(backend, method, cfg, model, y_n1, state)
     if state is not None and "rng" in state:
         torch.set_rng_state(state["rng"]["torch_cpu"])
@@ -71,27 +81,45 @@ def train(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, 
 
     run_dir.mkdir(parents=True, exist_ok=True)
     device = runner.describe()
-    info = {"backend": backend, "method": method, "config": to_dict(cfg), "dtype": DTYPE,
-            "device": device, "versions": versions(), "restore_rng": restore_rng}
+    info = {
+        "backend": backend,
+        "method": method,
+        "config": to_dict(cfg),
+        "dtype": DTYPE,
+        "device": device,
+        "versions": versions(),
+        "restore_rng": restore_rng,
+    }
     if backend == "torchax":
         from tpulab.bridge import torchax_compat
 
         info["torchax_workarounds"] = list(torchax_compat.APPLIED)
     log = MetricsLog(run_dir, resumed_from=resumed_from, forced=forced or None, **info)
-    meta = {"format": 1, "backend": backend, "method": method, "config": to_dict(cfg), "dtype": DTYPE,
-            "versions": info["versions"], "rng_saved": restore_rng}
+    meta = {
+        "format": 1,
+        "backend": backend,
+        "method": method,
+        "config": to_dict(cfg),
+        "dtype": DTYPE,
+        "versions": info["versions"],
+        "rng_saved": restore_rng,
+    }
     start = resumed_from or 0
     last_ckpt = ckpt
     times = []
     try:
         for step in range(start + 1, cfg.steps + 1):
-            x_step = x_nd + cfg.augment * torch.randn(x_nd.shape, generator=aug) if cfg.augment else x_nd
+            x_step = (
+                x_nd + cfg.augment * torch.randn(x_nd.shape, generator=aug) if cfg.augment else x_nd
+            )
             t0 = time.perf_counter()
             loss = runner.step(x_step)
             dt = time.perf_counter() - t0
             times.append(dt)
             if not math.isfinite(loss):
-                raise TpulabError(f"loss is {loss} at step {step}; last good checkpoint: {last_ckpt}")
+                raise TpulabError(
+                    f"loss is {loss} at step {step}; last good checkpoint: {last_ckpt}"
+                )
             log.log(step, loss=loss, step_time_s=dt)
             record = {"loss": loss, "step_time_s": dt}
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
@@ -103,5 +131,10 @@ def train(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, 
         log.event("done", step=cfg.steps)
     finally:
         log.close()
-    return {"run_dir": str(run_dir), "resumed_from": resumed_from, "steps": cfg.steps,
-            "last_checkpoint": str(last_ckpt) if last_ckpt else None, "step_times_s": times}
+    return {
+        "run_dir": str(run_dir),
+        "resumed_from": resumed_from,
+        "steps": cfg.steps,
+        "last_checkpoint": str(last_ckpt) if last_ckpt else None,
+        "step_times_s": times,
+    }

@@ -11,7 +11,9 @@ from tpulab.errors import TpulabError
 from tpulab.proofs.driver import prove_resume, tpulab_argv
 
 
-def train_argv(cfg: BridgeConfig, backend: str, method: str, run_dir: Path, *, restore_rng: bool = True) -> list[str]:
+def train_argv(
+    cfg: BridgeConfig, backend: str, method: str, run_dir: Path, *, restore_rng: bool = True
+) -> list[str]:
     """argv of a child that trains (or resumes) ``cfg`` in ``run_dir``: `python -m tpulab.cli bridge train ...`."""
     args = ["bridge", "train", "--backend", backend, "--method", method, "--run-dir", str(run_dir)]
     for f in dataclasses.fields(cfg):
@@ -29,8 +31,17 @@ def default_kill_at(cfg: BridgeConfig) -> int:
     return min(k, cfg.steps - 1)
 
 
-def prove(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, kill_at: int | None = None,
-          restore_rng: bool = True, timeout_s: float = 600, env: dict | None = None) -> dict:
+def prove(
+    cfg: BridgeConfig,
+    backend: str,
+    method: str,
+    run_dir: str | Path,
+    *,
+    kill_at: int | None = None,
+    restore_rng: bool = True,
+    timeout_s: float = 600,
+    env: dict | None = None,
+) -> dict:
     """Run the proof into run_dir/proof (verdict.json, overlay.png, report.md); return the verdict."""
     from tpulab.bridge.backends import torch_xla_problem
     from tpulab.bridge.report import write_proof_report
@@ -44,11 +55,24 @@ def prove(cfg: BridgeConfig, backend: str, method: str, run_dir: str | Path, *, 
     proof_dir = Path(run_dir) / "proof"
     if (proof_dir / "verdict.json").exists():
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
-    label = f"{backend}/{method}" + ("" if restore_rng else ", generator state left out (negative control)")
-    verdict = prove_resume(lambda d: train_argv(cfg, backend, method, d, restore_rng=restore_rng), proof_dir,
-                           steps=cfg.steps, kill_at=kill_at, timeout_s=timeout_s, env=env,
-                           title=f"bridge {label}",
-                           extra={"backend": backend, "method": method, "config": to_dict(cfg),
-                                  "restore_rng": restore_rng, "negative_control": not restore_rng})
+    label = f"{backend}/{method}" + (
+        "" if restore_rng else ", generator state left out (negative control)"
+    )
+    verdict = prove_resume(
+        lambda d: train_argv(cfg, backend, method, d, restore_rng=restore_rng),
+        proof_dir,
+        steps=cfg.steps,
+        kill_at=kill_at,
+        timeout_s=timeout_s,
+        env=env,
+        title=f"bridge {label}",
+        extra={
+            "backend": backend,
+            "method": method,
+            "config": to_dict(cfg),
+            "restore_rng": restore_rng,
+            "negative_control": not restore_rng,
+        },
+    )
     write_proof_report(proof_dir, verdict)
     return verdict

@@ -8,10 +8,18 @@ from tpulab.evidence import metrics as M
 from tpulab.evidence.provenance import describe_hardware, git_commit
 
 METHOD_NOTES = {
-    ("torch", "eager"): "plain PyTorch on the CPU (the reference): torch autograd, torch.optim.Adam",
-    ("torchax", "eager"): "torch autograd and torch.optim.Adam, tensors on torchax's \"jax\" device, op by op",
-    ("torchax", "jit"): ("torchax.train.make_train_step (jax.value_and_grad of the torch loss) with optax.adam, "
-                         "one jax.jit per step; optimizer state checkpointed as optax leaves by tree path"),
+    (
+        "torch",
+        "eager",
+    ): "plain PyTorch on the CPU (the reference): torch autograd, torch.optim.Adam",
+    (
+        "torchax",
+        "eager",
+    ): 'torch autograd and torch.optim.Adam, tensors on torchax\'s "jax" device, op by op',
+    ("torchax", "jit"): (
+        "torchax.train.make_train_step (jax.value_and_grad of the torch loss) with optax.adam, "
+        "one jax.jit per step; optimizer state checkpointed as optax leaves by tree path"
+    ),
     ("torch_xla", "eager"): "torch autograd and torch.optim.Adam on the XLA device",
 }
 
@@ -38,14 +46,19 @@ def write_proof_report(proof_dir: Path, verdict: dict) -> str:
     rec = start_record(Path(verdict["reference_dir"]))
     cfg, dev, ver = rec.get("config", {}), rec.get("device", {}), rec.get("versions", {})
     backend, method = verdict["backend"], verdict["method"]
-    state = ("**bitwise identical**" if verdict["identical"]
-             else f"**NOT identical** (first differing step {verdict['first_differing_step']}, "
-                  f"max |diff| {verdict['max_abs_diff']:.3g})")
+    state = (
+        "**bitwise identical**"
+        if verdict["identical"]
+        else f"**NOT identical** (first differing step {verdict['first_differing_step']}, "
+        f"max |diff| {verdict['max_abs_diff']:.3g})"
+    )
     control = ""
     if verdict.get("negative_control"):
-        control = ("\nNegative control: the checkpoints leave the generator state out, so the resumed run "
-                   "redraws augmentation noise (and dropout masks) from the seeds. The proof must say NOT "
-                   f"identical; it says {'NOT identical: caught' if not verdict['identical'] else 'identical: NOT caught'}.\n")
+        control = (
+            "\nNegative control: the checkpoints leave the generator state out, so the resumed run "
+            "redraws augmentation noise (and dropout masks) from the seeds. The proof must say NOT "
+            f"identical; it says {'NOT identical: caught' if not verdict['identical'] else 'identical: NOT caught'}.\n"
+        )
     workarounds = rec.get("torchax_workarounds")
     lines = [
         f"# Bridge kill/resume proof: {backend} / {method}",

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-APPLIED: list[str] = []        # names of the workarounds this process applied
+APPLIED: list[str] = []  # names of the workarounds this process applied
 STUBBED_OVERLOADS: list[str] = []  # overloads torch lacks that torchax asked for
 
 _MISSING_OVERLOAD = "has no overload name"
@@ -102,6 +102,10 @@ def to_cpu(tree):
     from torch.utils import _pytree as pytree
 
     # torchax tensors only move (or do anything) inside the torchax environment
-    ctx = sys.modules["torchax"].default_env() if "torchax" in sys.modules else contextlib.nullcontext()
+    ctx = (
+        sys.modules["torchax"].default_env()
+        if "torchax" in sys.modules
+        else contextlib.nullcontext()
+    )
     with ctx:
         return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu"), tree)

@@ -61,8 +61,10 @@ def _listed_files(root: Path) -> list[Path]:
 def write_manifest(root: str | Path, extra: dict | None = None) -> dict:
     """Hash every file under ``root`` and write the manifest atomically; returns it."""
     root = Path(root)
-    files = {str(p.relative_to(root)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-             for p in _listed_files(root)}
+    files = {
+        str(p.relative_to(root)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        for p in _listed_files(root)
+    }
     manifest = {"format": 1, "files": files, **(extra or {})}
     atomic_write_json(root / MANIFEST, manifest)
     return manifest

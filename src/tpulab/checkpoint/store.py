@@ -22,8 +22,8 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grain
@@ -41,13 +41,18 @@ def _warn(msg: str) -> None:
 
 
 def step_dirs(directory: Path) -> dict[int, Path]:
-    return {int(p.name): p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()} \
-        if directory.is_dir() else {}
+    return (
+        {int(p.name): p for p in directory.iterdir() if p.is_dir() and p.name.isdigit()}
+        if directory.is_dir()
+        else {}
+    )
 
 
 def tmp_dirs(directory: Path) -> list[Path]:
     """Orbax temporary dirs: saves a kill cut short before Orbax renamed them. Never a checkpoint."""
-    return sorted(p for p in directory.iterdir() if TMP_MARK in p.name) if directory.is_dir() else []
+    return (
+        sorted(p for p in directory.iterdir() if TMP_MARK in p.name) if directory.is_dir() else []
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +78,10 @@ class Scan:
         return self.latest is not None or all(r.incomplete for r in self.rejected)
 
     def refusal(self) -> str:
-        return (f"no checkpoint in {self.directory} passes verification ({self.rejected[0].reason}); refusing to "
-                "start over (use --force to train from scratch; refused checkpoints are kept)")
+        return (
+            f"no checkpoint in {self.directory} passes verification ({self.rejected[0].reason}); refusing to "
+            "start over (use --force to train from scratch; refused checkpoints are kept)"
+        )
 
 
 def scan(directory: str | Path) -> Scan:
@@ -93,8 +100,11 @@ def scan(directory: str | Path) -> Scan:
             return Scan(directory, step, rejected, tmp_dirs(directory))
         except CheckpointError as e:
             unmarked = not (path / MANIFEST).exists()
-            reason = str(e) if not unmarked or i == 0 else \
-                f"{path} has no {MANIFEST} but is not the newest step (corrupt, not an interrupted save)"
+            reason = (
+                str(e)
+                if not unmarked or i == 0
+                else f"{path} has no {MANIFEST} but is not the newest step (corrupt, not an interrupted save)"
+            )
             rejected.append(Rejected(step, path, reason, unmarked and i == 0))
     return Scan(directory, None, rejected, tmp_dirs(directory))
 
@@ -110,8 +120,12 @@ def _root_cause(e: BaseException) -> str:
         if isinstance(seen, OSError) and seen.strerror:
             return seen.strerror
         text = str(seen)
-        for marker in ("No space left on device", "Disk quota exceeded", "Read-only file system",
-                       "Permission denied"):
+        for marker in (
+            "No space left on device",
+            "Disk quota exceeded",
+            "Read-only file system",
+            "Permission denied",
+        ):
             if marker in text:
                 return marker
         seen = seen.__cause__ or seen.__context__
@@ -123,14 +137,23 @@ class _OrbaxErrorsReported(logging.Filter):
     the store turns that failure into one line naming the run dir and the last valid checkpoint, so
     Orbax's own ERROR records are dropped while a store is open."""
 
-    LOGGERS = ("absl", "asyncio")  # asyncio: "exception was never retrieved" of Orbax's failed writes, at exit
+    LOGGERS = (
+        "absl",
+        "asyncio",
+    )  # asyncio: "exception was never retrieved" of Orbax's failed writes, at exit
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        text = record.pathname + str(record.msg) + "".join(str(a) for a in (record.args or ()) if isinstance(a, str))
+        text = (
+            record.pathname
+            + str(record.msg)
+            + "".join(str(a) for a in (record.args or ()) if isinstance(a, str))
+        )
         exc = record.exc_info[1] if record.exc_info else None
-        return not (f"{os.sep}orbax{os.sep}" in text or "orbax" in repr(exc) or "orbax-checkpoint" in text)
+        return not (
+            f"{os.sep}orbax{os.sep}" in text or "orbax" in repr(exc) or "orbax-checkpoint" in text
+        )
 
 
 def _is_closed_loop_echo(u) -> bool:
@@ -189,9 +212,16 @@ class CheckpointStore:
     covers a step some process has not finished.
     """
 
-    def __init__(self, directory: str | Path, *, keep: int, async_save: bool,
-                 allow_commit: Callable[[int], bool] | None = None, on_commit: Callable[[int], None] | None = None,
-                 primary: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep: int,
+        async_save: bool,
+        allow_commit: Callable[[int], bool] | None = None,
+        on_commit: Callable[[int], None] | None = None,
+        primary: bool = True,
+    ):
         self.directory = Path(directory).absolute()
         self.reject_dir = self.directory.parent / "rejected_checkpoints"
         self.primary = primary
@@ -202,12 +232,18 @@ class CheckpointStore:
         if primary:
             self._quarantine(found)
         _barrier("tpulab-checkpoint-store-open")
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+        )
         self.manager = _Manager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
-                           "meta": ocp.JsonCheckpointHandler()})
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": grain.checkpoint.CheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
         self._log_filter = _OrbaxErrorsReported()
         _drop_closed_loop_echoes()
         for name in self._log_filter.LOGGERS:
@@ -220,7 +256,9 @@ class CheckpointStore:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # Commits markers soon after Orbax finishes, so a kill between saves loses as little as possible.
-        self._committer = threading.Thread(target=self._commit_loop, name="tpulab-ckpt-commit", daemon=True)
+        self._committer = threading.Thread(
+            target=self._commit_loop, name="tpulab-ckpt-commit", daemon=True
+        )
         self._committer.start()
 
     def _commit_loop(self) -> None:
@@ -259,10 +297,15 @@ class CheckpointStore:
         # Orbax would wait for the previous save inside save() anyway; waiting here lets its marker go first.
         self.wait()
         try:
-            self.manager.save(step, force=True, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=grain.checkpoint.CheckpointSave(data_iter),
-                meta=ocp.args.JsonSave({**meta, "format": FORMAT, "step": step})))
+            self.manager.save(
+                step,
+                force=True,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=grain.checkpoint.CheckpointSave(data_iter),
+                    meta=ocp.args.JsonSave({**meta, "format": FORMAT, "step": step}),
+                ),
+            )
         except Exception as e:  # noqa: BLE001 - any failure to write is reported as one line
             raise self._fail(f"saving checkpoint step {step}", e) from None
         with self._lock:
@@ -272,7 +315,11 @@ class CheckpointStore:
     def commit_finished(self) -> None:
         """Write manifests for saves that Orbax has finalized (non-blocking; called from both threads)."""
         with self._lock:
-            if not self._uncommitted or self._failure is not None or self.manager.is_saving_in_progress():
+            if (
+                not self._uncommitted
+                or self._failure is not None
+                or self.manager.is_saving_in_progress()
+            ):
                 return
             try:
                 self.manager.check_for_errors()  # a failed async save never gets a marker
@@ -319,7 +366,9 @@ class CheckpointStore:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**args))
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint step {step} does not fit this model: {str(e).splitlines()[0]}") from None
+            raise CheckpointError(
+                f"checkpoint step {step} does not fit this model: {str(e).splitlines()[0]}"
+            ) from None
         return restored["state"]
 
     def close(self) -> None:
@@ -336,7 +385,9 @@ class CheckpointStore:
                 if self._failure is None:
                     raise
             finally:
-                if self._failure is None:  # after a failure the process is about to exit on our one line
+                if (
+                    self._failure is None
+                ):  # after a failure the process is about to exit on our one line
                     for name in self._log_filter.LOGGERS:
                         logging.getLogger(name).removeFilter(self._log_filter)
 
@@ -362,8 +413,10 @@ def _flat_shapes(tree: Any) -> dict[tuple[str, ...], tuple]:
                 return str(getattr(k, attr))
         return str(k)
 
-    return {tuple(part(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {
+        tuple(part(k) for k in path): (tuple(leaf.shape), str(leaf.dtype))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 def check_fits(step_dir: Path, abstract_state: Any) -> None:
@@ -371,7 +424,9 @@ def check_fits(step_dir: Path, abstract_state: Any) -> None:
     another model is refused in one line instead of failing inside Orbax's background restore threads."""
     absl = logging.getLogger("absl")
     level = absl.level
-    absl.setLevel(logging.ERROR)  # Orbax warns that its optional _CHECKPOINT_METADATA file is absent
+    absl.setLevel(
+        logging.ERROR
+    )  # Orbax warns that its optional _CHECKPOINT_METADATA file is absent
     try:
         with ocp.StandardCheckpointer() as ckptr:
             meta = ckptr.metadata(Path(step_dir).absolute() / "state")
@@ -383,8 +438,10 @@ def check_fits(step_dir: Path, abstract_state: Any) -> None:
         if stored.get(path) != wanted.get(path):
             have = "absent" if path not in stored else f"{stored[path][0]} {stored[path][1]}"
             need = "absent" if path not in wanted else f"{wanted[path][0]} {wanted[path][1]}"
-            raise CheckpointError(f"checkpoint {step_dir} does not fit this model: {'/'.join(path)} is {have} in the "
-                                  f"checkpoint, {need} in the model")
+            raise CheckpointError(
+                f"checkpoint {step_dir} does not fit this model: {'/'.join(path)} is {have} in the "
+                f"checkpoint, {need} in the model"
+            )
 
 
 def read_state(step_dir: str | Path, abstract_state: Any) -> Any:
@@ -396,4 +453,6 @@ def read_state(step_dir: str | Path, abstract_state: Any) -> Any:
         try:
             return ckptr.restore(step_dir.absolute() / "state", abstract_state)
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{step_dir} does not fit this model: {str(e).splitlines()[0]}") from None
+            raise CheckpointError(
+                f"{step_dir} does not fit this model: {str(e).splitlines()[0]}"
+            ) from None

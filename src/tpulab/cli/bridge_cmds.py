@@ -6,7 +6,9 @@ import argparse
 
 from tpulab.cli.train_cmds import checked_path, path_arg
 
-BACKEND_HELP = "torch (plain PyTorch on CPU, the reference), torchax (torch on JAX), torch_xla (TPU VMs only)"
+BACKEND_HELP = (
+    "torch (plain PyTorch on CPU, the reference), torchax (torch on JAX), torch_xla (TPU VMs only)"
+)
 METHOD_HELP = "eager (torch autograd + torch.optim.Adam) or jit (torchax only: functional jitted step, optax.adam)"
 
 
@@ -18,8 +20,14 @@ def _config_args(p: argparse.ArgumentParser, steps_default: int | None = None) -
     g = p.add_argument_group("run config (defaults in brackets)")
     for f in dataclasses.fields(BridgeConfig):
         default = steps_default if (f.name == "steps" and steps_default) else f.default
-        g.add_argument(cli_flag(f.name), dest=f"cfg_{f.name}", type=type(f.default), default=None,
-                       metavar=f.name.upper(), help=f"{f.metadata['doc']} [{default}]")
+        g.add_argument(
+            cli_flag(f.name),
+            dest=f"cfg_{f.name}",
+            type=type(f.default),
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{f.metadata['doc']} [{default}]",
+        )
     p.set_defaults(_steps_default=steps_default)
 
 
@@ -34,38 +42,62 @@ def _config(args):
 
 
 def register(sub) -> None:
-    bridge = sub.add_parser("bridge", help="the small MLP trained through a PyTorch-to-XLA bridge",
-                            description=__doc__.splitlines()[0])
+    bridge = sub.add_parser(
+        "bridge",
+        help="the small MLP trained through a PyTorch-to-XLA bridge",
+        description=__doc__.splitlines()[0],
+    )
     bsub = bridge.add_subparsers(dest="bridge_command", required=True, metavar="SUBCOMMAND")
 
     p = bsub.add_parser("train", help="train (or resume) one run in --run-dir")
     p.add_argument("--backend", required=True, help=BACKEND_HELP)
     p.add_argument("--method", default="eager", help=METHOD_HELP + " [eager]")
     p.add_argument("--run-dir", required=True, type=path_arg)
-    p.add_argument("--force", action="store_true",
-                   help="load a checkpoint from another backend/method/config anyway")
-    p.add_argument("--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS)
-    p.add_argument("--hold-after-step", type=int, help=argparse.SUPPRESS)  # the proof driver's fixed kill point
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="load a checkpoint from another backend/method/config anyway",
+    )
+    p.add_argument(
+        "--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS
+    )
+    p.add_argument(
+        "--hold-after-step", type=int, help=argparse.SUPPRESS
+    )  # the proof driver's fixed kill point
     _config_args(p)
     from tpulab.cli.train_cmds import add_tracking_args
 
     add_tracking_args(p, stall=False)
     p.set_defaults(handler=_train)
 
-    p = bsub.add_parser("prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, exact comparison")
+    p = bsub.add_parser(
+        "prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, exact comparison"
+    )
     p.add_argument("--backend", required=True, help=BACKEND_HELP)
     p.add_argument("--method", default="eager", help=METHOD_HELP + " [eager]")
     p.add_argument("--run-dir", required=True, type=path_arg)
-    p.add_argument("--kill-at", type=int, default=None,
-                   help="SIGKILL the run right after this step [between two checkpoints, past the middle]")
-    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per child process [600]")
-    p.add_argument("--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--kill-at",
+        type=int,
+        default=None,
+        help="SIGKILL the run right after this step [between two checkpoints, past the middle]",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600, help="seconds allowed per child process [600]"
+    )
+    p.add_argument(
+        "--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS
+    )
     _config_args(p)
     p.set_defaults(handler=_prove)
 
-    p = bsub.add_parser("compare", help="train the same seed and shapes on every available backend and method")
+    p = bsub.add_parser(
+        "compare", help="train the same seed and shapes on every available backend and method"
+    )
     p.add_argument("--run-dir", required=True, type=path_arg)
-    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per child process [600]")
+    p.add_argument(
+        "--timeout", type=float, default=600, help="seconds allowed per child process [600]"
+    )
     _config_args(p)
     p.set_defaults(handler=_compare)
 
@@ -78,21 +110,40 @@ def _train(args) -> int:
     from tpulab.train.hooks import HoldAfter
 
     cfg = _config(args)
-    tracker = tracker_for(args, args.run_dir, kind="bridge", params={**to_dict(cfg), "backend": args.backend,
-                                                                     "method": args.method},
-                          extra_tags={"tpulab.backend": args.backend, "tpulab.bridge.method": args.method})
-    hooks = ([tracker] if tracker else []) + ([HoldAfter(args.hold_after_step)] if args.hold_after_step else [])
+    tracker = tracker_for(
+        args,
+        args.run_dir,
+        kind="bridge",
+        params={**to_dict(cfg), "backend": args.backend, "method": args.method},
+        extra_tags={"tpulab.backend": args.backend, "tpulab.bridge.method": args.method},
+    )
+    hooks = ([tracker] if tracker else []) + (
+        [HoldAfter(args.hold_after_step)] if args.hold_after_step else []
+    )
     try:
-        out = train(cfg, args.backend, args.method, args.run_dir, force=args.force, restore_rng=args.restore_rng,
-                    hooks=hooks)
+        out = train(
+            cfg,
+            args.backend,
+            args.method,
+            args.run_dir,
+            force=args.force,
+            restore_rng=args.restore_rng,
+            hooks=hooks,
+        )
     except BaseException:
         if tracker is not None:
             tracker.close(status="FAILED")
         raise
     if tracker is not None:
         tracker.on_end({"final_step": out["steps"]})
-    how = f"resumed from step {out['resumed_from']}" if out["resumed_from"] is not None else "from scratch"
-    print(f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); run dir {out['run_dir']}")
+    how = (
+        f"resumed from step {out['resumed_from']}"
+        if out["resumed_from"] is not None
+        else "from scratch"
+    )
+    print(
+        f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); run dir {out['run_dir']}"
+    )
     return 0
 
 
@@ -100,12 +151,27 @@ def _prove(args) -> int:
     args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.prove import prove
 
-    verdict = prove(_config(args), args.backend, args.method, args.run_dir, kill_at=args.kill_at,
-                    restore_rng=args.restore_rng, timeout_s=args.timeout)
-    state = "bitwise identical" if verdict["identical"] else f"NOT identical (first differing step {verdict['first_differing_step']})"
-    print(f"{args.backend}/{args.method}: {state}; killed after step {verdict['kill_step']}, resumed from "
-          f"{verdict['resumed_from_step']}; see {args.run_dir / 'proof'}")
-    return 0 if verdict["identical"] else 1  # as `tpulab prove-resume`: exit 1 whenever not identical
+    verdict = prove(
+        _config(args),
+        args.backend,
+        args.method,
+        args.run_dir,
+        kill_at=args.kill_at,
+        restore_rng=args.restore_rng,
+        timeout_s=args.timeout,
+    )
+    state = (
+        "bitwise identical"
+        if verdict["identical"]
+        else f"NOT identical (first differing step {verdict['first_differing_step']})"
+    )
+    print(
+        f"{args.backend}/{args.method}: {state}; killed after step {verdict['kill_step']}, resumed from "
+        f"{verdict['resumed_from_step']}; see {args.run_dir / 'proof'}"
+    )
+    return (
+        0 if verdict["identical"] else 1
+    )  # as `tpulab prove-resume`: exit 1 whenever not identical
 
 
 def _compare(args) -> int:

@@ -40,7 +40,9 @@ def _cloud_config(args):
     saved = Path(args.dir) / "cloud" / CLOUD_CONFIG_COPY
     path = args.cloud_config or (saved if saved.exists() else None)
     shared = getattr(args, "shared_dir", None)
-    cfg = load_cloud_config(path, args.overrides + ([f"shared_dir={json.dumps(shared)}"] if shared else []))
+    cfg = load_cloud_config(
+        path, args.overrides + ([f"shared_dir={json.dumps(shared)}"] if shared else [])
+    )
     cfg.require_target()
     saved.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(saved, yaml.safe_dump({"cloud": to_dict(cfg)}, sort_keys=False).encode())
@@ -50,7 +52,9 @@ def _cloud_config(args):
 def _session(args):
     from tpulab.cloud.lifecycle import CloudSession
 
-    return CloudSession(_cloud_config(args), args.dir, echo=lambda m: print(m, file=sys.stderr, flush=True))
+    return CloudSession(
+        _cloud_config(args), args.dir, echo=lambda m: print(m, file=sys.stderr, flush=True)
+    )
 
 
 def _parse_env(items: list[str], what: str) -> dict:
@@ -77,9 +81,14 @@ def _job(args, staged: dict | None = None):
         worker_env.setdefault(int(idx), {}).update(_parse_env([rest], "--worker-env"))
     config = getattr(args, "config", None) or (staged or {}).get("config")
     data = getattr(args, "data", None) or (staged or {}).get("data")
-    return JobSpec(config=Path(config) if config else None, data=Path(data) if data else None,
-                   job=getattr(args, "job", None), run_name=getattr(args, "run_name", "run"),
-                   env=_parse_env(getattr(args, "env", []), "--env"), worker_env=worker_env)
+    return JobSpec(
+        config=Path(config) if config else None,
+        data=Path(data) if data else None,
+        job=getattr(args, "job", None),
+        run_name=getattr(args, "run_name", "run"),
+        env=_parse_env(getattr(args, "env", []), "--env"),
+        worker_env=worker_env,
+    )
 
 
 def _staged(args) -> dict | None:
@@ -91,8 +100,10 @@ def _staged(args) -> dict | None:
 
 def cmd_create(args) -> int:
     identity = _session(args).create()
-    print(f"{identity['name']} is {identity['state']}: {identity['accelerator_type']}, "
-          f"{len(identity['network_endpoints'])} worker(s) -> {Path(args.dir) / 'cloud' / 'resource.json'}")
+    print(
+        f"{identity['name']} is {identity['state']}: {identity['accelerator_type']}, "
+        f"{len(identity['network_endpoints'])} worker(s) -> {Path(args.dir) / 'cloud' / 'resource.json'}"
+    )
     return 0
 
 
@@ -106,7 +117,9 @@ def cmd_stage(args) -> int:
 def cmd_run(args) -> int:
     job = _job(args, _staged(args))
     _session(args).run(job, preempt_at=args.preempt_at)
-    print(f"job finished on every worker (run dir {args.run_name}); next: tpulab tpu fetch --dir {args.dir}")
+    print(
+        f"job finished on every worker (run dir {args.run_name}); next: tpulab tpu fetch --dir {args.dir}"
+    )
     return 0
 
 
@@ -115,9 +128,14 @@ def cmd_fetch(args) -> int:
 
     report = _session(args).fetch(args.run_name)
     n = sum(len(w["checkpoints"]) for w in report["workers"])
-    where = (f"the shared run dir and {len(report['worker_dirs'])} worker dir(s)" if report["shared_dir"] else
-             f"{len(report['workers'])} worker run dir(s)")
-    print(f"retrieved {where}, {n} checkpoint manifest(s) verified; log: {write_experiment_log(args.dir)}")
+    where = (
+        f"the shared run dir and {len(report['worker_dirs'])} worker dir(s)"
+        if report["shared_dir"]
+        else f"{len(report['workers'])} worker run dir(s)"
+    )
+    print(
+        f"retrieved {where}, {n} checkpoint manifest(s) verified; log: {write_experiment_log(args.dir)}"
+    )
     return 0
 
 
@@ -144,65 +162,143 @@ def cmd_worker_job(args) -> int:
     argv = list(args.job)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    result = run_with_preemption([sys.executable, "-m", "tpulab.cli", *argv], args.run_dir, args.preempt_at,
-                                 record=args.record)
-    print(f"preempted (SIGTERM) at step {result['preempted_at_step']}; checkpoint saved, exit {result['job_rc']}")
+    result = run_with_preemption(
+        [sys.executable, "-m", "tpulab.cli", *argv],
+        args.run_dir,
+        args.preempt_at,
+        record=args.record,
+    )
+    print(
+        f"preempted (SIGTERM) at step {result['preempted_at_step']}; checkpoint saved, exit {result['job_rc']}"
+    )
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", required=True, type=Path, help="local run directory (cloud/, workers/, experiment.md)")
-    p.add_argument("--cloud-config", type=Path, help="YAML with a cloud: section (default: the copy in DIR/cloud/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a cloud config value, e.g. --set project=my-proj --set zone=us-central1-a")
+    p.add_argument(
+        "--dir",
+        required=True,
+        type=Path,
+        help="local run directory (cloud/, workers/, experiment.md)",
+    )
+    p.add_argument(
+        "--cloud-config",
+        type=Path,
+        help="YAML with a cloud: section (default: the copy in DIR/cloud/)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a cloud config value, e.g. --set project=my-proj --set zone=us-central1-a",
+    )
 
 
 def _shared_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shared-dir", metavar="PATH",
-                   help="a directory every worker sees (Filestore/NFS or gcsfuse mount point): the job's run dir "
-                        "becomes PATH/runs/NAME (short for --set shared_dir=PATH; kept in DIR/cloud/)")
+    p.add_argument(
+        "--shared-dir",
+        metavar="PATH",
+        help="a directory every worker sees (Filestore/NFS or gcsfuse mount point): the job's run dir "
+        "becomes PATH/runs/NAME (short for --set shared_dir=PATH; kept in DIR/cloud/)",
+    )
 
 
 def _stage_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="training config YAML to copy to every worker ({config} in the job)")
-    p.add_argument("--data", type=Path, help="corpus file or directory to copy ({data} in the job; default: the "
-                                             "shipped corpus)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="training config YAML to copy to every worker ({config} in the job)",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="corpus file or directory to copy ({data} in the job; default: the shipped corpus)",
+    )
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     from tpulab.cloud.lifecycle import DEFAULT_JOB
 
-    p.add_argument("--job", help="the tpulab command line each worker runs; placeholders {run_dir} {config} "
-                                 f"{{data}} (default: '{DEFAULT_JOB}', with --config/--data when staged)")
-    p.add_argument("--run-name", default="run", help="run directory name on the workers (runs/NAME)")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                   help="env var for the job on all workers")
-    p.add_argument("--worker-env", action="append", default=[], metavar="I:NAME=VALUE",
-                   help="env var for worker I only (switches to one ssh per worker, in parallel)")
-    p.add_argument("--preempt-at", type=int, help="rehearse a preemption: SIGTERM the job on all workers at this "
-                                                  "step, then run it again to resume")
+    p.add_argument(
+        "--job",
+        help="the tpulab command line each worker runs; placeholders {run_dir} {config} "
+        f"{{data}} (default: '{DEFAULT_JOB}', with --config/--data when staged)",
+    )
+    p.add_argument(
+        "--run-name", default="run", help="run directory name on the workers (runs/NAME)"
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="env var for the job on all workers",
+    )
+    p.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="I:NAME=VALUE",
+        help="env var for worker I only (switches to one ssh per worker, in parallel)",
+    )
+    p.add_argument(
+        "--preempt-at",
+        type=int,
+        help="rehearse a preemption: SIGTERM the job on all workers at this "
+        "step, then run it again to resume",
+    )
 
 
 def register(sub) -> None:
-    p = sub.add_parser("receipt", help="verified runtime receipt (collective, matmul, round trip); --expect qualifies "
-                                       "the target")
-    p.add_argument("--out", required=True, type=Path, help="directory for receipt.json and receipt.md")
-    p.add_argument("--expect", help="target to qualify: tpu:v5e, tpu:v5p, tpu:v6e, tpu, gpu[:name], cpu")
+    p = sub.add_parser(
+        "receipt",
+        help="verified runtime receipt (collective, matmul, round trip); --expect qualifies "
+        "the target",
+    )
+    p.add_argument(
+        "--out", required=True, type=Path, help="directory for receipt.json and receipt.md"
+    )
+    p.add_argument(
+        "--expect", help="target to qualify: tpu:v5e, tpu:v5p, tpu:v6e, tpu, gpu[:name], cpu"
+    )
     p.add_argument("--expect-devices", type=int, help="global device count the target must have")
     p.add_argument("--matmul-size", type=int, default=512, help="N of the timed NxN float32 matmul")
     p.set_defaults(handler=cmd_receipt)
 
-    tpu = sub.add_parser("tpu", help="TPU VM lifecycle through gcloud: create, stage, run, fetch, delete, up")
+    tpu = sub.add_parser(
+        "tpu", help="TPU VM lifecycle through gcloud: create, stage, run, fetch, delete, up"
+    )
     tsub = tpu.add_subparsers(dest="tpu_command", required=True, metavar="STEP")
     for name, handler, help_, extra in (
-            ("create", cmd_create, "create the VM, wait for READY, record its identity", ()),
-            ("stage", cmd_stage, "copy wheel, config and corpus to every worker; bootstrap the venv", (_stage_args,)),
-            ("run", cmd_run, "receipt --expect on every worker, then the job on every worker",
-             (_run_args, _shared_arg)),
-            ("fetch", cmd_fetch, "retrieve the run dir(s) and verify the checkpoint manifests here", (_shared_arg,)),
-            ("delete", cmd_delete, "delete the VM and verify it is gone", ()),
-            ("up", cmd_up, "create, stage, run, fetch, then delete whatever happened",
-             (_stage_args, _run_args, _shared_arg))):
+        ("create", cmd_create, "create the VM, wait for READY, record its identity", ()),
+        (
+            "stage",
+            cmd_stage,
+            "copy wheel, config and corpus to every worker; bootstrap the venv",
+            (_stage_args,),
+        ),
+        (
+            "run",
+            cmd_run,
+            "receipt --expect on every worker, then the job on every worker",
+            (_run_args, _shared_arg),
+        ),
+        (
+            "fetch",
+            cmd_fetch,
+            "retrieve the run dir(s) and verify the checkpoint manifests here",
+            (_shared_arg,),
+        ),
+        ("delete", cmd_delete, "delete the VM and verify it is gone", ()),
+        (
+            "up",
+            cmd_up,
+            "create, stage, run, fetch, then delete whatever happened",
+            (_stage_args, _run_args, _shared_arg),
+        ),
+    ):
         p = tsub.add_parser(name, help=help_)
         _common(p)
         for add in extra:
@@ -212,8 +308,17 @@ def register(sub) -> None:
         p.set_defaults(handler=handler)
 
     p = tsub.add_parser("worker-job", help="(runs on a worker) the job, SIGTERM'd at --preempt-at")
-    p.add_argument("--run-dir", required=True, type=Path, help="the job's run dir (its metrics.jsonl is watched)")
+    p.add_argument(
+        "--run-dir",
+        required=True,
+        type=Path,
+        help="the job's run dir (its metrics.jsonl is watched)",
+    )
     p.add_argument("--preempt-at", required=True, type=int)
-    p.add_argument("--record", type=Path, help="where the rehearsal record goes (default: RUN_DIR/preempt.json)")
+    p.add_argument(
+        "--record",
+        type=Path,
+        help="where the rehearsal record goes (default: RUN_DIR/preempt.json)",
+    )
     p.add_argument("job", nargs=argparse.REMAINDER, help="-- then the tpulab command line")
     p.set_defaults(handler=cmd_worker_job)

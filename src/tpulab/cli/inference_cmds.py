@@ -13,6 +13,7 @@ from tpulab.inference.policies import POLICIES as _POLICIES
 def _paths_checked(handler):
     """Every path flag given as "" or too long is one error line before the handler runs
     (``Path("")`` would silently mean the current directory)."""
+
     def run(args) -> int:
         for name in ("run_dir", "out", "artifacts", "key_file"):
             value = getattr(args, name, None)
@@ -38,7 +39,9 @@ def _export(args) -> int:
     from tpulab.inference.export import MANIFEST, export_artifacts
     from tpulab.train.restore import load_model
 
-    manifest = export_artifacts(load_model(args.run_dir, args.step), args.run_dir, args.out, batch=args.batch)
+    manifest = export_artifacts(
+        load_model(args.run_dir, args.step), args.run_dir, args.out, batch=args.batch
+    )
     for a in manifest["artifacts"]:
         print(f"{a['file']}  {a['sha256'][:16]}  platforms={','.join(a['platforms'])}")
     print(f"wrote {args.out / MANIFEST} (checkpoint step {manifest['source']['checkpoint_step']})")
@@ -62,7 +65,9 @@ def _generate(args) -> int:
     from tpulab.inference.sampling import SamplingConfig, prompt_ids
 
     _check_generate(args)
-    cfg = SamplingConfig(max_new=args.max_new, temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    cfg = SamplingConfig(
+        max_new=args.max_new, temperature=args.temperature, top_k=args.top_k, seed=args.seed
+    )
     if args.artifacts is not None:
         from tpulab.inference.export import load_verified, read_key
 
@@ -74,7 +79,9 @@ def _generate(args) -> int:
         from tpulab.train.restore import load_model
 
         if args.key_file is not None:
-            raise TpulabError("--key-file applies to --artifacts (a checkpoint is verified by its own manifest)")
+            raise TpulabError(
+                "--key-file applies to --artifacts (a checkpoint is verified by its own manifest)"
+            )
         engine = Decoder.of(load_model(args.run_dir, args.step).model, args.cache)
     prompt_ids(args.prompt, engine.max_len, cfg.max_new)  # refuse bad input before writing anything
     sys.stdout.write(args.prompt)
@@ -88,8 +95,12 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     from tpulab.inference.serve import ServeConfig, serve
 
-    cfg = ServeConfig(max_batch=args.max_batch, batch_window_ms=args.batch_window_ms, max_queue=args.max_queue,
-                      request_timeout_s=args.request_timeout)
+    cfg = ServeConfig(
+        max_batch=args.max_batch,
+        batch_window_ms=args.batch_window_ms,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+    )
     serve(args.artifacts, args.host, args.port, cfg, run_dir=args.run_dir, key_file=args.key_file)
     return 0
 
@@ -97,9 +108,15 @@ def _serve(args) -> int:
 def _serve_bench(args) -> int:
     from tpulab.inference.serve_bench import BenchConfig, serve_bench
 
-    cfg = BenchConfig(clients=tuple(args.clients), requests_per_client=args.requests, max_new=args.max_new,
-                      prompt=args.prompt, cache=args.cache, max_batch=args.max_batch,
-                      batch_window_ms=args.batch_window_ms)
+    cfg = BenchConfig(
+        clients=tuple(args.clients),
+        requests_per_client=args.requests,
+        max_new=args.max_new,
+        prompt=args.prompt,
+        cache=args.cache,
+        max_batch=args.max_batch,
+        batch_window_ms=args.batch_window_ms,
+    )
     serve_bench(args.artifacts, cfg, args.out)
     return 0
 
@@ -112,30 +129,55 @@ def _port(text: str) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("kvcache", help="KV-cache precision table (fp32/bf16/int8) against the full forward")
+    p = sub.add_parser(
+        "kvcache", help="KV-cache precision table (fp32/bf16/int8) against the full forward"
+    )
     p.add_argument("--run-dir", type=path_arg, required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest valid)")
-    p.add_argument("--out", type=path_arg, default=None, help="output dir (default: RUN_DIR/kvcache)")
+    p.add_argument(
+        "--out", type=path_arg, default=None, help="output dir (default: RUN_DIR/kvcache)"
+    )
     p.set_defaults(handler=_paths_checked(_kvcache))
 
-    p = sub.add_parser("export", help="serialize prefill/decode endpoints (jax.export) for cpu, tpu and cuda")
+    p = sub.add_parser(
+        "export", help="serialize prefill/decode endpoints (jax.export) for cpu, tpu and cuda"
+    )
     p.add_argument("--run-dir", type=path_arg, required=True)
     p.add_argument("--out", type=path_arg, required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest valid)")
     p.add_argument("--batch", type=int, default=1, help="batch size the endpoints are lowered for")
     p.set_defaults(handler=_paths_checked(_export))
 
-    p = sub.add_parser("verify-export", help="check an artifact set's hashes and outputs against its checkpoint")
+    p = sub.add_parser(
+        "verify-export", help="check an artifact set's hashes and outputs against its checkpoint"
+    )
     p.add_argument("artifacts", type=path_arg)
-    p.add_argument("--run-dir", type=path_arg, default=None,
-                   help="where the checkpoint lives (default: the run dir recorded in the manifest)")
-    p.add_argument("--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key")
+    p.add_argument(
+        "--run-dir",
+        type=path_arg,
+        default=None,
+        help="where the checkpoint lives (default: the run dir recorded in the manifest)",
+    )
+    p.add_argument(
+        "--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key"
+    )
     p.set_defaults(handler=_paths_checked(_verify))
 
-    p = sub.add_parser("generate", help="stream text from a checkpoint or from verified exported endpoints")
-    p.add_argument("--run-dir", type=path_arg, help="the checkpoint; with --artifacts: re-verify them against it")
+    p = sub.add_parser(
+        "generate", help="stream text from a checkpoint or from verified exported endpoints"
+    )
+    p.add_argument(
+        "--run-dir",
+        type=path_arg,
+        help="the checkpoint; with --artifacts: re-verify them against it",
+    )
     p.add_argument("--artifacts", type=path_arg, help="verified artifacts (tpulab verify-export)")
-    p.add_argument("--key-file", type=path_arg, default=None, help="HMAC key verification.json must be signed with")
+    p.add_argument(
+        "--key-file",
+        type=path_arg,
+        default=None,
+        help="HMAC key verification.json must be signed with",
+    )
     p.add_argument("--step", type=int, default=None, help="checkpoint step with --run-dir alone")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new", type=int, default=64)
@@ -145,18 +187,39 @@ def register(sub) -> None:
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
     p.set_defaults(handler=_paths_checked(_generate))
 
-    p = sub.add_parser("serve", help="HTTP generation service over verified artifacts (FastAPI + uvicorn)")
+    p = sub.add_parser(
+        "serve", help="HTTP generation service over verified artifacts (FastAPI + uvicorn)"
+    )
     p.add_argument("--artifacts", type=path_arg, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--run-dir", type=path_arg, default=None, help="re-verify the artifacts against this checkpoint")
-    p.add_argument("--key-file", type=path_arg, default=None, help="HMAC key verification.json must be signed with")
+    p.add_argument(
+        "--run-dir",
+        type=path_arg,
+        default=None,
+        help="re-verify the artifacts against this checkpoint",
+    )
+    p.add_argument(
+        "--key-file",
+        type=path_arg,
+        default=None,
+        help="HMAC key verification.json must be signed with",
+    )
     _batching_args(p)
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond this get 503 + Retry-After")
-    p.add_argument("--request-timeout", type=float, default=60.0, help="server-side limit per request (s)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests waiting beyond this get 503 + Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=60.0, help="server-side limit per request (s)"
+    )
     p.set_defaults(handler=_paths_checked(_serve))
 
-    p = sub.add_parser("serve-bench", help="capacity table: the real service over loopback, 1/4/16 clients")
+    p = sub.add_parser(
+        "serve-bench", help="capacity table: the real service over loopback, 1/4/16 clients"
+    )
     p.add_argument("--artifacts", type=path_arg, required=True)
     p.add_argument("--out", type=path_arg, required=True, help="writes OUT/serve_bench.{json,md}")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
@@ -170,9 +233,13 @@ def register(sub) -> None:
 
 def _batching_args(p) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together, at most")
-    p.add_argument("--batch-window-ms", type=float, default=0.0,
-                   help="extra wait for more requests before a batch runs (requests arriving during a batch "
-                        "join the next one anyway)")
+    p.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=0.0,
+        help="extra wait for more requests before a batch runs (requests arriving during a batch "
+        "join the next one anyway)",
+    )
 
 
 def _check_generate(args) -> None:

@@ -13,13 +13,31 @@ from tpulab.errors import TpulabError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tpulab.cli import bridge_cmds, cloud_cmds, inference_cmds, perf_cmds, scale_cmds, track_cmds, train_cmds
+    from tpulab.cli import (
+        bridge_cmds,
+        cloud_cmds,
+        inference_cmds,
+        perf_cmds,
+        scale_cmds,
+        track_cmds,
+        train_cmds,
+    )
 
     parser = argparse.ArgumentParser(
-        prog="tpulab", description="Train small models on whatever backend JAX sees, with evidence you can check: "
-                                   "full-state checkpoints, kill/resume proofs, exported endpoints, provenance.")
+        prog="tpulab",
+        description="Train small models on whatever backend JAX sees, with evidence you can check: "
+        "full-state checkpoints, kill/resume proofs, exported endpoints, provenance.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmds, scale_cmds, bridge_cmds, inference_cmds, perf_cmds, cloud_cmds, track_cmds):
+    for module in (
+        train_cmds,
+        scale_cmds,
+        bridge_cmds,
+        inference_cmds,
+        perf_cmds,
+        cloud_cmds,
+        track_cmds,
+    ):
         module.register(sub)
     return parser
 

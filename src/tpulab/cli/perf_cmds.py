@@ -14,7 +14,9 @@ def _budget(args) -> int:
 
     parse_targets(args.target)  # a bad name fails before any heavy work
     out = args.out or Path("runs") / "budget"
-    result = write_budget(config, args.target, out, serve_batch=args.serve_batch, serve_context=args.serve_context)
+    result = write_budget(
+        config, args.target, out, serve_batch=args.serve_batch, serve_context=args.serve_context
+    )
     print(table(result))
     print(f"wrote {out}/budget.json, budget.md")
     return 0
@@ -22,15 +24,17 @@ def _budget(args) -> int:
 
 def _bench(args) -> int:
     from tpulab.config import load
-    from tpulab.perf.bench import sweep_configs, summary_table, sweep_table
+    from tpulab.perf.bench import summary_table, sweep_configs, sweep_table
     from tpulab.train.config import RunConfig
 
     config = load_run_config(args)
     sweep = None
     if args.sweep:  # every value validated before anything runs
         base = [*args.overrides]
-        sweep = sweep_configs(lambda extra: load(RunConfig, args.config or _default_config(), base + extra),
-                              args.sweep)
+        sweep = sweep_configs(
+            lambda extra: load(RunConfig, args.config or _default_config(), base + extra),
+            args.sweep,
+        )
     from tpulab.perf.bench import parse_sweep, run_bench
 
     key = parse_sweep(args.sweep)[0] if args.sweep else None
@@ -71,8 +75,14 @@ def _hypothesis(args) -> int:
     from tpulab.perf.hypothesis import markdown, predicted_change, run_hypothesis
 
     predicted_change(args.predict)  # fails fast, before any work
-    result = run_hypothesis(config, args.change, args.predict, args.run_dir / "hypothesis", steps=args.steps_each,
-                            loss_tol=args.loss_tol)
+    result = run_hypothesis(
+        config,
+        args.change,
+        args.predict,
+        args.run_dir / "hypothesis",
+        steps=args.steps_each,
+        loss_tol=args.loss_tol,
+    )
     print(markdown(result))
     print(f"wrote {args.run_dir}/hypothesis/hypothesis.json, hypothesis.md, hypothesis.png")
     return 0
@@ -82,57 +92,118 @@ def _dossier(args) -> int:
     config = load_run_config(args)
     from tpulab.orchestrate.dossier import DossierPlan, build_dossier
 
-    plan = DossierPlan(train_steps=args.train_steps, targets=args.target, target_overrides=tuple(args.target_set),
-                       batch_sweep=args.batch_sweep)
+    plan = DossierPlan(
+        train_steps=args.train_steps,
+        targets=args.target,
+        target_overrides=tuple(args.target_set),
+        batch_sweep=args.batch_sweep,
+    )
     result = build_dossier(config, args.out, plan)
     print(f"dossier: {result['md']} and {result['html']}")
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="compile, first step and synchronized steady-state step time; "
-                                     "utilization vs this host's matmul rate at the step's GEMM shapes")
+    p = sub.add_parser(
+        "bench",
+        help="compile, first step and synchronized steady-state step time; "
+        "utilization vs this host's matmul rate at the step's GEMM shapes",
+    )
     p.add_argument("--run-dir", required=True, type=Path, help="results go to RUN_DIR/bench/")
     add_config_args(p)
-    p.add_argument("--timed-steps", type=int, default=20, help="synchronized steady-state steps (>= 20)")
-    p.add_argument("--sweep", metavar="KEY=v1,v2,...", help="also bench each value of one config key")
+    p.add_argument(
+        "--timed-steps", type=int, default=20, help="synchronized steady-state steps (>= 20)"
+    )
+    p.add_argument(
+        "--sweep", metavar="KEY=v1,v2,...", help="also bench each value of one config key"
+    )
     p.set_defaults(handler=_bench)
 
-    p = sub.add_parser("profile", help="trace K warmed train steps of a trained run; top-ops table from the trace")
-    p.add_argument("--run-dir", required=True, type=Path, help="a trained run (its newest checkpoint and config)")
+    p = sub.add_parser(
+        "profile", help="trace K warmed train steps of a trained run; top-ops table from the trace"
+    )
+    p.add_argument(
+        "--run-dir",
+        required=True,
+        type=Path,
+        help="a trained run (its newest checkpoint and config)",
+    )
     p.add_argument("--steps", type=int, default=5, help="profiled steps (default: %(default)s)")
     p.set_defaults(handler=_profile)
 
-    p = sub.add_parser("precision", help="fp32 / bf16 / int8 policies of a trained run against fp32, one table")
+    p = sub.add_parser(
+        "precision", help="fp32 / bf16 / int8 policies of a trained run against fp32, one table"
+    )
     p.add_argument("--run-dir", required=True, type=Path, help="a trained fp32 run")
     p.set_defaults(handler=_precision)
 
-    p = sub.add_parser("hypothesis", help="test one predicted speed-up: baseline and changed config side by side")
+    p = sub.add_parser(
+        "hypothesis", help="test one predicted speed-up: baseline and changed config side by side"
+    )
     p.add_argument("--run-dir", required=True, type=Path, help="results go to RUN_DIR/hypothesis/")
     add_config_args(p)
-    p.add_argument("--change", required=True, metavar="KEY=VALUE", help="the config switch under test")
-    p.add_argument("--predict", required=True, help="the prediction, ending in the step-time change, e.g. "
-                                                    "'dropout RNG is 20%% of the step; step time -20%%'")
-    p.add_argument("--steps-each", type=int, default=30, help="train steps per side (default: %(default)s)")
-    p.add_argument("--loss-tol", type=float, default=0.05, help="allowed |val loss difference| (nats)")
+    p.add_argument(
+        "--change", required=True, metavar="KEY=VALUE", help="the config switch under test"
+    )
+    p.add_argument(
+        "--predict",
+        required=True,
+        help="the prediction, ending in the step-time change, e.g. "
+        "'dropout RNG is 20%% of the step; step time -20%%'",
+    )
+    p.add_argument(
+        "--steps-each", type=int, default=30, help="train steps per side (default: %(default)s)"
+    )
+    p.add_argument(
+        "--loss-tol", type=float, default=0.05, help="allowed |val loss difference| (nats)"
+    )
     p.set_defaults(handler=_hypothesis)
 
-    p = sub.add_parser("dossier", help="receipt, bench, profile, TPU budget, precision and a tested hypothesis: "
-                                       "dossier.md + self-contained dossier.html")
+    p = sub.add_parser(
+        "dossier",
+        help="receipt, bench, profile, TPU budget, precision and a tested hypothesis: "
+        "dossier.md + self-contained dossier.html",
+    )
     p.add_argument("--out", required=True, type=Path)
     add_config_args(p)
-    p.add_argument("--train-steps", type=int, default=100, help="steps of the run that provides trained weights")
-    p.add_argument("--batch-sweep", default="data.batch_size=8,16,32", help="the bench sweep (default: %(default)s)")
-    p.add_argument("--target", default="v5e:2x2,v5p:2x2x1,v6e:2x2", help="TPU targets for the budget")
-    p.add_argument("--target-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for the target model of the budget (default: the run's model), repeatable")
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=100,
+        help="steps of the run that provides trained weights",
+    )
+    p.add_argument(
+        "--batch-sweep",
+        default="data.batch_size=8,16,32",
+        help="the bench sweep (default: %(default)s)",
+    )
+    p.add_argument(
+        "--target", default="v5e:2x2,v5p:2x2x1,v6e:2x2", help="TPU targets for the budget"
+    )
+    p.add_argument(
+        "--target-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override for the target model of the budget (default: the run's model), repeatable",
+    )
     p.set_defaults(handler=_dossier)
 
-    p = sub.add_parser("budget", help="HBM budget per TPU target: analytic and compiled for the topology via libtpu")
+    p = sub.add_parser(
+        "budget",
+        help="HBM budget per TPU target: analytic and compiled for the topology via libtpu",
+    )
     add_config_args(p)
-    p.add_argument("--target", default="v5e:2x2,v5p:2x2x1,v6e:2x2",
-                   help="comma-separated GENERATION:TOPOLOGY targets (default: %(default)s)")
-    p.add_argument("--serve-batch", type=int, default=8, help="sequences served at once (KV-cache budget)")
-    p.add_argument("--serve-context", type=int, help="tokens per served sequence (default: model.max_seq_len)")
+    p.add_argument(
+        "--target",
+        default="v5e:2x2,v5p:2x2x1,v6e:2x2",
+        help="comma-separated GENERATION:TOPOLOGY targets (default: %(default)s)",
+    )
+    p.add_argument(
+        "--serve-batch", type=int, default=8, help="sequences served at once (KV-cache budget)"
+    )
+    p.add_argument(
+        "--serve-context", type=int, help="tokens per served sequence (default: model.max_seq_len)"
+    )
     p.add_argument("--out", type=Path, help="where budget.json/md go (default: runs/budget)")
     p.set_defaults(handler=_budget)

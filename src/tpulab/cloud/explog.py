@@ -47,14 +47,24 @@ def plot_curves(out: Path, run_name: str, path: Path) -> bool:
     drawn = False
     marks = []
     dirs = [(f"worker {d.name}", d / run_name) for d in sorted((out / "workers").glob("*"))]
-    dirs.append(("shared run dir", out / "shared" / run_name))  # one multi-process job's metrics (process 0)
+    dirs.append(
+        ("shared run dir", out / "shared" / run_name)
+    )  # one multi-process job's metrics (process 0)
     for w, (label, run_dir) in enumerate(d for d in dirs if (d[1] / "metrics.jsonl").exists()):
         records = read_records(run_dir / "metrics.jsonl")
         for seg in sorted({r["segment"] for r in records if "step" in r}):
-            pts = sorted((r["step"], r["loss"]) for r in records if r.get("segment") == seg and "loss" in r)
+            pts = sorted(
+                (r["step"], r["loss"]) for r in records if r.get("segment") == seg and "loss" in r
+            )
             if pts:
-                ax.plot(*zip(*pts), ls="-" if w == 0 else "--", marker="." if w == 0 else "x", ms=3, lw=1,
-                        label=f"{label}, segment {seg}" + (" (resumed)" if seg else ""))
+                ax.plot(
+                    *zip(*pts),
+                    ls="-" if w == 0 else "--",
+                    marker="." if w == 0 else "x",
+                    ms=3,
+                    lw=1,
+                    label=f"{label}, segment {seg}" + (" (resumed)" if seg else ""),
+                )
                 drawn = True
         for r in records:
             if r.get("event") == "preempted":
@@ -64,11 +74,23 @@ def plot_curves(out: Path, run_name: str, path: Path) -> bool:
                 ax.axvline(r["resumed_from"], color="green", ls=":", lw=0.8)
                 marks.append(f"{label}: resumed from step {r['resumed_from']}")
     if marks:
-        ax.text(0.02, 0.02, "\n".join(marks), transform=ax.transAxes, fontsize=7, va="bottom", color="darkred")
+        ax.text(
+            0.02,
+            0.02,
+            "\n".join(marks),
+            transform=ax.transAxes,
+            fontsize=7,
+            va="bottom",
+            color="darkred",
+        )
     if not drawn:
         plt.close(fig)
         return False
-    ax.set(xlabel="step", ylabel="training loss", title="Cloud run: loss per step (preemption and resume marked)")
+    ax.set(
+        xlabel="step",
+        ylabel="training loss",
+        title="Cloud run: loss per step (preemption and resume marked)",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -91,29 +113,52 @@ def write_experiment_log(out_dir: str | Path) -> Path:
     if receipts:
         hw = sorted({hardware_line(r) for _, _, r in receipts})
         counts = sorted({r["runtime"]["process_count"] for _, _, r in receipts})
-        job = (f" (global devices of one {counts[0]}-process JAX job)" if counts != [1] and len(counts) == 1 else
-               " (each worker its own single-process JAX runtime)" if counts == [1] else
-               f" (process counts disagree: {counts})")
+        job = (
+            f" (global devices of one {counts[0]}-process JAX job)"
+            if counts != [1] and len(counts) == 1
+            else " (each worker its own single-process JAX runtime)"
+            if counts == [1]
+            else f" (process counts disagree: {counts})"
+        )
         lines.append(f"Hardware, from {len(receipts)} worker receipt(s): {'; '.join(hw)}{job}.")
     else:
-        lines.append("Hardware: no runtime receipt was retrieved, so this log names no accelerator.")
+        lines.append(
+            "Hardware: no runtime receipt was retrieved, so this log names no accelerator."
+        )
     lines += ["", "## Resource (cloud/resource.json, from `describe --format=json`)", ""]
     if resource:
-        for key in ("project", "zone", "name", "full_name", "id", "accelerator_type", "runtime_version", "state",
-                    "create_time", "spot", "preemptible"):
+        for key in (
+            "project",
+            "zone",
+            "name",
+            "full_name",
+            "id",
+            "accelerator_type",
+            "runtime_version",
+            "state",
+            "create_time",
+            "spot",
+            "preemptible",
+        ):
             lines.append(f"- {key}: `{resource.get(key)}`")
         eps = [e.get("ipAddress") for e in resource.get("network_endpoints") or []]
         lines.append(f"- network endpoints ({len(eps)} workers): {', '.join(map(str, eps))}")
         if not on_tpu:
-            lines.append("- the accelerator type above is what the cloud reported for the resource; no receipt "
-                         "from its runtime confirms it")
+            lines.append(
+                "- the accelerator type above is what the cloud reported for the resource; no receipt "
+                "from its runtime confirms it"
+            )
     else:
         lines.append("- none recorded (create did not complete)")
     lines += ["", "## Staged code (cloud/staged.json)", ""]
     if staged:
-        lines.append(f"- wheel `{staged['wheel']}` sha256 `{staged['wheel_sha256']}`, built from commit "
-                     f"`{staged['tpulab_commit']}`; jax {staged['jax_version']}")
-        lines.append(f"- config `{staged['config']}` (sha256 `{staged['config_sha256']}`), data `{staged['data']}`")
+        lines.append(
+            f"- wheel `{staged['wheel']}` sha256 `{staged['wheel_sha256']}`, built from commit "
+            f"`{staged['tpulab_commit']}`; jax {staged['jax_version']}"
+        )
+        lines.append(
+            f"- config `{staged['config']}` (sha256 `{staged['config_sha256']}`), data `{staged['data']}`"
+        )
     else:
         lines.append("- not staged")
     lines += ["", "## Worker receipts (target qualification before the job)", ""]
@@ -122,45 +167,64 @@ def write_experiment_log(out_dir: str | Path) -> Path:
     for worker, path, r in receipts:
         q = r.get("qualification", {})
         ev = r["evidence"]
-        lines.append(f"- worker {worker}: {hardware_line(r)}, platform {r['runtime']['platform_version']}, "
-                     f"process {r['runtime']['process_index']}/{r['runtime']['process_count']}, host {r['host']}; "
-                     f"collective {'pass' if ev['collective']['passed'] else 'FAIL'}, matmul "
-                     f"{'pass' if ev['matmul']['passed'] else 'FAIL'} ({ev['matmul']['tflops_best']:.3f} TFLOP/s "
-                     f"{ev['matmul']['dtype']} {ev['matmul']['shape']}), round trip "
-                     f"{'pass' if ev['round_trip']['passed'] else 'FAIL'}; qualified as `{q.get('target')}`: "
-                     f"{q.get('passed')} ([receipt]({path.relative_to(out)}))")
+        lines.append(
+            f"- worker {worker}: {hardware_line(r)}, platform {r['runtime']['platform_version']}, "
+            f"process {r['runtime']['process_index']}/{r['runtime']['process_count']}, host {r['host']}; "
+            f"collective {'pass' if ev['collective']['passed'] else 'FAIL'}, matmul "
+            f"{'pass' if ev['matmul']['passed'] else 'FAIL'} ({ev['matmul']['tflops_best']:.3f} TFLOP/s "
+            f"{ev['matmul']['dtype']} {ev['matmul']['shape']}), round trip "
+            f"{'pass' if ev['round_trip']['passed'] else 'FAIL'}; qualified as `{q.get('target')}`: "
+            f"{q.get('passed')} ([receipt]({path.relative_to(out)}))"
+        )
     if not receipts:
         lines.append("- no receipt retrieved")
     lines += ["", "## Job and training curve (cloud/run.json, workers/*/RUN/metrics.jsonl)", ""]
     if run:
-        lines.append(f"- job: `tpulab {' '.join(run['job'])}` in `{run['run_dir']}`, env {run['env'] or '{}'}, "
-                     f"per-worker env {run['worker_env'] or '{}'}")
-        rehearsal = "not requested" if run["preempt_at"] is None else f"SIGTERM at step {run['preempt_at']}"
-        lines.append(f"- preemption rehearsal: {rehearsal}; "
-                     f"segments run: {', '.join(run['segments']) or 'none'}")
+        lines.append(
+            f"- job: `tpulab {' '.join(run['job'])}` in `{run['run_dir']}`, env {run['env'] or '{}'}, "
+            f"per-worker env {run['worker_env'] or '{}'}"
+        )
+        rehearsal = (
+            "not requested" if run["preempt_at"] is None else f"SIGTERM at step {run['preempt_at']}"
+        )
+        lines.append(
+            f"- preemption rehearsal: {rehearsal}; "
+            f"segments run: {', '.join(run['segments']) or 'none'}"
+        )
         name = Path(run["run_dir"]).name
         if plot_curves(out, name, out / CURVE):
             lines.append(f"- ![loss per step]({CURVE})")
     if run and run.get("shared_dir"):
-        lines.append(f"- shared run dir `{run['run_dir']}` (cloud.shared_dir `{run['shared_dir']}`): one directory "
-                     "for every process; a marker written on worker 0 was read back on every worker before the job")
+        lines.append(
+            f"- shared run dir `{run['run_dir']}` (cloud.shared_dir `{run['shared_dir']}`): one directory "
+            "for every process; a marker written on worker 0 was read back on every worker before the job"
+        )
     if fetch:
         for w in fetch["workers"]:
-            lines.append(f"- {_source(w)}: {w['segments']} segment(s), preempted at "
-                         f"{w['preempted_at'] or '-'}, "
-                         f"resumed from {[s for s in w['resumed_from'] if s is not None] or '-'}, final step "
-                         f"{w['final_step']}")
+            lines.append(
+                f"- {_source(w)}: {w['segments']} segment(s), preempted at "
+                f"{w['preempted_at'] or '-'}, "
+                f"resumed from {[s for s in w['resumed_from'] if s is not None] or '-'}, final step "
+                f"{w['final_step']}"
+            )
     lines += ["", "## Retrieved checkpoints, verified here (cloud/fetch.json)", ""]
     if fetch:
         for w in fetch["workers"]:
             for c in w["checkpoints"]:
-                lines.append(f"- {_source(w)} `{c['path']}`: "
-                             + (f"manifest verified, sha256 `{c['manifest_sha256'][:16]}…`" if c["verified"]
-                                else f"FAILED: {c['error']}"))
+                lines.append(
+                    f"- {_source(w)} `{c['path']}`: "
+                    + (
+                        f"manifest verified, sha256 `{c['manifest_sha256'][:16]}…`"
+                        if c["verified"]
+                        else f"FAILED: {c['error']}"
+                    )
+                )
         if fetch.get("salvage"):
             lines.append("- salvaged after the failure (receipts, partial metrics): not a result")
         else:
-            verdict = "all retrieved checkpoints verify" if fetch["passed"] else "VERIFICATION FAILED"
+            verdict = (
+                "all retrieved checkpoints verify" if fetch["passed"] else "VERIFICATION FAILED"
+            )
             lines.append(f"- verdict: {verdict}")
     else:
         lines.append("- nothing fetched")
@@ -169,14 +233,21 @@ def write_experiment_log(out_dir: str | Path) -> Path:
         if cleanup.get("nothing_created"):
             lines.append("- create left nothing behind: describe reports NOT_FOUND")
         else:
-            lines.append(f"- delete exit {cleanup['delete_rc']}; describe after delete: {cleanup['describe']}; list "
-                         f"exit {cleanup['list_rc']}, shows it: "
-                         f"{None if cleanup['listed_names'] is None else cleanup['name'] in cleanup['listed_names']}")
+            lines.append(
+                f"- delete exit {cleanup['delete_rc']}; describe after delete: {cleanup['describe']}; list "
+                f"exit {cleanup['list_rc']}, shows it: "
+                f"{None if cleanup['listed_names'] is None else cleanup['name'] in cleanup['listed_names']}"
+            )
         lines.append(f"- verified gone: **{cleanup['verified_gone']}**")
     else:
         lines.append("- not deleted yet (run `tpulab tpu delete`)")
-    lines += ["", "## Every gcloud call (cloud/calls.jsonl)", "", "| # | step | exit | seconds | command |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Every gcloud call (cloud/calls.jsonl)",
+        "",
+        "| # | step | exit | seconds | command |",
+        "|---|---|---|---|---|",
+    ]
     for i, c in enumerate(calls):
         cmd = c["command"].replace("|", "\\|")
         lines.append(f"| {i} | {c['step']} | {c['rc']} | {c['duration_s']} | `{cmd}` |")

@@ -34,8 +34,12 @@ def _where(cfg: CloudConfig) -> list[str]:
 
 
 def create_argv(cfg: CloudConfig) -> list[str]:
-    argv = _base(cfg, "create") + [cfg.name, *_where(cfg), f"--accelerator-type={cfg.accelerator_type}",
-                                   f"--version={cfg.runtime_version}"]
+    argv = _base(cfg, "create") + [
+        cfg.name,
+        *_where(cfg),
+        f"--accelerator-type={cfg.accelerator_type}",
+        f"--version={cfg.runtime_version}",
+    ]
     if cfg.spot:
         argv.append("--spot")
     if cfg.preemptible:
@@ -65,15 +69,37 @@ _BATCH = ["--strict-host-key-checking=no", "--quiet"]
 
 
 def ssh_argv(cfg: CloudConfig, command: str, worker: int | str = "all") -> list[str]:
-    return _base(cfg, "ssh") + [cfg.name, *_where(cfg), _worker(worker), f"--command={command}", *_BATCH]
+    return _base(cfg, "ssh") + [
+        cfg.name,
+        *_where(cfg),
+        _worker(worker),
+        f"--command={command}",
+        *_BATCH,
+    ]
 
 
-def scp_to_argv(cfg: CloudConfig, local: list[str], remote: str, worker: int | str = "all") -> list[str]:
-    return _base(cfg, "scp") + [*local, f"{cfg.name}:{remote}", *_where(cfg), _worker(worker), "--recurse", *_BATCH]
+def scp_to_argv(
+    cfg: CloudConfig, local: list[str], remote: str, worker: int | str = "all"
+) -> list[str]:
+    return _base(cfg, "scp") + [
+        *local,
+        f"{cfg.name}:{remote}",
+        *_where(cfg),
+        _worker(worker),
+        "--recurse",
+        *_BATCH,
+    ]
 
 
 def scp_from_argv(cfg: CloudConfig, remote: str, local: str, worker: int | str) -> list[str]:
-    return _base(cfg, "scp") + [f"{cfg.name}:{remote}", local, *_where(cfg), _worker(worker), "--recurse", *_BATCH]
+    return _base(cfg, "scp") + [
+        f"{cfg.name}:{remote}",
+        local,
+        *_where(cfg),
+        _worker(worker),
+        "--recurse",
+        *_BATCH,
+    ]
 
 
 def command_forms(cfg: CloudConfig) -> dict[str, list[str]]:
@@ -82,11 +108,19 @@ def command_forms(cfg: CloudConfig) -> dict[str, list[str]]:
         "create": create_argv(cfg),
         "describe": describe_argv(cfg),
         "list": list_argv(cfg),
-        "scp to --worker=all": scp_to_argv(cfg, ["/tmp/tpulab-x.whl", "/tmp/config.yaml"], "tpulab/"),
+        "scp to --worker=all": scp_to_argv(
+            cfg, ["/tmp/tpulab-x.whl", "/tmp/config.yaml"], "tpulab/"
+        ),
         "scp from --worker=N": scp_from_argv(cfg, "tpulab/runs/r", "/tmp/out/", 1),
-        "scp from --worker=N, absolute (shared dir)": scp_from_argv(cfg, "/mnt/shared/runs/r", "/tmp/out/", 0),
-        "ssh --worker=all --command": ssh_argv(cfg, "cd tpulab && .venv/bin/tpulab receipt --out runs/r/receipt"),
-        "ssh --worker=N --command": ssh_argv(cfg, "cd tpulab && env A=1 .venv/bin/tpulab train", worker=0),
+        "scp from --worker=N, absolute (shared dir)": scp_from_argv(
+            cfg, "/mnt/shared/runs/r", "/tmp/out/", 0
+        ),
+        "ssh --worker=all --command": ssh_argv(
+            cfg, "cd tpulab && .venv/bin/tpulab receipt --out runs/r/receipt"
+        ),
+        "ssh --worker=N --command": ssh_argv(
+            cfg, "cd tpulab && env A=1 .venv/bin/tpulab train", worker=0
+        ),
         "delete --quiet": delete_argv(cfg),
     }
 
@@ -128,12 +162,20 @@ class Gcloud:
             self.echo(f"[{step}] {shlex.join(argv)}")
         try:
             # own process group: a timeout kills gcloud and the ssh/scp it started, not just gcloud
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    text=True, start_new_session=True,
-                                    env=self.env if self.env is not None else os.environ.copy())
+            proc = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+                env=self.env if self.env is not None else os.environ.copy(),
+            )
         except FileNotFoundError:
-            raise TpulabError(f"gcloud executable not found: {argv[0]} (install the Google Cloud CLI or set "
-                              "cloud.gcloud)") from None
+            raise TpulabError(
+                f"gcloud executable not found: {argv[0]} (install the Google Cloud CLI or set "
+                "cloud.gcloud)"
+            ) from None
         try:
             out, err = proc.communicate(timeout=timeout_s)
             rc = proc.returncode
@@ -141,7 +183,9 @@ class Gcloud:
             _kill_group(proc)
             out, err = proc.communicate()
             rc = 124 if isinstance(e, subprocess.TimeoutExpired) else 130
-            err += f"\ntpulab: {'timed out after %.0f s' % timeout_s if rc == 124 else 'interrupted'}"
+            err += (
+                f"\ntpulab: {'timed out after %.0f s' % timeout_s if rc == 124 else 'interrupted'}"
+            )
             if rc == 130:
                 self._record(step, argv, rc, started, t0, out, err)
                 raise
@@ -149,10 +193,16 @@ class Gcloud:
 
     def _record(self, step, argv, rc, started, t0, out, err) -> Call:
         call = Call(step, list(argv), rc, round(time.monotonic() - t0, 3), out, err)
-        record = {"step": step, "argv": call.argv, "command": shlex.join(call.argv), "rc": rc,
-                  "duration_s": call.duration_s,
-                  "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-                  "stdout": out[-_KEEP_CHARS:], "stderr": err[-_KEEP_CHARS:]}
+        record = {
+            "step": step,
+            "argv": call.argv,
+            "command": shlex.join(call.argv),
+            "rc": rc,
+            "duration_s": call.duration_s,
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "stdout": out[-_KEEP_CHARS:],
+            "stderr": err[-_KEEP_CHARS:],
+        }
         with self._lock, open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()

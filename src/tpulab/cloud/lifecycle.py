@@ -21,7 +21,13 @@ import threading
 import time
 from pathlib import Path
 
-from tpulab.checkpoint.files import MANIFEST, atomic_write_json, manifest_digest, sha256_file, verify_manifest
+from tpulab.checkpoint.files import (
+    MANIFEST,
+    atomic_write_json,
+    manifest_digest,
+    sha256_file,
+    verify_manifest,
+)
 from tpulab.cloud import gcloud as g
 from tpulab.cloud.config import CloudConfig
 from tpulab.cloud.worker import PREEMPT_RECORD
@@ -30,7 +36,9 @@ from tpulab.evidence.metrics import read_records
 from tpulab.evidence.provenance import git_commit
 
 REPO = Path(__file__).resolve().parents[3]
-DEFAULT_JOB = "train --run-dir {run_dir} --no-progress"  # plus --config {config} / --data {data} when staged
+DEFAULT_JOB = (
+    "train --run-dir {run_dir} --no-progress"  # plus --config {config} / --data {data} when staged
+)
 FAIL_STATES = {"PREEMPTED", "TERMINATED", "DELETING", "STOPPED", "STOPPING", "HIDDEN"}
 
 
@@ -65,7 +73,11 @@ class JobSpec:
             if path is not None and not Path(path).exists():
                 raise TpulabError(f"{what} not found: {path}")
         if self.job is None:
-            job = DEFAULT_JOB + (" --config {config}" if self.config else "") + (" --data {data}" if self.data else "")
+            job = (
+                DEFAULT_JOB
+                + (" --config {config}" if self.config else "")
+                + (" --data {data}" if self.data else "")
+            )
             object.__setattr__(self, "job", job)
         if "{config}" in self.job and self.config is None:
             raise TpulabError("the job uses {config} but no --config was given")
@@ -79,11 +91,16 @@ class JobSpec:
     def remote_run_dir(self, shared_dir: str | None = None) -> str:
         """The job's ``{run_dir}``: ``SHARED/runs/NAME``, one directory that every process of a multi-host job
         sees (Orbax writes one checkpoint from all processes), or without a shared dir each worker's own."""
-        return f"{shared_dir.rstrip('/')}/runs/{self.run_name}" if shared_dir else self.local_run_dir()
+        return (
+            f"{shared_dir.rstrip('/')}/runs/{self.run_name}" if shared_dir else self.local_run_dir()
+        )
 
     def job_args(self, shared_dir: str | None = None) -> list[str]:
-        values = {"{run_dir}": self.remote_run_dir(shared_dir), "{config}": "stage/config.yaml",
-                  "{data}": f"stage/data/{Path(self.data).name}" if self.data else ""}
+        values = {
+            "{run_dir}": self.remote_run_dir(shared_dir),
+            "{config}": "stage/config.yaml",
+            "{data}": f"stage/data/{Path(self.data).name}" if self.data else "",
+        }
         try:
             tokens = shlex.split(self.job)
         except ValueError as e:
@@ -107,7 +124,9 @@ def _env_prefix(env: dict) -> str:
 class CloudSession:
     """One TPU VM, one local run directory ``out_dir``; each method is one lifecycle step."""
 
-    def __init__(self, cfg: CloudConfig, out_dir: str | Path, *, env: dict | None = None, echo=None):
+    def __init__(
+        self, cfg: CloudConfig, out_dir: str | Path, *, env: dict | None = None, echo=None
+    ):
         cfg.require_target()
         self.cfg = cfg
         self.dir = Path(out_dir)
@@ -124,7 +143,9 @@ class CloudSession:
         return json.loads(p.read_text()) if p.exists() else None
 
     def _fail(self, step: str, call: g.Call, what: str) -> CloudError:
-        return CloudError(f"{step}: {what} (gcloud exit {call.rc}: {call.tail()}; see {self.gcloud.path})")
+        return CloudError(
+            f"{step}: {what} (gcloud exit {call.rc}: {call.tail()}; see {self.gcloud.path})"
+        )
 
     def remote(self, args: list[str], env: dict | None = None) -> str:
         """The shell command a worker runs: in the staged dir, with the staged venv's tpulab."""
@@ -140,7 +161,9 @@ class CloudSession:
 
         def one(i: int) -> None:
             try:
-                calls[i] = self.gcloud(f"{step}[worker {i}]", g.ssh_argv(self.cfg, command(i), worker=i), timeout)
+                calls[i] = self.gcloud(
+                    f"{step}[worker {i}]", g.ssh_argv(self.cfg, command(i), worker=i), timeout
+                )
             except TpulabError as e:
                 calls[i] = e
 
@@ -170,13 +193,17 @@ class CloudSession:
     def workers(self) -> int:
         resource = self._read("resource.json")
         if resource is None:
-            raise CloudError(f"no {self.cloud_dir / 'resource.json'}: run `tpulab tpu create` first")
+            raise CloudError(
+                f"no {self.cloud_dir / 'resource.json'}: run `tpulab tpu create` first"
+            )
         return max(1, len(resource.get("network_endpoints") or []))
 
     # --- create -----------------------------------------------------------------------------
     def create(self) -> dict:
-        self.echo(f"creating {self.cfg.name} ({self.cfg.accelerator_type}, {self.cfg.runtime_version}) in "
-                  f"{self.cfg.project}/{self.cfg.zone}")
+        self.echo(
+            f"creating {self.cfg.name} ({self.cfg.accelerator_type}, {self.cfg.runtime_version}) in "
+            f"{self.cfg.project}/{self.cfg.zone}"
+        )
         call = self.gcloud("create", g.create_argv(self.cfg), self.cfg.ready_timeout_s)
         if not call.ok:
             raise self._fail("create", call, f"could not create {self.cfg.name}")
@@ -189,30 +216,47 @@ class CloudSession:
             if state == "present" and data.get("state") == "READY":
                 return self.record_identity(data)
             if state == "present" and data.get("state") in FAIL_STATES:
-                raise self._fail("create", call, f"{self.cfg.name} is {data.get('state')}, not READY")
+                raise self._fail(
+                    "create", call, f"{self.cfg.name} is {data.get('state')}, not READY"
+                )
             if state == "absent":
-                raise self._fail("create", call, f"{self.cfg.name} vanished while waiting for READY")
+                raise self._fail(
+                    "create", call, f"{self.cfg.name} vanished while waiting for READY"
+                )
             if time.monotonic() > deadline:
-                raise self._fail("create", call, f"{self.cfg.name} not READY after {self.cfg.ready_timeout_s:.0f} s")
+                raise self._fail(
+                    "create",
+                    call,
+                    f"{self.cfg.name} not READY after {self.cfg.ready_timeout_s:.0f} s",
+                )
             time.sleep(self.cfg.poll_s)
 
     def record_identity(self, data: dict) -> dict:
         """resource.json: the identity exactly as ``describe --format=json`` reported it."""
         sched = data.get("schedulingConfig") or {}
         identity = {
-            "project": self.cfg.project, "zone": self.cfg.zone, "name": self.cfg.name,
-            "full_name": data.get("name"), "id": data.get("id"),
-            "accelerator_type": data.get("acceleratorType"), "runtime_version": data.get("runtimeVersion"),
-            "state": data.get("state"), "create_time": data.get("createTime"), "health": data.get("health"),
+            "project": self.cfg.project,
+            "zone": self.cfg.zone,
+            "name": self.cfg.name,
+            "full_name": data.get("name"),
+            "id": data.get("id"),
+            "accelerator_type": data.get("acceleratorType"),
+            "runtime_version": data.get("runtimeVersion"),
+            "state": data.get("state"),
+            "create_time": data.get("createTime"),
+            "health": data.get("health"),
             "network_endpoints": data.get("networkEndpoints") or [],
-            "spot": bool(sched.get("spot")), "preemptible": bool(sched.get("preemptible")),
+            "spot": bool(sched.get("spot")),
+            "preemptible": bool(sched.get("preemptible")),
             "recorded_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "source": "gcloud compute tpus tpu-vm describe --format=json (calls.jsonl)",
             "describe": data,
         }
         if identity["accelerator_type"] != self.cfg.accelerator_type:
-            raise CloudError(f"create: {self.cfg.name} reports accelerator type {identity['accelerator_type']}, "
-                             f"asked for {self.cfg.accelerator_type}")
+            raise CloudError(
+                f"create: {self.cfg.name} reports accelerator type {identity['accelerator_type']}, "
+                f"asked for {self.cfg.accelerator_type}"
+            )
         self._write("resource.json", identity)
         return identity
 
@@ -231,22 +275,34 @@ class CloudSession:
             src = Path(job.data)
             (shutil.copytree if src.is_dir() else shutil.copyfile)(src, local / "data" / src.name)
         rd = self.cfg.remote_dir
-        call = self.ssh_all("stage: prepare dirs", f"mkdir -p {rd}/runs && rm -rf {rd}/stage", 600)[0]
+        call = self.ssh_all("stage: prepare dirs", f"mkdir -p {rd}/runs && rm -rf {rd}/stage", 600)[
+            0
+        ]
         if not call.ok:
             raise self._fail("stage", call, "could not prepare the remote directory")
         call = self.gcloud("stage: copy", g.scp_to_argv(self.cfg, [str(local)], f"{rd}/"), 3600)
         if not call.ok:
             raise self._fail("stage", call, "could not copy the wheel and config to the workers")
-        bootstrap = self.cfg.bootstrap.format(remote_dir=rd, python=self.cfg.python, wheel=f"stage/{wheel.name}",
-                                              jax_version=importlib.metadata.version("jax"))
+        bootstrap = self.cfg.bootstrap.format(
+            remote_dir=rd,
+            python=self.cfg.python,
+            wheel=f"stage/{wheel.name}",
+            jax_version=importlib.metadata.version("jax"),
+        )
         call = self.ssh_all("stage: bootstrap", bootstrap, 3600)[0]
         if not call.ok:
             raise self._fail("stage", call, "bootstrapping the venv on the workers failed")
-        staged = {"wheel": wheel.name, "wheel_sha256": sha256_file(wheel), "tpulab_commit": git_commit(),
-                  "config": str(job.config) if job.config else None,
-                  "config_sha256": sha256_file(local / "config.yaml") if job.config else None,
-                  "data": str(job.data) if job.data else None, "remote_dir": rd,
-                  "jax_version": importlib.metadata.version("jax"), "bootstrap": bootstrap}
+        staged = {
+            "wheel": wheel.name,
+            "wheel_sha256": sha256_file(wheel),
+            "tpulab_commit": git_commit(),
+            "config": str(job.config) if job.config else None,
+            "config_sha256": sha256_file(local / "config.yaml") if job.config else None,
+            "data": str(job.data) if job.data else None,
+            "remote_dir": rd,
+            "jax_version": importlib.metadata.version("jax"),
+            "bootstrap": bootstrap,
+        }
         self._write("staged.json", staged)
         return staged
 
@@ -260,12 +316,18 @@ class CloudSession:
             args += ["--expect-devices", str(devices)]
         for call in self._ssh_job("run: receipt", args, job):
             if not call.ok:
-                raise self._fail("run", call, f"target qualification ({expect}) failed on the workers; the job "
-                                              "was not started")
+                raise self._fail(
+                    "run",
+                    call,
+                    f"target qualification ({expect}) failed on the workers; the job "
+                    "was not started",
+                )
 
     def _ssh_job(self, step: str, args: list[str], job: JobSpec) -> list[g.Call]:
         if job.worker_env:
-            return self.ssh_all(step, lambda i: self.remote(args, {**job.env, **job.worker_env.get(i, {})}))
+            return self.ssh_all(
+                step, lambda i: self.remote(args, {**job.env, **job.worker_env.get(i, {})})
+            )
         return self.ssh_all(step, self.remote(args, job.env))
 
     def check_shared(self, job: JobSpec) -> dict:
@@ -277,17 +339,33 @@ class CloudSession:
         marker, nonce = f"{run_dir}/.tpulab-shared-check", secrets.token_hex(8)
         q = shlex.quote
         write = f"test -d {q(shared)} && mkdir -p {q(run_dir)} && echo {nonce} > {q(marker)}"
-        call = self.gcloud("run: shared dir (write on worker 0)", g.ssh_argv(self.cfg, write, worker=0),
-                           self.cfg.call_timeout_s)
+        call = self.gcloud(
+            "run: shared dir (write on worker 0)",
+            g.ssh_argv(self.cfg, write, worker=0),
+            self.cfg.call_timeout_s,
+        )
         if not call.ok:
-            raise self._fail("run", call, f"cannot write to the shared dir {shared} on worker 0 (is it mounted?)")
-        call = self.ssh_all("run: shared dir (read on every worker)", f'test "$(cat {q(marker)})" = {nonce}')[0]
+            raise self._fail(
+                "run", call, f"cannot write to the shared dir {shared} on worker 0 (is it mounted?)"
+            )
+        call = self.ssh_all(
+            "run: shared dir (read on every worker)", f'test "$(cat {q(marker)})" = {nonce}'
+        )[0]
         if not call.ok:
-            raise self._fail("run", call, f"the shared dir {shared} is not one directory on every worker: worker "
-                                          "0's marker is missing elsewhere (mount the same Filestore/NFS export or "
-                                          "gcsfuse bucket at that path on every worker)")
-        return {"shared_dir": shared, "run_dir": run_dir, "marker": marker, "nonce": nonce,
-                "seen_by": f"all {self.workers()} workers"}
+            raise self._fail(
+                "run",
+                call,
+                f"the shared dir {shared} is not one directory on every worker: worker "
+                "0's marker is missing elsewhere (mount the same Filestore/NFS export or "
+                "gcsfuse bucket at that path on every worker)",
+            )
+        return {
+            "shared_dir": shared,
+            "run_dir": run_dir,
+            "marker": marker,
+            "nonce": nonce,
+            "seen_by": f"all {self.workers()} workers",
+        }
 
     def run(self, job: JobSpec, preempt_at: int | None = None) -> dict:
         """Receipt with --expect on all workers first, then the job on all workers (resuming after a
@@ -295,20 +373,39 @@ class CloudSession:
         the shared one (checked first); receipts and rehearsal records stay on each worker's disk."""
         shared = self.cfg.shared_dir
         args = job.job_args(shared)
-        record = {"job": args, "run_dir": job.remote_run_dir(shared), "shared_dir": shared, "env": job.env,
-                  "worker_env": {str(k): v for k, v in job.worker_env.items()}, "preempt_at": preempt_at,
-                  "target": self.cfg.target()[0], "segments": []}
+        record = {
+            "job": args,
+            "run_dir": job.remote_run_dir(shared),
+            "shared_dir": shared,
+            "env": job.env,
+            "worker_env": {str(k): v for k, v in job.worker_env.items()},
+            "preempt_at": preempt_at,
+            "target": self.cfg.target()[0],
+            "segments": [],
+        }
         self._write("run.json", record)
         if shared:
             record["shared_check"] = self.check_shared(job)
             self._write("run.json", record)
         self.qualify(job)
         if preempt_at is not None:
-            wrapped = ["tpu", "worker-job", "--run-dir", job.remote_run_dir(shared), "--preempt-at", str(preempt_at),
-                       "--record", f"{job.local_run_dir()}/{PREEMPT_RECORD}", "--", *args]
+            wrapped = [
+                "tpu",
+                "worker-job",
+                "--run-dir",
+                job.remote_run_dir(shared),
+                "--preempt-at",
+                str(preempt_at),
+                "--record",
+                f"{job.local_run_dir()}/{PREEMPT_RECORD}",
+                "--",
+                *args,
+            ]
             for call in self._ssh_job("run: job until preemption", wrapped, job):
                 if not call.ok:
-                    raise self._fail("run", call, f"the preemption rehearsal at step {preempt_at} failed")
+                    raise self._fail(
+                        "run", call, f"the preemption rehearsal at step {preempt_at} failed"
+                    )
             record["segments"].append("preempted")
             self._write("run.json", record)
         step = "run: job (resume after preemption)" if preempt_at is not None else "run: job"
@@ -327,37 +424,69 @@ class CloudSession:
         ``strict=False`` is the salvage after a failed run: keep what can be retrieved (the failing
         receipt, partial metrics) and raise nothing."""
         shared = self.cfg.shared_dir
-        sources = [(f"worker {i}", i, f"{self.cfg.remote_dir}/runs/{run_name}", self.dir / "workers" / str(i))
-                   for i in range(self.workers())]
+        sources = [
+            (
+                f"worker {i}",
+                i,
+                f"{self.cfg.remote_dir}/runs/{run_name}",
+                self.dir / "workers" / str(i),
+            )
+            for i in range(self.workers())
+        ]
         if shared:
-            sources.append(("shared run dir", 0, f"{shared.rstrip('/')}/runs/{run_name}", self.dir / "shared"))
+            sources.append(
+                ("shared run dir", 0, f"{shared.rstrip('/')}/runs/{run_name}", self.dir / "shared")
+            )
         results, worker_dirs = [], []
         for label, worker, remote, dest in sources:
             got = self._fetch_one(label, worker, remote, dest, run_name, strict)
             if got is None:
                 continue
-            if shared and label != "shared run dir":  # receipts and rehearsal records only: nothing to verify
+            if (
+                shared and label != "shared run dir"
+            ):  # receipts and rehearsal records only: nothing to verify
                 worker_dirs.append({"worker": worker, "run_dir": str(got)})
             else:
                 results.append({"source": label, **verify_fetched(got, worker)})
-        report = {"run_name": run_name, "shared_dir": shared, "workers": results, "worker_dirs": worker_dirs,
-                  "passed": bool(results) and all(w["checkpoints"] and all(c["verified"] for c in w["checkpoints"])
-                                                  for w in results)}
+        report = {
+            "run_name": run_name,
+            "shared_dir": shared,
+            "workers": results,
+            "worker_dirs": worker_dirs,
+            "passed": bool(results)
+            and all(
+                w["checkpoints"] and all(c["verified"] for c in w["checkpoints"]) for w in results
+            ),
+        }
         report["salvage"] = not strict
         self._write("fetch.json", report)
         if strict and not report["passed"]:
-            bad = next(w for w in results if not w["checkpoints"] or not all(c["verified"] for c in w["checkpoints"]))
-            why = next((c["error"] for c in bad["checkpoints"] if not c["verified"]), "no checkpoint retrieved")
+            bad = next(
+                w
+                for w in results
+                if not w["checkpoints"] or not all(c["verified"] for c in w["checkpoints"])
+            )
+            why = next(
+                (c["error"] for c in bad["checkpoints"] if not c["verified"]),
+                "no checkpoint retrieved",
+            )
             raise CloudError(f"fetch: {bad['source']}: {why}")
         return report
 
-    def _fetch_one(self, label: str, worker: int, remote: str, dest: Path, run_name: str, strict: bool) -> Path | None:
-        incoming = dest.parent / f".incoming-{dest.name}"  # a failed fetch must not cost an earlier copy
+    def _fetch_one(
+        self, label: str, worker: int, remote: str, dest: Path, run_name: str, strict: bool
+    ) -> Path | None:
+        incoming = (
+            dest.parent / f".incoming-{dest.name}"
+        )  # a failed fetch must not cost an earlier copy
         if incoming.exists():
             shutil.rmtree(incoming)
         incoming.mkdir(parents=True)
-        call = self.gcloud(f"fetch[{label}]", g.scp_from_argv(self.cfg, remote, str(incoming) + "/", worker=worker),
-                           3600)
+        call = self.gcloud(
+            f"fetch[{label}]",
+            g.scp_from_argv(self.cfg, remote, str(incoming) + "/", worker=worker),
+            3600,
+        )
         if not call.ok or not (incoming / run_name).is_dir():
             shutil.rmtree(incoming)
             if not strict:
@@ -380,17 +509,30 @@ class CloudSession:
         listed = self.gcloud("delete: verify (list)", g.list_argv(self.cfg), 300)
         names = _listed_names(listed.stdout) if listed.ok else None
         gone = state == "absent" and names is not None and self.cfg.name not in names
-        cleanup = {"name": self.cfg.name, "project": self.cfg.project, "zone": self.cfg.zone,
-                   "delete_rc": call.rc, "already_gone": already_gone, "describe": state,
-                   "list_rc": listed.rc, "listed_names": names, "verified_gone": gone,
-                   "checked_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        cleanup = {
+            "name": self.cfg.name,
+            "project": self.cfg.project,
+            "zone": self.cfg.zone,
+            "delete_rc": call.rc,
+            "already_gone": already_gone,
+            "describe": state,
+            "list_rc": listed.rc,
+            "listed_names": names,
+            "verified_gone": gone,
+            "checked_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         self._write("cleanup.json", cleanup)
         if not gone:
-            why = (f"delete exited {call.rc} ({call.tail()})" if not call.ok and not already_gone else
-                   f"after delete, describe says {state!r} and list {'failed' if names is None else 'still shows it'}")
-            raise DeleteError(f"DELETE NOT VERIFIED: VM {self.cfg.name} in project {self.cfg.project}, zone "
-                              f"{self.cfg.zone} may still exist and cost money: {why}. Delete it by hand: "
-                              f"{shlex.join(g.delete_argv(self.cfg))}")
+            why = (
+                f"delete exited {call.rc} ({call.tail()})"
+                if not call.ok and not already_gone
+                else f"after delete, describe says {state!r} and list {'failed' if names is None else 'still shows it'}"
+            )
+            raise DeleteError(
+                f"DELETE NOT VERIFIED: VM {self.cfg.name} in project {self.cfg.project}, zone "
+                f"{self.cfg.zone} may still exist and cost money: {why}. Delete it by hand: "
+                f"{shlex.join(g.delete_argv(self.cfg))}"
+            )
         return cleanup
 
     # --- up ---------------------------------------------------------------------------------
@@ -421,7 +563,9 @@ class CloudSession:
         log = write_experiment_log(self.dir)
         if cleanup_error is not None:
             if failure is not None:
-                raise DeleteError(f"{cleanup_error} (after an earlier failure: {failure})") from None
+                raise DeleteError(
+                    f"{cleanup_error} (after an earlier failure: {failure})"
+                ) from None
             raise cleanup_error
         if failure is not None:
             raise failure
@@ -431,9 +575,17 @@ class CloudSession:
         if failure is not None and self._read("resource.json") is None:
             state, _, _ = self.describe("cleanup: did create leave anything?")
             if state == "absent":
-                self._write("cleanup.json", {"name": self.cfg.name, "project": self.cfg.project,
-                                             "zone": self.cfg.zone, "nothing_created": True, "describe": state,
-                                             "verified_gone": True})
+                self._write(
+                    "cleanup.json",
+                    {
+                        "name": self.cfg.name,
+                        "project": self.cfg.project,
+                        "zone": self.cfg.zone,
+                        "nothing_created": True,
+                        "describe": state,
+                        "verified_gone": True,
+                    },
+                )
                 return
         self.delete()
 
@@ -453,17 +605,29 @@ def verify_fetched(run_dir: Path, worker: int) -> dict:
         ckpt = manifest.parent
         try:
             verify_manifest(ckpt)
-            checkpoints.append({"path": str(ckpt.relative_to(run_dir)), "verified": True,
-                                "manifest_sha256": manifest_digest(ckpt)})
+            checkpoints.append(
+                {
+                    "path": str(ckpt.relative_to(run_dir)),
+                    "verified": True,
+                    "manifest_sha256": manifest_digest(ckpt),
+                }
+            )
         except TpulabError as e:
-            checkpoints.append({"path": str(ckpt.relative_to(run_dir)), "verified": False, "error": str(e)})
+            checkpoints.append(
+                {"path": str(ckpt.relative_to(run_dir)), "verified": False, "error": str(e)}
+            )
     records = read_records(run_dir / "metrics.jsonl")
     starts = [r for r in records if r.get("event") == "start"]
     preempted = [r for r in records if r.get("event") == "preempted"]
-    return {"worker": worker, "run_dir": str(run_dir), "checkpoints": checkpoints,
-            "segments": len(starts), "resumed_from": [s.get("resumed_from") for s in starts],
-            "preempted_at": [r["step"] for r in preempted],
-            "final_step": max((r["step"] for r in records if "step" in r), default=None)}
+    return {
+        "worker": worker,
+        "run_dir": str(run_dir),
+        "checkpoints": checkpoints,
+        "segments": len(starts),
+        "resumed_from": [s.get("resumed_from") for s in starts],
+        "preempted_at": [r["step"] for r in preempted],
+        "final_step": max((r["step"] for r in records if "step" in r), default=None),
+    }
 
 
 def build_wheel(dest: Path) -> Path:
@@ -472,12 +636,31 @@ def build_wheel(dest: Path) -> Path:
         raise TpulabError(f"stage needs a tpulab source checkout (no pyproject.toml in {REPO})")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
-        shutil.copytree(REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        shutil.copytree(
+            REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+        )
         shutil.copyfile(REPO / "pyproject.toml", Path(tmp) / "pyproject.toml")
-        p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(dest), tmp], capture_output=True, text=True, timeout=600)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "-w",
+                str(dest),
+                tmp,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if p.returncode != 0:
-            raise TpulabError(f"building the wheel failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+            raise TpulabError(
+                f"building the wheel failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
+            )
     wheels = sorted(dest.glob("tpulab-*.whl"))
     if len(wheels) != 1:
         raise TpulabError(f"expected one tpulab wheel in {dest}, found {len(wheels)}")

@@ -25,12 +25,20 @@ PREEMPT_RECORD = "preempt.json"
 
 
 def _segment_steps(metrics: Path, segment: int) -> int | None:
-    steps = [r["step"] for r in read_records(metrics) if "step" in r and r.get("segment") == segment]
+    steps = [
+        r["step"] for r in read_records(metrics) if "step" in r and r.get("segment") == segment
+    ]
     return max(steps) if steps else None
 
 
-def run_with_preemption(argv: list[str], run_dir: str | Path, preempt_at: int, poll_s: float = 0.01,
-                        record: str | Path | None = None, settle_s: float = 60.0) -> dict:
+def run_with_preemption(
+    argv: list[str],
+    run_dir: str | Path,
+    preempt_at: int,
+    poll_s: float = 0.01,
+    record: str | Path | None = None,
+    settle_s: float = 60.0,
+) -> dict:
     """Start ``argv``, SIGTERM it once ``run_dir/metrics.jsonl`` shows step >= preempt_at in its segment.
 
     The record goes to ``record`` (default ``run_dir/preempt.json``). In a multi-process job only process 0
@@ -41,7 +49,9 @@ def run_with_preemption(argv: list[str], run_dir: str | Path, preempt_at: int, p
     run_dir = Path(run_dir)
     record = Path(record) if record is not None else run_dir / PREEMPT_RECORD
     metrics = run_dir / "metrics.jsonl"
-    segment = sum(1 for r in read_records(metrics) if r.get("event") == "start")  # the job's segment
+    segment = sum(
+        1 for r in read_records(metrics) if r.get("event") == "start"
+    )  # the job's segment
     proc = subprocess.Popen(argv)
     signalled_at = None
     try:
@@ -55,8 +65,12 @@ def run_with_preemption(argv: list[str], run_dir: str | Path, preempt_at: int, p
         if proc.poll() is None:  # interrupted ourselves: do not leave the job behind
             proc.kill()
             proc.wait()
-    started = any(r.get("event") == "start" and r.get("segment") == segment for r in read_records(metrics))
-    deadline = time.monotonic() + (settle_s if proc.returncode == 0 and (started or signalled_at is not None) else 0)
+    started = any(
+        r.get("event") == "start" and r.get("segment") == segment for r in read_records(metrics)
+    )
+    deadline = time.monotonic() + (
+        settle_s if proc.returncode == 0 and (started or signalled_at is not None) else 0
+    )
     while True:
         records = read_records(metrics)
         ours = [r for r in records if r.get("segment") == segment]
@@ -64,19 +78,34 @@ def run_with_preemption(argv: list[str], run_dir: str | Path, preempt_at: int, p
         if preempted or any(r.get("event") == "end" for r in ours) or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
-    result = {"preempt_at": preempt_at, "signal": "SIGTERM", "signalled_after_logged_step": signalled_at,
-              "job_rc": proc.returncode, "segment": segment,
-              "preempted_at_step": preempted[0] if preempted else None,
-              "last_step": _segment_steps(metrics, segment)}
-    result["stopped_by"] = (None if result["preempted_at_step"] is None else "this wrapper's SIGTERM"
-                            if signalled_at is not None else "a notice this wrapper did not send (another "
-                                                             "process's, agreed through the runtime)")
+    result = {
+        "preempt_at": preempt_at,
+        "signal": "SIGTERM",
+        "signalled_after_logged_step": signalled_at,
+        "job_rc": proc.returncode,
+        "segment": segment,
+        "preempted_at_step": preempted[0] if preempted else None,
+        "last_step": _segment_steps(metrics, segment),
+    }
+    result["stopped_by"] = (
+        None
+        if result["preempted_at_step"] is None
+        else "this wrapper's SIGTERM"
+        if signalled_at is not None
+        else "a notice this wrapper did not send (another process's, agreed through the runtime)"
+    )
     record.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(record, result)
     if signalled_at is None and result["preempted_at_step"] is None:
-        raise TpulabError(f"the job ended (exit {proc.returncode}) at step {result['last_step']} before the "
-                          f"preemption step {preempt_at}; choose a smaller --preempt-at", exit_code=1)
+        raise TpulabError(
+            f"the job ended (exit {proc.returncode}) at step {result['last_step']} before the "
+            f"preemption step {preempt_at}; choose a smaller --preempt-at",
+            exit_code=1,
+        )
     if proc.returncode != 0 or result["preempted_at_step"] is None:
-        raise TpulabError(f"the job did not stop cleanly on SIGTERM (exit {proc.returncode}, no 'preempted' "
-                          f"record in {metrics})", exit_code=1)
+        raise TpulabError(
+            f"the job did not stop cleanly on SIGTERM (exit {proc.returncode}, no 'preempted' "
+            f"record in {metrics})",
+            exit_code=1,
+        )
     return result

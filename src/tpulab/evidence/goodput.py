@@ -27,14 +27,24 @@ import yaml
 
 from tpulab.evidence import metrics as M
 
-BUCKETS = ("productive", "startup_compile", "data", "eval", "checkpoint", "restart_startup", "redone_steps",
-           "kill_tail")
+BUCKETS = (
+    "productive",
+    "startup_compile",
+    "data",
+    "eval",
+    "checkpoint",
+    "restart_startup",
+    "redone_steps",
+    "kill_tail",
+)
 RESTART = ("restart_startup", "redone_steps", "kill_tail")
 
 
 def _save_every(run_dir: Path) -> int | None:
     try:
-        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["checkpoint"]["save_every"])
+        return int(
+            yaml.safe_load((run_dir / "config.yaml").read_text())["checkpoint"]["save_every"]
+        )
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
         return None
 
@@ -48,11 +58,19 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
     for i, start in enumerate(starts):
         seg = start["segment"]
         resumed = start.get("resumed_from") is not None
-        steps = [r for r in records if r.get("segment") == seg and "step" in r and "wall_s" in r and "event" not in r]
+        steps = [
+            r
+            for r in records
+            if r.get("segment") == seg and "step" in r and "wall_s" in r and "event" not in r
+        ]
         evals = {r["step"] for r in records if r.get("segment") == seg and r.get("event") == "eval"}
-        end = next((r for r in records if r.get("segment") == seg and r.get("event") == "end"), None)
+        end = next(
+            (r for r in records if r.get("segment") == seg and r.get("event") == "end"), None
+        )
         nxt = starts[i + 1].get("resumed_from") if i + 1 < len(starts) else None
-        nxt = 0 if (i + 1 < len(starts) and nxt is None) else nxt  # next process started from scratch
+        nxt = (
+            0 if (i + 1 < len(starts) and nxt is None) else nxt
+        )  # next process started from scratch
         b = dict.fromkeys(BUCKETS, 0.0)
         gaps = [(a["step"], c["step"], c["wall_s"] - a["wall_s"]) for a, c in zip(steps, steps[1:])]
         med = statistics.median([d for _, _, d in gaps]) if gaps else 0.0
@@ -65,9 +83,13 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
                 split.append((s1, d - extra, extra, "checkpoint"))
             else:
                 split.append((s1, d, 0.0, None))
-        first_counted = min(med, steps[0]["wall_s"]) if steps else 0.0  # the first logged step's own time
+        first_counted = (
+            min(med, steps[0]["wall_s"]) if steps else 0.0
+        )  # the first logged step's own time
         redone = sum(base for s1, base, _, _ in split if nxt is not None and s1 > nxt)
-        if nxt is not None and steps and steps[0]["step"] > nxt:  # even the first logged step was thrown away
+        if (
+            nxt is not None and steps and steps[0]["step"] > nxt
+        ):  # even the first logged step was thrown away
             redone += first_counted
         first_bucket = "restart_startup" if resumed else "startup_compile"
         if end is not None:
@@ -89,16 +111,28 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
             b["productive"] -= b["redone_steps"]
         for k in BUCKETS:
             totals[k] += b[k]
-        lifetimes.append({"segment": seg, "resumed_from": start.get("resumed_from"), "ended": end is not None,
-                          "steps_logged": len(steps), "first_step": steps[0]["step"] if steps else None,
-                          "last_step": steps[-1]["step"] if steps else None, "total_s": round(total, 4),
-                          "buckets_s": {k: round(v, 4) for k, v in b.items() if v}})
+        lifetimes.append(
+            {
+                "segment": seg,
+                "resumed_from": start.get("resumed_from"),
+                "ended": end is not None,
+                "steps_logged": len(steps),
+                "first_step": steps[0]["step"] if steps else None,
+                "last_step": steps[-1]["step"] if steps else None,
+                "total_s": round(total, 4),
+                "buckets_s": {k: round(v, 4) for k, v in b.items() if v},
+            }
+        )
     totals["kill_tail"] += max(0.0, kill_tail_s)
     total = sum(totals.values())
-    return {"total_s": round(total, 4), "goodput": (totals["productive"] / total) if total > 0 else 0.0,
-            "buckets_s": {k: round(v, 4) for k, v in totals.items()},
-            "restart_s": round(sum(totals[k] for k in RESTART), 4), "lifetimes": lifetimes,
-            "killed_lifetimes": sum(1 for lt in lifetimes if not lt["ended"])}
+    return {
+        "total_s": round(total, 4),
+        "goodput": (totals["productive"] / total) if total > 0 else 0.0,
+        "buckets_s": {k: round(v, 4) for k, v in totals.items()},
+        "restart_s": round(sum(totals[k] for k in RESTART), 4),
+        "lifetimes": lifetimes,
+        "killed_lifetimes": sum(1 for lt in lifetimes if not lt["ended"]),
+    }
 
 
 def goodput(run_dir: str | Path, kill_tail_s: float = 0.0) -> dict:
@@ -117,20 +151,37 @@ def chaos_kill_tail(victim: str | Path, kill_log: list[dict]) -> float:
     return max(0.0, sum(float(k.get("at_s", 0.0)) for k in kill_log) - logged)
 
 
-LABELS = {"productive": "productive steps", "startup_compile": "start-up and first step (compile)",
-          "data": "waiting for data", "eval": "evaluation", "checkpoint": "checkpoint saves (blocking)",
-          "restart_startup": "restart: start-up, restore, first step of resumed processes",
-          "redone_steps": "restart: steps redone after a resume", "kill_tail": "restart: killed after the last record"}
+LABELS = {
+    "productive": "productive steps",
+    "startup_compile": "start-up and first step (compile)",
+    "data": "waiting for data",
+    "eval": "evaluation",
+    "checkpoint": "checkpoint saves (blocking)",
+    "restart_startup": "restart: start-up, restore, first step of resumed processes",
+    "redone_steps": "restart: steps redone after a resume",
+    "kill_tail": "restart: killed after the last record",
+}
 
 
 def markdown(g: dict, title: str = "Goodput") -> str:
-    rows = [f"| {LABELS[k]} | {v:.2f} s | {100 * v / g['total_s']:.1f}% |" for k, v in g["buckets_s"].items()
-            if g["total_s"] > 0 and (v > 0 or k == "productive")]
-    return "\n".join([
-        f"### {title}", "",
-        f"**goodput {100 * g['goodput']:.1f}%** (productive step time / wall time) over {len(g['lifetimes'])} process "
-        f"lifetime(s), {g['killed_lifetimes']} of them killed; wall time {g['total_s']:.2f} s, of which "
-        f"{g['restart_s']:.2f} s lost to restarts.", "",
-        "| where the time went | seconds | share |", "|---|---|---|", *rows, "",
-        "Killed lifetimes are split from their step records (no end event); Python start-up before `train()` is "
-        "not counted."])
+    rows = [
+        f"| {LABELS[k]} | {v:.2f} s | {100 * v / g['total_s']:.1f}% |"
+        for k, v in g["buckets_s"].items()
+        if g["total_s"] > 0 and (v > 0 or k == "productive")
+    ]
+    return "\n".join(
+        [
+            f"### {title}",
+            "",
+            f"**goodput {100 * g['goodput']:.1f}%** (productive step time / wall time) over {len(g['lifetimes'])} process "
+            f"lifetime(s), {g['killed_lifetimes']} of them killed; wall time {g['total_s']:.2f} s, of which "
+            f"{g['restart_s']:.2f} s lost to restarts.",
+            "",
+            "| where the time went | seconds | share |",
+            "|---|---|---|",
+            *rows,
+            "",
+            "Killed lifetimes are split from their step records (no end event); Python start-up before `train()` is "
+            "not counted.",
+        ]
+    )

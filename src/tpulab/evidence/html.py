@@ -45,8 +45,13 @@ def _inline(text: str, base: Path) -> str:
         return f'<img alt="{html.escape(alt, quote=True)}" src="{uri}">'
 
     text = re.sub(r"!\[([^\]]*)\]\(([^)\s]+)\)", image, text)
-    text = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)",
-                  lambda m: f'<a href="{html.escape(html.unescape(m.group(2)), quote=True)}">{m.group(1)}</a>', text)
+    text = re.sub(
+        r"\[([^\]]+)\]\(([^)\s]+)\)",
+        lambda m: (
+            f'<a href="{html.escape(html.unescape(m.group(2)), quote=True)}">{m.group(1)}</a>'
+        ),
+        text,
+    )
     text = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", text)
     return re.sub("\x00(\\d+)\x00", lambda m: codes[int(m.group(1))], text)
 
@@ -71,21 +76,31 @@ def render_html(text: str, base: Path, title: str = "tpulab report") -> str:
             j = i + 1
             while j < len(lines) and not lines[j].startswith("```"):
                 j += 1
-            out.append(f"<pre>{html.escape(chr(10).join(lines[i + 1:j]))}</pre>")
+            out.append(f"<pre>{html.escape(chr(10).join(lines[i + 1 : j]))}</pre>")
             i = j + 1
             continue
         if m := re.match(r"^(#{1,6})\s+(.*)", line):
             flush()
             n = len(m.group(1))
             out.append(f"<h{n}>{_inline(m.group(2), base)}</h{n}>")
-        elif line.lstrip().startswith("|") and i + 1 < len(lines) and re.match(r"^\s*\|[\s:|-]+\|\s*$", lines[i + 1]):
+        elif (
+            line.lstrip().startswith("|")
+            and i + 1 < len(lines)
+            and re.match(r"^\s*\|[\s:|-]+\|\s*$", lines[i + 1])
+        ):
             flush()
             head = "".join(f"<th>{_inline(c, base)}</th>" for c in _cells(line))
             rows, i = [], i + 2
             while i < len(lines) and lines[i].lstrip().startswith("|"):
-                rows.append("<tr>" + "".join(f"<td>{_inline(c, base)}</td>" for c in _cells(lines[i])) + "</tr>")
+                rows.append(
+                    "<tr>"
+                    + "".join(f"<td>{_inline(c, base)}</td>" for c in _cells(lines[i]))
+                    + "</tr>"
+                )
                 i += 1
-            out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+            out.append(
+                f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            )
             continue
         elif re.match(r"^\s*[-*]\s+", line):
             flush()
@@ -102,8 +117,11 @@ def render_html(text: str, base: Path, title: str = "tpulab report") -> str:
             para.append(line.strip())
         i += 1
     flush()
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
-            "style-src 'unsafe-inline'\">"
-            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n<body>\n"
-            + "\n".join(out) + "\n</body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
+        "style-src 'unsafe-inline'\">"
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n<body>\n"
+        + "\n".join(out)
+        + "\n</body></html>\n"
+    )

@@ -38,7 +38,9 @@ class WindowLedger:
         self._f.write(json.dumps({"eval": hashes}) + "\n")
 
     def record_train(self, step: int, batch: dict) -> None:
-        self._f.write(json.dumps({"step": int(step), "train": window_sha256(batch_windows(batch))}) + "\n")
+        self._f.write(
+            json.dumps({"step": int(step), "train": window_sha256(batch_windows(batch))}) + "\n"
+        )
 
     def close(self) -> None:
         self._f.close()

@@ -55,8 +55,11 @@ def read_records(path: str | Path) -> list[dict]:
 
 def curve(records: list[dict], key: str = "loss", segment: int | None = None) -> dict[int, float]:
     """step -> value for step records (optionally of one segment); a later record of a step wins."""
-    return {r["step"]: r[key] for r in records
-            if "step" in r and key in r and (segment is None or r.get("segment") == segment)}
+    return {
+        r["step"]: r[key]
+        for r in records
+        if "step" in r and key in r and (segment is None or r.get("segment") == segment)
+    }
 
 
 def starts(records: list[dict]) -> list[dict]:

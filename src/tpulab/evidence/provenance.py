@@ -29,12 +29,20 @@ def git_commit() -> str | None:
     """The project's commit (with '-dirty' when the tree has changes), or None outside a checkout."""
     root = Path(__file__).resolve().parents[3]
     try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -62,7 +70,7 @@ def environment(packages=BASE_PACKAGES, *, with_jax: bool = True) -> dict:
         "machine": platform.machine(),
         "packages": package_versions(packages),
         "git_commit": git_commit(),
-        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host_allocator": allocator(),
     }
     if with_jax:
@@ -79,7 +87,9 @@ def describe_hardware(env: dict) -> str:
     return label if backend == "tpu" else f"{label}, not a TPU"
 
 
-def write_environment(run_dir: str | Path, packages=BASE_PACKAGES, extra: dict | None = None) -> dict:
+def write_environment(
+    run_dir: str | Path, packages=BASE_PACKAGES, extra: dict | None = None
+) -> dict:
     env = {**environment(packages), **(extra or {})}
     atomic_write_json(Path(run_dir) / "env.json", env)
     return env

@@ -35,9 +35,13 @@ VERSION_PACKAGES = ("jax", "jaxlib", "libtpu", "libtpu-nightly", "tpulab")
 
 # Generation name -> the device_kind strings JAX reports for it (normalized: lower case, no spaces).
 TPU_KINDS = {
-    "v2": ("tpuv2",), "v3": ("tpuv3",), "v4": ("tpuv4",),
-    "v5e": ("tpuv5lite", "tpuv5e"), "v5p": ("tpuv5p", "tpuv5"),
-    "v6e": ("tpuv6lite", "tpuv6e"), "v7": ("tpu7x", "tpuv7"),
+    "v2": ("tpuv2",),
+    "v3": ("tpuv3",),
+    "v4": ("tpuv4",),
+    "v5e": ("tpuv5lite", "tpuv5e"),
+    "v5p": ("tpuv5p", "tpuv5"),
+    "v6e": ("tpuv6lite", "tpuv6e"),
+    "v7": ("tpu7x", "tpuv7"),
 }
 
 
@@ -56,18 +60,24 @@ class Target:
     devices: int | None = None
 
     @classmethod
-    def parse(cls, text: str, devices: int | None = None) -> "Target":
+    def parse(cls, text: str, devices: int | None = None) -> Target:
         backend, _, kind = text.strip().lower().partition(":")
         if backend not in ("cpu", "gpu", "tpu") or (kind == "" and ":" in text):
             raise TpulabError(f"--expect must look like tpu:v5e, tpu, gpu or cpu, got {text!r}")
         if backend == "tpu" and kind and kind not in TPU_KINDS:
-            raise TpulabError(f"unknown TPU generation {kind!r} in --expect (known: {', '.join(TPU_KINDS)})")
+            raise TpulabError(
+                f"unknown TPU generation {kind!r} in --expect (known: {', '.join(TPU_KINDS)})"
+            )
         if devices is not None and devices < 1:
             raise TpulabError(f"--expect-devices must be at least 1, got {devices}")
         return cls(backend, kind or None, devices)
 
     def __str__(self) -> str:
-        return self.backend + (f":{self.kind}" if self.kind else "") + (f" x{self.devices}" if self.devices else "")
+        return (
+            self.backend
+            + (f":{self.kind}" if self.kind else "")
+            + (f" x{self.devices}" if self.devices else "")
+        )
 
 
 def _norm(kind: str) -> str:
@@ -77,7 +87,11 @@ def _norm(kind: str) -> str:
 def kind_matches(target: Target, device_kind: str) -> bool:
     if target.kind is None:
         return True
-    names = TPU_KINDS.get(target.kind, (_norm(target.kind),)) if target.backend == "tpu" else (_norm(target.kind),)
+    names = (
+        TPU_KINDS.get(target.kind, (_norm(target.kind),))
+        if target.backend == "tpu"
+        else (_norm(target.kind),)
+    )
     got = _norm(device_kind)
     # Exact for TPU generations ("tpuv5" must not accept "tpuv5lite"), substring for GPU names.
     return got in names if target.backend == "tpu" else any(n in got for n in names)
@@ -88,8 +102,10 @@ def qualify(receipt: dict, target: Target) -> list[str]:
     problems = []
     rt = receipt["runtime"]
     if rt["backend"] != target.backend:
-        problems.append(f"expected backend {target.backend}, JAX reports backend {rt['backend']} "
-                        f"({', '.join(rt['device_kinds'])} x{rt['device_count']})")
+        problems.append(
+            f"expected backend {target.backend}, JAX reports backend {rt['backend']} "
+            f"({', '.join(rt['device_kinds'])} x{rt['device_count']})"
+        )
     elif not all(kind_matches(target, k) for k in rt["device_kinds"]):
         problems.append(f"expected {target}, device kind is {', '.join(rt['device_kinds'])}")
     if target.devices is not None and rt["device_count"] != target.devices:
@@ -102,28 +118,38 @@ def qualify(receipt: dict, target: Target) -> list[str]:
 
 # --- runtime evidence -------------------------------------------------------------------------
 
+
 def check_collective(values: list[float], n: int) -> dict:
     """The psum every device holds must be 0 + 1 + ... + (n-1); one wrong device fails the check."""
     expected = n * (n - 1) / 2
     wrong = [i for i, v in enumerate(values) if v != expected]
-    return {"passed": bool(values) and not wrong, "expected": expected, "values": values,
-            "wrong_shards": wrong}
+    return {
+        "passed": bool(values) and not wrong,
+        "expected": expected,
+        "values": values,
+        "wrong_shards": wrong,
+    }
 
 
 def collective_evidence() -> dict:
     """psum over a 1-D mesh of all global devices, each shard holding its device's position."""
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     devices = jax.devices()
     n = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
     sharding = NamedSharding(mesh, P("d"))
-    x = jax.make_array_from_callback((n,), sharding, lambda idx: np.arange(n, dtype=np.float32)[idx])
+    x = jax.make_array_from_callback(
+        (n,), sharding, lambda idx: np.arange(n, dtype=np.float32)[idx]
+    )
 
     @jax.jit
     def total(a):
-        return jax.shard_map(lambda s: jax.lax.psum(s, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d"))(a)
+        return jax.shard_map(
+            lambda s: jax.lax.psum(s, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")
+        )(a)
 
     t0 = time.perf_counter()
     out = jax.block_until_ready(total(x))
@@ -131,12 +157,18 @@ def collective_evidence() -> dict:
     shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
     values = [float(np.asarray(s.data)[0]) for s in shards]
     result = check_collective(values, n)
-    result.update(op="psum over shard_map", devices=n, checked_local_shards=len(values),
-                  seconds_incl_compile=round(elapsed, 4))
+    result.update(
+        op="psum over shard_map",
+        devices=n,
+        checked_local_shards=len(values),
+        seconds_incl_compile=round(elapsed, 4),
+    )
     return result
 
 
-def check_matmul(got: np.ndarray, a: np.ndarray, b: np.ndarray, tol: float = 1e-2) -> tuple[float, bool]:
+def check_matmul(
+    got: np.ndarray, a: np.ndarray, b: np.ndarray, tol: float = 1e-2
+) -> tuple[float, bool]:
     """Relative Frobenius error against float64 NumPy; loose enough for bf16 passes, not for wrong math."""
     want = a.astype(np.float64) @ b.astype(np.float64)
     rel_err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
@@ -161,9 +193,18 @@ def matmul_evidence(size: int, reps: int = 5) -> dict:
         times.append(time.perf_counter() - t0)
     rel_err, passed = check_matmul(got, a, b)
     best = min(times)
-    return {"passed": passed, "shape": [size, size], "dtype": "float32", "precision": "default",
-            "relative_error_vs_numpy": rel_err, "best_s": best, "median_s": float(np.median(times)),
-            "reps": reps, "tflops_best": 2 * size ** 3 / best / 1e12, "device": str(da.devices().pop())}
+    return {
+        "passed": passed,
+        "shape": [size, size],
+        "dtype": "float32",
+        "precision": "default",
+        "relative_error_vs_numpy": rel_err,
+        "best_s": best,
+        "median_s": float(np.median(times)),
+        "reps": reps,
+        "tflops_best": 2 * size**3 / best / 1e12,
+        "device": str(da.devices().pop()),
+    }
 
 
 def round_trip_evidence(nbytes: int = 1 << 20) -> dict:
@@ -175,12 +216,22 @@ def round_trip_evidence(nbytes: int = 1 << 20) -> dict:
     for d in jax.local_devices():
         t0 = time.perf_counter()
         back = np.asarray(jax.device_get(jax.device_put(data, d)))
-        results.append({"device_id": d.id, "equal": bool(np.array_equal(back, data)),
-                        "seconds": round(time.perf_counter() - t0, 5)})
-    return {"passed": bool(results) and all(r["equal"] for r in results), "bytes": nbytes, "devices": results}
+        results.append(
+            {
+                "device_id": d.id,
+                "equal": bool(np.array_equal(back, data)),
+                "seconds": round(time.perf_counter() - t0, 5),
+            }
+        )
+    return {
+        "passed": bool(results) and all(r["equal"] for r in results),
+        "bytes": nbytes,
+        "devices": results,
+    }
 
 
 # --- inventory --------------------------------------------------------------------------------
+
 
 def _versions() -> dict:
     out = {"python": sys.version.split()[0]}
@@ -190,13 +241,20 @@ def _versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             if name in ("jax", "jaxlib", "tpulab"):
                 out[name] = None
-    out["tpulab_commit"] = git_commit()  # None for an installed wheel; the stage record names its commit
+    out["tpulab_commit"] = (
+        git_commit()
+    )  # None for an installed wheel; the stage record names its commit
     out["tpulab_path"] = str(Path(__file__).resolve().parents[1])
     return out
 
 
 def _device(d) -> dict:
-    info = {"id": d.id, "kind": d.device_kind, "platform": d.platform, "process_index": d.process_index}
+    info = {
+        "id": d.id,
+        "kind": d.device_kind,
+        "platform": d.platform,
+        "process_index": d.process_index,
+    }
     for attr in ("coords", "core_on_chip", "num_cores", "slice_index"):
         v = getattr(d, attr, None)
         if v is not None:
@@ -225,7 +283,9 @@ def runtime_inventory() -> dict:
 def runtime_env() -> dict:
     """The variables that decide the runtime, leaving out tpulab's own libtpu placeholders (listed apart)."""
     ours = placeholders() | {MARKER}
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ours}
+    return {
+        k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ours
+    }
 
 
 def collect(matmul_size: int = 512) -> dict:
@@ -241,8 +301,11 @@ def collect(matmul_size: int = 512) -> dict:
         "env": runtime_env(),
         "tpulab_placeholders": sorted(placeholders()),
     }
-    receipt["evidence"] = {"collective": collective_evidence(), "matmul": matmul_evidence(matmul_size),
-                           "round_trip": round_trip_evidence()}
+    receipt["evidence"] = {
+        "collective": collective_evidence(),
+        "matmul": matmul_evidence(matmul_size),
+        "round_trip": round_trip_evidence(),
+    }
     return receipt
 
 
@@ -261,20 +324,39 @@ def table(receipt: dict) -> str:
         ("devices (global / local)", f"{rt['device_count']} / {rt['local_device_count']}"),
         ("process", f"{rt['process_index']} of {rt['process_count']} on {receipt['host']}"),
         ("device ids", ", ".join(str(d["id"]) for d in rt["devices"])),
-        ("coords", "; ".join(str(d.get("coords")) for d in rt["devices"] if "coords" in d) or "n/a"),
+        (
+            "coords",
+            "; ".join(str(d.get("coords")) for d in rt["devices"] if "coords" in d) or "n/a",
+        ),
         ("versions", ", ".join(f"{k} {val}" for k, val in v.items() if val is not None)),
-        ("runtime env", ", ".join(f"{k}={val}" for k, val in receipt["env"].items()) or "(none set)"),
-        ("tpulab placeholders", ", ".join(receipt.get("tpulab_placeholders", [])) + " (set by tpulab to quiet "
-                                "libtpu on this host; not the runtime's)" if receipt.get("tpulab_placeholders") else
-                                "(none)"),
-        ("collective", f"{'PASS' if coll['passed'] else 'FAIL'}: psum of device indices = {coll['values'][:4]}"
-                       f"{' ...' if len(coll['values']) > 4 else ''}, expected {coll['expected']:g} on each of "
-                       f"{coll['devices']} devices"),
-        ("matmul", f"{'PASS' if mm['passed'] else 'FAIL'}: {mm['shape'][0]}x{mm['shape'][1]} {mm['dtype']}, "
-                   f"rel. error {mm['relative_error_vs_numpy']:.1e}, best {mm['best_s'] * 1e3:.2f} ms "
-                   f"({mm['tflops_best']:.3f} TFLOP/s)"),
-        ("device->host", f"{'PASS' if rtp['passed'] else 'FAIL'}: {rtp['bytes']} bytes on {len(rtp['devices'])} "
-                         "local devices, byte-identical"),
+        (
+            "runtime env",
+            ", ".join(f"{k}={val}" for k, val in receipt["env"].items()) or "(none set)",
+        ),
+        (
+            "tpulab placeholders",
+            ", ".join(receipt.get("tpulab_placeholders", [])) + " (set by tpulab to quiet "
+            "libtpu on this host; not the runtime's)"
+            if receipt.get("tpulab_placeholders")
+            else "(none)",
+        ),
+        (
+            "collective",
+            f"{'PASS' if coll['passed'] else 'FAIL'}: psum of device indices = {coll['values'][:4]}"
+            f"{' ...' if len(coll['values']) > 4 else ''}, expected {coll['expected']:g} on each of "
+            f"{coll['devices']} devices",
+        ),
+        (
+            "matmul",
+            f"{'PASS' if mm['passed'] else 'FAIL'}: {mm['shape'][0]}x{mm['shape'][1]} {mm['dtype']}, "
+            f"rel. error {mm['relative_error_vs_numpy']:.1e}, best {mm['best_s'] * 1e3:.2f} ms "
+            f"({mm['tflops_best']:.3f} TFLOP/s)",
+        ),
+        (
+            "device->host",
+            f"{'PASS' if rtp['passed'] else 'FAIL'}: {rtp['bytes']} bytes on {len(rtp['devices'])} "
+            "local devices, byte-identical",
+        ),
     ]
     if "qualification" in receipt:
         q = receipt["qualification"]
@@ -306,16 +388,24 @@ def run_receipt(out_dir: str | Path, target: Target | None = None, matmul_size: 
     receipt = collect(matmul_size)
     if target is not None:
         problems = qualify(receipt, target)
-        receipt["qualification"] = {"target": str(target), "passed": not problems, "problems": problems}
+        receipt["qualification"] = {
+            "target": str(target),
+            "passed": not problems,
+            "problems": problems,
+        }
     name = receipt_name(receipt)
     atomic_write_json(out / name, receipt)
     atomic_write_bytes(out / (Path(name).stem + ".md"), table(receipt).encode())
     if target is not None and receipt["qualification"]["problems"]:
-        raise QualificationError(f"target qualification failed ({target}): "
-                                 + "; ".join(receipt["qualification"]["problems"]))
+        raise QualificationError(
+            f"target qualification failed ({target}): "
+            + "; ".join(receipt["qualification"]["problems"])
+        )
     failed = [k for k, c in receipt["evidence"].items() if not c["passed"]]
     if failed:
-        raise TpulabError(f"runtime evidence failed: {', '.join(failed)} (see {out / name})", exit_code=1)
+        raise TpulabError(
+            f"runtime evidence failed: {', '.join(failed)} (see {out / name})", exit_code=1
+        )
     return receipt
 
 

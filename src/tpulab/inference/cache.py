@@ -48,15 +48,22 @@ def check_policy(policy: str) -> str:
 
 def describe_policy(policy: str) -> dict:
     """What a cache policy stores, for manifests and reports."""
-    out = {"name": policy, "storage_dtype": jnp.dtype(_STORAGE[check_policy(policy)]).name,
-           "layout": "k, v: [layers, batch, max_seq_len, heads, head_dim]"}
+    out = {
+        "name": policy,
+        "storage_dtype": jnp.dtype(_STORAGE[check_policy(policy)]).name,
+        "layout": "k, v: [layers, batch, max_seq_len, heads, head_dim]",
+    }
     if policy == "int8":
-        out["scales"] = (f"symmetric, one {jnp.dtype(SCALE_DTYPE).name} scale per (layer, batch, token, head) "
-                         f"for k and for v; max|x|/{INT8_MAX}, all-zero vectors get scale 1")
+        out["scales"] = (
+            f"symmetric, one {jnp.dtype(SCALE_DTYPE).name} scale per (layer, batch, token, head) "
+            f"for k and for v; max|x|/{INT8_MAX}, all-zero vectors get scale 1"
+        )
     return out
 
 
-def init_cache(policy: str, n_layers: int, batch: int, max_len: int, n_heads: int, head_dim: int) -> KVCache:
+def init_cache(
+    policy: str, n_layers: int, batch: int, max_len: int, n_heads: int, head_dim: int
+) -> KVCache:
     shape = (n_layers, batch, max_len, n_heads, head_dim)
     zeros = jnp.zeros(shape, _STORAGE[check_policy(policy)])
     if policy != "int8":
@@ -80,7 +87,9 @@ def dequantize_int8(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 def _put(buf: jax.Array, layer: int, x_bt: jax.Array, start) -> jax.Array:
     zero = jnp.zeros((), jnp.int32)
-    idx = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(start, jnp.int32)) + (zero,) * (buf.ndim - 3)
+    idx = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(start, jnp.int32)) + (zero,) * (
+        buf.ndim - 3
+    )
     return jax.lax.dynamic_update_slice(buf, x_bt[None].astype(buf.dtype), idx)
 
 
@@ -90,14 +99,23 @@ def write(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, star
     if cache.k_scale is None:
         return KVCache(_put(cache.k, layer, k_bthd, start), _put(cache.v, layer, v_bthd, start))
     (qk, sk), (qv, sv) = quantize_int8(k_bthd), quantize_int8(v_bthd)
-    return KVCache(_put(cache.k, layer, qk, start), _put(cache.v, layer, qv, start),
-                   _put(cache.k_scale, layer, sk, start), _put(cache.v_scale, layer, sv, start))
+    return KVCache(
+        _put(cache.k, layer, qk, start),
+        _put(cache.v, layer, qv, start),
+        _put(cache.k_scale, layer, sk, start),
+        _put(cache.v_scale, layer, sv, start),
+    )
 
 
 # The compiled decode loop's own layout (``to_loop_layout``): per layer, batch and heads merged into one
 # leading axis (row b, head h at b*H + h), keys transposed [B*H, Dh, S], values [B*H, S, Dh]; int8 scales
 # [B*H, 1, S] and [B*H, S, 1] (they broadcast over Dh).
-_LOOP_AXES = {"k": (0, 2, 3, 1), "v": (0, 2, 1, 3), "k_scale": (0, 2, 3, 1), "v_scale": (0, 2, 1, 3)}
+_LOOP_AXES = {
+    "k": (0, 2, 3, 1),
+    "v": (0, 2, 1, 3),
+    "k_scale": (0, 2, 3, 1),
+    "v_scale": (0, 2, 1, 3),
+}
 
 
 def to_loop_layout(cache: KVCache) -> KVCache:
@@ -107,10 +125,16 @@ def to_loop_layout(cache: KVCache) -> KVCache:
     XLA:CPU transposed every layer's keys and values per step, slicing a layer out of the stacked buffer
     copied it, and a size-1 batch axis made it update the buffer twice (together most of a decode step at
     the demo size). The exported endpoints keep the [L, B, S, H, Dh] contract."""
-    def per_layer(f, a):
-        return tuple(jnp.transpose(a[i], _LOOP_AXES[f]).reshape(-1, *_loop_tail(f, a.shape)) for i in range(a.shape[0]))
 
-    return KVCache(*(None if a is None else per_layer(f, a) for f, a in zip(KVCache._fields, cache)))
+    def per_layer(f, a):
+        return tuple(
+            jnp.transpose(a[i], _LOOP_AXES[f]).reshape(-1, *_loop_tail(f, a.shape))
+            for i in range(a.shape[0])
+        )
+
+    return KVCache(
+        *(None if a is None else per_layer(f, a) for f, a in zip(KVCache._fields, cache))
+    )
 
 
 def _loop_tail(field: str, shape) -> tuple[int, int]:
@@ -118,7 +142,9 @@ def _loop_tail(field: str, shape) -> tuple[int, int]:
     return (d, s) if field.startswith("k") else (s, d)
 
 
-def write_loop(cache: KVCache, layer: int, k_bhd: jax.Array, v_bhd: jax.Array, pos_b: jax.Array) -> KVCache:
+def write_loop(
+    cache: KVCache, layer: int, k_bhd: jax.Array, v_bhd: jax.Array, pos_b: jax.Array
+) -> KVCache:
     """Store one token per row, row b at slot ``pos_b[b]``, into one layer of a loop-layout cache: one scatter
     of B*H rows into that layer's own buffers, in place inside the loop (callers keep positions in range)."""
     b, h = k_bhd.shape[:2]
@@ -130,13 +156,17 @@ def write_loop(cache: KVCache, layer: int, k_bhd: jax.Array, v_bhd: jax.Array, p
         rows, slots = jnp.arange(b * h), jnp.repeat(pos_b, h)
         at = buf.at[rows, :, slots] if field == "k" else buf.at[rows, slots]
         new = at.set(x, mode="promise_in_bounds")
-        return bufs[:layer] + (new,) + bufs[layer + 1:]
+        return bufs[:layer] + (new,) + bufs[layer + 1 :]
 
     if cache.k_scale is None:
         return KVCache(put(cache.k, "k", k_bhd), put(cache.v, "v", v_bhd))
     (qk, sk), (qv, sv) = quantize_int8(k_bhd), quantize_int8(v_bhd)
-    return KVCache(put(cache.k, "k", qk), put(cache.v, "v", qv), put(cache.k_scale, "k", sk),
-                   put(cache.v_scale, "v", sv))
+    return KVCache(
+        put(cache.k, "k", qk),
+        put(cache.v, "v", qv),
+        put(cache.k_scale, "k", sk),
+        put(cache.v_scale, "v", sv),
+    )
 
 
 def read(cache: KVCache, layer: int, dtype) -> tuple[jax.Array, jax.Array]:
@@ -144,8 +174,10 @@ def read(cache: KVCache, layer: int, dtype) -> tuple[jax.Array, jax.Array]:
     layout keys [B*H, Dh, S] and values [B*H, S, Dh]."""
     if cache.k_scale is None:
         return cache.k[layer].astype(dtype), cache.v[layer].astype(dtype)
-    return (dequantize_int8(cache.k[layer], cache.k_scale[layer], dtype),
-            dequantize_int8(cache.v[layer], cache.v_scale[layer], dtype))
+    return (
+        dequantize_int8(cache.k[layer], cache.k_scale[layer], dtype),
+        dequantize_int8(cache.v[layer], cache.v_scale[layer], dtype),
+    )
 
 
 def as_stored(cache: KVCache, x: jax.Array, dtype) -> jax.Array:
@@ -173,7 +205,7 @@ class CacheShape:
     head_dim: int
 
     @classmethod
-    def of(cls, model_cfg) -> "CacheShape":
+    def of(cls, model_cfg) -> CacheShape:
         return cls(model_cfg.n_layers, model_cfg.max_seq_len, model_cfg.n_heads, model_cfg.head_dim)
 
     def init(self, policy: str, batch: int) -> KVCache:
@@ -182,4 +214,6 @@ class CacheShape:
     def nbytes(self, policy: str, batch: int) -> int:
         """Bytes of the cache for ``batch`` sequences of ``max_len`` slots (all layers, keys, values and
         scales), from the shapes alone."""
-        return int(bytes_per_token(jax.eval_shape(lambda: self.init(policy, 1))) * batch * self.max_len)
+        return int(
+            bytes_per_token(jax.eval_shape(lambda: self.init(policy, 1))) * batch * self.max_len
+        )

@@ -44,7 +44,10 @@ class KVEvalConfig:
     def __post_init__(self):
         check(self.windows > 0, f"windows={self.windows} must be positive")
         check(self.prompt_len >= 0, f"prompt_len={self.prompt_len} must be >= 0")
-        check(self.min_generated > 0 and self.min_prompts > 0, "min_generated and min_prompts must be positive")
+        check(
+            self.min_generated > 0 and self.min_prompts > 0,
+            "min_generated and min_prompts must be positive",
+        )
 
 
 def heldout_windows(config, n: int) -> np.ndarray:
@@ -60,14 +63,18 @@ def heldout_windows(config, n: int) -> np.ndarray:
 def _teacher_forced(fns: ModelFns, policy: str, params, tokens_bt, prompt_len: int):
     """Cached-path logits [B, T, V]: prefill ``prompt_len`` tokens, then decode the rest one by one."""
     b, t = tokens_bt.shape
-    logits_bpv, cache = fns.forward_cached(params, fns.shape.init(policy, b), tokens_bt[:, :prompt_len], 0)
+    logits_bpv, cache = fns.forward_cached(
+        params, fns.shape.init(policy, b), tokens_bt[:, :prompt_len], 0
+    )
 
     def step(cache, xs):
         token_b, pos = xs
         logits_bv, cache = fns.decode(params, cache, token_b, pos)
         return cache, logits_bv
 
-    _, logits_tbv = jax.lax.scan(step, cache, (tokens_bt[:, prompt_len:].T, jnp.arange(prompt_len, t)))
+    _, logits_tbv = jax.lax.scan(
+        step, cache, (tokens_bt[:, prompt_len:].T, jnp.arange(prompt_len, t))
+    )
     return jnp.concatenate([logits_bpv, logits_tbv.transpose(1, 0, 2)], axis=1)
 
 
@@ -93,13 +100,20 @@ def _log_softmax(x):
     return jax.nn.log_softmax(jnp.asarray(x, jnp.float32), axis=-1)
 
 
-def compare_policy(fns: ModelFns, policy: str, windows: np.ndarray, prompts_bp: np.ndarray,
-                   full_btv: jax.Array, prompt_len: int) -> dict:
+def compare_policy(
+    fns: ModelFns,
+    policy: str,
+    windows: np.ndarray,
+    prompts_bp: np.ndarray,
+    full_btv: jax.Array,
+    prompt_len: int,
+) -> dict:
     """One table row: bytes/token, logit/KL/loss errors vs ``full_btv``, and greedy agreement."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
     mask = targets != PAD
     cached = jax.jit(functools.partial(_teacher_forced, fns, policy), static_argnums=2)(
-        fns.params, inputs, prompt_len)
+        fns.params, inputs, prompt_len
+    )
     lp_full, lp_cached = _log_softmax(full_btv), _log_softmax(cached)
     # KL >= 0; float32 rounding can leave -1e-9 where the distributions are identical.
     kl_bt = jnp.maximum(jnp.sum(jnp.exp(lp_full) * (lp_full - lp_cached), axis=-1), 0.0)
@@ -109,7 +123,7 @@ def compare_policy(fns: ModelFns, policy: str, windows: np.ndarray, prompts_bp: 
     text_bs = jnp.concatenate([prompts_bp, gen_bg], axis=1)
     full_argmax = jnp.argmax(jax.jit(fns.full_logits)(fns.params, text_bs), axis=-1)
     p = prompts_bp.shape[1]
-    agree = np.asarray(full_argmax[:, p - 1:-1] == gen_bg)
+    agree = np.asarray(full_argmax[:, p - 1 : -1] == gen_bg)
     m = jnp.asarray(mask)
     return {
         "precision": policy,
@@ -137,30 +151,50 @@ def kvcache_table(source, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
     lp = _log_softmax(full)
     mask = windows[:, 1:] != PAD
     nll = -np.take_along_axis(np.asarray(lp), windows[:, 1:, None], axis=-1)[..., 0]
-    rows = [compare_policy(fns, p, windows, prompts, full, prompt_len) for p in progress(kv.POLICIES, "kvcache")]
+    rows = [
+        compare_policy(fns, p, windows, prompts, full, prompt_len)
+        for p in progress(kv.POLICIES, "kvcache")
+    ]
     for r in rows:
         r["ratio_to_fp32"] = r["bytes_per_token"] / rows[0]["bytes_per_token"]
     prec = source.config.precision
     return {
         "rows": rows,
-        "reference": {"path": "full forward, no cache", "heldout_loss": float((nll * mask).sum() / mask.sum())},
+        "reference": {
+            "path": "full forward, no cache",
+            "heldout_loss": float((nll * mask).sum() / mask.sum()),
+        },
         "fp32_logit_atol": FP32_LOGIT_ATOL,
-        "dtypes": {"weights": prec.param_dtype, "activations": prec.compute_dtype,
-                   "accumulation": prec.accum_dtype, "int8_scales": jnp.dtype(kv.SCALE_DTYPE).name,
-                   "cache": {p: kv.describe_policy(p) for p in kv.POLICIES}},
-        "shapes": {"heldout_windows": list(windows[:, :-1].shape), "prompt_len": prompt_len,
-                   "greedy_prompts": n_prompts, "cache_len": s, "model": dataclasses.asdict(source.config.model)},
+        "dtypes": {
+            "weights": prec.param_dtype,
+            "activations": prec.compute_dtype,
+            "accumulation": prec.accum_dtype,
+            "int8_scales": jnp.dtype(kv.SCALE_DTYPE).name,
+            "cache": {p: kv.describe_policy(p) for p in kv.POLICIES},
+        },
+        "shapes": {
+            "heldout_windows": list(windows[:, :-1].shape),
+            "prompt_len": prompt_len,
+            "greedy_prompts": n_prompts,
+            "cache_len": s,
+            "model": dataclasses.asdict(source.config.model),
+        },
         "checkpoint": {"step": source.step, "manifest_sha256": source.checkpoint_digest},
     }
 
 
 def markdown_table(result: dict) -> str:
-    lines = ["| cache | bytes/token | vs fp32 | max abs logit diff | mean KL (nats) | greedy agreement "
-             "| held-out loss |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cache | bytes/token | vs fp32 | max abs logit diff | mean KL (nats) | greedy agreement "
+        "| held-out loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['precision']} | {r['bytes_per_token']:.0f} | {r['ratio_to_fp32']:.3f} | "
-                     f"{r['max_abs_logit_diff']:.2e} | {r['mean_kl']:.2e} | "
-                     f"{r['greedy_agreement']:.4f} ({r['greedy_tokens']} tok) | {r['heldout_loss']:.4f} |")
+        lines.append(
+            f"| {r['precision']} | {r['bytes_per_token']:.0f} | {r['ratio_to_fp32']:.3f} | "
+            f"{r['max_abs_logit_diff']:.2e} | {r['mean_kl']:.2e} | "
+            f"{r['greedy_agreement']:.4f} ({r['greedy_tokens']} tok) | {r['heldout_loss']:.4f} |"
+        )
     lines.append(f"| (no cache) | | | | | | {result['reference']['heldout_loss']:.4f} |")
     return "\n".join(lines)
 
@@ -177,7 +211,9 @@ def plot(result: dict, path: Path) -> None:
     axes[0].bar(names, [r["bytes_per_token"] for r in rows], color="tab:blue")
     axes[0].set_title("cache bytes per token (all layers)")
     x = np.arange(len(rows))
-    axes[1].bar(x - 0.2, [max(r["max_abs_logit_diff"], 1e-12) for r in rows], 0.4, label="max |logit diff|")
+    axes[1].bar(
+        x - 0.2, [max(r["max_abs_logit_diff"], 1e-12) for r in rows], 0.4, label="max |logit diff|"
+    )
     axes[1].bar(x + 0.2, [max(r["mean_kl"], 1e-12) for r in rows], 0.4, label="mean KL")
     axes[1].set_xticks(x, names)
     axes[1].set_yscale("log")

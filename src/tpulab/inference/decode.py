@@ -31,10 +31,16 @@ def _attend_one(attn, q_b1hd, kt_xds, v_xsd, visible_bs) -> jax.Array:
     [B*H, S, Dh], visible where ``visible_bs``): both products are plain batched GEMMs; returns [B, 1, D]."""
     acc = attn.prec.accum_dtype
     b, _, h, d = q_b1hd.shape
-    scores_x1s = jnp.einsum("xtd,xds->xts", q_b1hd.reshape(b * h, 1, d), kt_xds, preferred_element_type=acc)
+    scores_x1s = jnp.einsum(
+        "xtd,xds->xts", q_b1hd.reshape(b * h, 1, d), kt_xds, preferred_element_type=acc
+    )
     e_bhs, sum_bh = attn.weights(scores_x1s.reshape(b, h, -1), visible_bs)
-    out_x1d = jnp.einsum("xts,xsd->xtd", e_bhs.reshape(b * h, 1, -1).astype(v_xsd.dtype), v_xsd,
-                         preferred_element_type=acc)
+    out_x1d = jnp.einsum(
+        "xts,xsd->xtd",
+        e_bhs.reshape(b * h, 1, -1).astype(v_xsd.dtype),
+        v_xsd,
+        preferred_element_type=acc,
+    )
     return attn.project_out(out_x1d / sum_bh.reshape(b * h, 1, 1), b, 1)
 
 
@@ -70,14 +76,22 @@ class ModelFns:
         return jnp.dtype(self.prec.compute_dtype)
 
     def model(self, params: Params) -> Transformer:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, [params[n] for n in self.names]))
+        return nnx.merge(
+            self.graphdef, jax.tree.unflatten(self.treedef, [params[n] for n in self.names])
+        )
 
     def full_logits(self, params: Params, tokens_bt: jax.Array) -> jax.Array:
         """The training forward (no cache), deterministic: the reference every cached path is judged by."""
         return self.model(params)(tokens_bt)
 
-    def forward_cached(self, params: Params, cache: kv.KVCache, tokens_bt: jax.Array, start,
-                       last_b: jax.Array | None = None) -> tuple[jax.Array, kv.KVCache]:
+    def forward_cached(
+        self,
+        params: Params,
+        cache: kv.KVCache,
+        tokens_bt: jax.Array,
+        start,
+        last_b: jax.Array | None = None,
+    ) -> tuple[jax.Array, kv.KVCache]:
         """Logits [B, T, V] for tokens at positions start..start+T-1, and the cache with them written;
         with ``last_b`` (one index per row) only those positions' logits, [B, V].
 
@@ -94,6 +108,7 @@ class ModelFns:
         model = self.model(params)
         x_btd = model.embed(tokens_bt)
         for layer, block in enumerate(model.blocks):
+
             def attn_fn(h_btd, block=block, layer=layer, cache=cache):
                 q, k, v = block.attn.project_qkv(h_btd, positions_bt)
                 cache = kv.write(cache, layer, k, v, start)
@@ -101,7 +116,9 @@ class ModelFns:
                     k_all, v_all = kv.as_stored(cache, k, q.dtype), kv.as_stored(cache, v, q.dtype)
                 else:
                     k_all, v_all = kv.read(cache, layer, q.dtype)
-                return block.attn.attend(q, k_all, v_all, mask_bts, deterministic=True, rngs=None), cache
+                return block.attn.attend(
+                    q, k_all, v_all, mask_bts, deterministic=True, rngs=None
+                ), cache
 
             x_btd, cache = block.apply(x_btd, attn_fn, deterministic=True, rngs=None)
         if last_b is not None:
@@ -109,8 +126,9 @@ class ModelFns:
             return model.logits(x_btd)[:, 0], cache
         return model.logits(x_btd), cache
 
-    def decode_rows(self, params: Params, cache: kv.KVCache, token_b: jax.Array,
-                    pos_b: jax.Array) -> tuple[jax.Array, kv.KVCache]:
+    def decode_rows(
+        self, params: Params, cache: kv.KVCache, token_b: jax.Array, pos_b: jax.Array
+    ) -> tuple[jax.Array, kv.KVCache]:
         """One token per row, row b at position ``pos_b[b]``, on a loop-layout cache (``kv.to_loop_layout``):
         logits [B, V] and the cache with each row's keys and values written at its slot.
 
@@ -124,6 +142,7 @@ class ModelFns:
         upto_bs = jnp.arange(self.shape.max_len)[None, :] <= positions_b1
         x_b1d = model.embed(token_b[:, None])
         for layer, block in enumerate(model.blocks):
+
             def attn_fn(h_b1d, block=block, layer=layer, cache=cache):
                 q, k, v = block.attn.project_qkv(h_b1d, positions_b1)
                 cache = kv.write_loop(cache, layer, k[:, 0], v[:, 0], pos_b)
@@ -139,9 +158,18 @@ class ModelFns:
         cache = self.shape.init(policy, tokens_bs.shape[0])
         return self.forward_cached(params, cache, tokens_bs, 0, last_b=lengths_b - 1)
 
-    def generate(self, policy: str, params: Params, tokens_bs: jax.Array, lengths_b: jax.Array,
-                 max_new_b: jax.Array, temperature_b: jax.Array, top_k_b: jax.Array, keys_b2: jax.Array,
-                 stop_token: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def generate(
+        self,
+        policy: str,
+        params: Params,
+        tokens_bs: jax.Array,
+        lengths_b: jax.Array,
+        max_new_b: jax.Array,
+        temperature_b: jax.Array,
+        top_k_b: jax.Array,
+        keys_b2: jax.Array,
+        stop_token: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:
         """Prefill and every decode step as one program: a ``lax.while_loop`` that samples on device.
 
         ``tokens_bs`` is [B, P] with any P <= S (prompts right-padded to a width bucket, so prefill
@@ -156,7 +184,9 @@ class ModelFns:
 
         s = self.shape.max_len
         logits_bv, cache = self.prefill_rows(policy, params, tokens_bs, lengths_b)
-        cache = kv.to_loop_layout(cache)  # the loop's own layout; the step endpoints keep the exported one
+        cache = kv.to_loop_layout(
+            cache
+        )  # the loop's own layout; the step endpoints keep the exported one
         b = tokens_bs.shape[0]
         out_bs = jnp.full((b, s), PAD, jnp.int32)
 
@@ -208,8 +238,16 @@ class ModelFns:
         if endpoint == "generate":
             row = lambda dt: sds((batch,), dt)  # noqa: E731
             width = self.shape.max_len if prompt_width is None else prompt_width
-            return (params, sds((batch, width), jnp.int32), row(jnp.int32), row(jnp.int32),
-                    row(jnp.float32), row(jnp.int32), sds((batch, 2), jnp.uint32), scalar)
+            return (
+                params,
+                sds((batch, width), jnp.int32),
+                row(jnp.int32),
+                row(jnp.int32),
+                row(jnp.float32),
+                row(jnp.int32),
+                sds((batch, 2), jnp.uint32),
+                scalar,
+            )
         cache = jax.eval_shape(functools.partial(self.shape.init, policy, batch))
         return params, cache, sds((batch,), jnp.int32), scalar
 
@@ -230,18 +268,37 @@ class Decoder:
         self._generate = jax.jit(functools.partial(fns.generate, policy))
 
     @classmethod
-    def of(cls, model: Transformer, policy: str) -> "Decoder":
+    def of(cls, model: Transformer, policy: str) -> Decoder:
         return cls(ModelFns(model), policy)
 
     def prefill(self, tokens_bs, length):
-        return self._prefill(self.params, jnp.asarray(tokens_bs, jnp.int32), jnp.asarray(length, jnp.int32))
+        return self._prefill(
+            self.params, jnp.asarray(tokens_bs, jnp.int32), jnp.asarray(length, jnp.int32)
+        )
 
     def decode(self, cache, token_b, pos):
-        return self._decode(self.params, cache, jnp.asarray(token_b, jnp.int32), jnp.asarray(pos, jnp.int32))
+        return self._decode(
+            self.params, cache, jnp.asarray(token_b, jnp.int32), jnp.asarray(pos, jnp.int32)
+        )
 
-    def generate(self, tokens_bs, lengths_b, max_new_b, temperature_b, top_k_b, keys_b2, stop_token):
-        return self._generate(self.params, *(jnp.asarray(x) for x in (
-            tokens_bs, lengths_b, max_new_b, temperature_b, top_k_b, keys_b2, stop_token)))
+    def generate(
+        self, tokens_bs, lengths_b, max_new_b, temperature_b, top_k_b, keys_b2, stop_token
+    ):
+        return self._generate(
+            self.params,
+            *(
+                jnp.asarray(x)
+                for x in (
+                    tokens_bs,
+                    lengths_b,
+                    max_new_b,
+                    temperature_b,
+                    top_k_b,
+                    keys_b2,
+                    stop_token,
+                )
+            ),
+        )
 
     @staticmethod
     def batch_for(n: int) -> int:
@@ -252,8 +309,11 @@ class Decoder:
 
     def compiled_variants(self) -> dict[str, int]:
         """How many executables each jitted endpoint holds (1 each, per batch bucket for generate)."""
-        return {"prefill": self._prefill._cache_size(), "decode": self._decode._cache_size(),
-                "generate": self._generate._cache_size()}
+        return {
+            "prefill": self._prefill._cache_size(),
+            "decode": self._decode._cache_size(),
+            "generate": self._generate._cache_size(),
+        }
 
 
 MAX_BATCH = 256  # the largest request batch any endpoint or the service is asked to run
@@ -267,7 +327,11 @@ def width_bucket(n: int, max_len: int, smallest: int = 16) -> int:
     length: a power of two (at least ``smallest``) up to 128, then the next multiple of 64. Prefill cost
     follows the prompt (a 448-token prompt padded to 512 cost a third more prefill: its attention part
     grows with the square) while compiles stay few (10 widths for a 512-slot cache, 4 for 128)."""
-    w = max(smallest, batch_bucket(n)) if n <= 2 * WIDTH_STEP else -(-int(n) // WIDTH_STEP) * WIDTH_STEP
+    w = (
+        max(smallest, batch_bucket(n))
+        if n <= 2 * WIDTH_STEP
+        else -(-int(n) // WIDTH_STEP) * WIDTH_STEP
+    )
     return min(max_len, w)
 
 

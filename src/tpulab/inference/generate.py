@@ -22,8 +22,15 @@ from tpulab.errors import TpulabError
 from tpulab.inference.decode import Engine, pad_prompt
 from tpulab.inference.sampling import SamplingConfig, key_data, prompt_ids, sample_tokens
 
-__all__ = ["SamplingConfig", "Request", "generate_ids", "generate_batch", "generate_text", "prompt_ids",
-           "decode_text"]
+__all__ = [
+    "SamplingConfig",
+    "Request",
+    "generate_ids",
+    "generate_batch",
+    "generate_text",
+    "prompt_ids",
+    "decode_text",
+]
 
 _sample = jax.jit(sample_tokens)
 
@@ -53,7 +60,7 @@ class Request:
     sampling: SamplingConfig
 
     @classmethod
-    def of(cls, prompt, sampling: SamplingConfig, max_len: int) -> "Request":
+    def of(cls, prompt, sampling: SamplingConfig, max_len: int) -> Request:
         return cls(prompt_ids(prompt, max_len, sampling.max_new), sampling)
 
 
@@ -73,7 +80,11 @@ def batch_arrays(requests: Sequence[Request], width: int, batch: int) -> tuple:
     for b, r in enumerate(requests):
         tokens[b, : len(r.ids)] = r.ids
         lengths[b], max_new[b] = len(r.ids), r.sampling.max_new
-        temp[b], top_k[b], keys[b] = r.sampling.temperature, r.sampling.top_k, key_data(r.sampling.seed)
+        temp[b], top_k[b], keys[b] = (
+            r.sampling.temperature,
+            r.sampling.top_k,
+            key_data(r.sampling.seed),
+        )
     return tokens, lengths, max_new, temp, top_k, keys
 
 

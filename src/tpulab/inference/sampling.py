@@ -25,7 +25,9 @@ from tpulab.errors import TpulabError
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 10.0
 MAX_SEED = 2**63 - 1
-MAX_PROMPT_CHARS = 4096  # coarse bound before encoding (the service checks it before parsing further)
+MAX_PROMPT_CHARS = (
+    4096  # coarse bound before encoding (the service checks it before parsing further)
+)
 
 
 def _finite_number(name: str, value) -> float:
@@ -47,7 +49,9 @@ class SamplingConfig:
     """How the next token is chosen."""
 
     max_new: int = field(64, "tokens to generate (at most; a stop token ends a row early)")
-    temperature: float = field(0.8, f"softmax temperature; 0 = greedy, else in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+    temperature: float = field(
+        0.8, f"softmax temperature; 0 = greedy, else in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]"
+    )
     top_k: int = field(0, "sample among the k most likely tokens; 0 = all")
     seed: int = field(0, "sampling seed: the same seed gives the same text")
 
@@ -55,8 +59,10 @@ class SamplingConfig:
         max_new, top_k, seed = (_integer(n, getattr(self, n)) for n in ("max_new", "top_k", "seed"))
         t = _finite_number("temperature", self.temperature)
         check(max_new > 0, f"max_new={max_new} must be positive")
-        check(t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
-              f"temperature={t:g} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
+        check(
+            t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
+            f"temperature={t:g} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+        )
         check(0 <= top_k <= VOCAB_SIZE, f"top_k={top_k} must be in [0, {VOCAB_SIZE}]")
         check(0 <= seed <= MAX_SEED, f"seed={seed} must be an integer in [0, 2**63 - 1]")
         object.__setattr__(self, "temperature", t)
@@ -74,7 +80,9 @@ def encode_prompt(prompt) -> np.ndarray:
     try:
         data = prompt.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise TpulabError(f"prompt is not valid UTF-8 text (bad character at offset {e.start})") from None
+        raise TpulabError(
+            f"prompt is not valid UTF-8 text (bad character at offset {e.start})"
+        ) from None
     return np.frombuffer(data, np.uint8).astype(np.int32)
 
 
@@ -82,8 +90,10 @@ def prompt_ids(prompt, max_len: int, max_new: int) -> np.ndarray:
     """[BOS] + UTF-8 bytes, checked to be non-empty valid text that leaves room for ``max_new`` tokens."""
     ids = np.concatenate([[BOS], encode_prompt(prompt)]).astype(np.int32)
     if len(ids) + max_new > max_len:
-        raise TpulabError(f"prompt ({len(ids) - 1} bytes + BOS) plus max_new={max_new} exceeds the model's "
-                          f"{max_len} positions")
+        raise TpulabError(
+            f"prompt ({len(ids) - 1} bytes + BOS) plus max_new={max_new} exceeds the model's "
+            f"{max_len} positions"
+        )
     return ids
 
 
@@ -93,8 +103,9 @@ def key_data(seed: int) -> np.ndarray:
     return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
 
 
-def sample_tokens(logits_bv: jax.Array, keys_b2: jax.Array, step, temperature_b: jax.Array,
-                  top_k_b: jax.Array) -> jax.Array:
+def sample_tokens(
+    logits_bv: jax.Array, keys_b2: jax.Array, step, temperature_b: jax.Array, top_k_b: jax.Array
+) -> jax.Array:
     """Next token per row [B] int32: argmax where temperature is 0, else a draw from
     softmax(logits / t) restricted to the top_k largest logits (0 = all), keyed by fold_in(key, step).
 

@@ -38,12 +38,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tpulab.config import check, field
 from tpulab.errors import TpulabError
-from tpulab.inference.policies import Policy
 from tpulab.inference import cache as kv
 from tpulab.inference.decode import MAX_BATCH, batch_bucket
 from tpulab.inference.export import load_verified, read_key
 from tpulab.inference.generate import Request as GenRequest
 from tpulab.inference.generate import decode_text, generate_batch
+from tpulab.inference.policies import Policy
 from tpulab.inference.sampling import SamplingConfig
 
 MAX_BODY_BYTES = 64 * 1024
@@ -54,22 +54,36 @@ class ServeConfig:
     """Batching, queueing and time limits of the service."""
 
     max_batch: int = field(16, f"requests decoded together, at most (1..{MAX_BATCH})")
-    batch_window_ms: float = field(0.0, "how long the first request of a batch waits for company (requests "
-                                        "arriving while a batch runs join the next one anyway)")
+    batch_window_ms: float = field(
+        0.0,
+        "how long the first request of a batch waits for company (requests "
+        "arriving while a batch runs join the next one anyway)",
+    )
     max_queue: int = field(64, "requests waiting beyond this are answered 503 with Retry-After")
     request_timeout_s: float = field(60.0, "server-side time limit of one request (504 after it)")
     retry_after_s: int = field(1, "the Retry-After a 503 carries")
 
     def __post_init__(self):
-        check(isinstance(self.max_batch, int) and 1 <= self.max_batch <= MAX_BATCH,
-              f"max_batch={self.max_batch} must be in [1, {MAX_BATCH}]")
-        check(math.isfinite(self.batch_window_ms) and 0 <= self.batch_window_ms <= 1000,
-              f"batch_window_ms={self.batch_window_ms} must be in [0, 1000]")
-        check(isinstance(self.max_queue, int) and 1 <= self.max_queue <= 100_000,
-              f"max_queue={self.max_queue} must be in [1, 100000]")
-        check(math.isfinite(self.request_timeout_s) and 0 < self.request_timeout_s <= 3600,
-              f"request_timeout={self.request_timeout_s} must be in (0, 3600] seconds")
-        check(1 <= self.retry_after_s <= 3600, f"retry_after_s={self.retry_after_s} must be in [1, 3600]")
+        check(
+            isinstance(self.max_batch, int) and 1 <= self.max_batch <= MAX_BATCH,
+            f"max_batch={self.max_batch} must be in [1, {MAX_BATCH}]",
+        )
+        check(
+            math.isfinite(self.batch_window_ms) and 0 <= self.batch_window_ms <= 1000,
+            f"batch_window_ms={self.batch_window_ms} must be in [0, 1000]",
+        )
+        check(
+            isinstance(self.max_queue, int) and 1 <= self.max_queue <= 100_000,
+            f"max_queue={self.max_queue} must be in [1, 100000]",
+        )
+        check(
+            math.isfinite(self.request_timeout_s) and 0 < self.request_timeout_s <= 3600,
+            f"request_timeout={self.request_timeout_s} must be in (0, 3600] seconds",
+        )
+        check(
+            1 <= self.retry_after_s <= 3600,
+            f"retry_after_s={self.retry_after_s} must be in [1, 3600]",
+        )
 
     def buckets(self) -> list[int]:
         return sorted({batch_bucket(n) for n in range(1, self.max_batch + 1)})
@@ -113,14 +127,18 @@ def parse_request(body: bytes, max_len: int) -> tuple[GenerateRequest, GenReques
     try:
         obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except ValueError as e:  # JSONDecodeError, and ints past Python's digit limit
-        raise TpulabError(f"request body is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+        raise TpulabError(
+            f"request body is not valid JSON ({str(e).splitlines()[0][:120]})"
+        ) from None
     try:
         req = GenerateRequest.model_validate(obj)
     except ValidationError as e:
         errs = e.errors(include_url=False, include_input=False, include_context=False)
         reasons = [f"{'.'.join(map(str, x['loc'])) or 'body'}: {x['msg']}" for x in errs[:4]]
         raise TpulabError("; ".join(reasons)) from None
-    sampling = SamplingConfig(max_new=req.max_new, temperature=req.temperature, top_k=req.top_k, seed=req.seed)
+    sampling = SamplingConfig(
+        max_new=req.max_new, temperature=req.temperature, top_k=req.top_k, seed=req.seed
+    )
     return req, GenRequest.of(req.prompt, sampling, max_len)
 
 
@@ -179,7 +197,9 @@ class Batcher:
                 self.cond.wait(left)
             jobs, keep = [], collections.deque()
             for j in self.queue:
-                (jobs if j.policy == first.policy and len(jobs) < self.cfg.max_batch else keep).append(j)
+                (
+                    jobs if j.policy == first.policy and len(jobs) < self.cfg.max_batch else keep
+                ).append(j)
             self.queue = keep
         now = self.clock()
         live = []
@@ -200,28 +220,45 @@ class Batcher:
             t0 = self.clock()
             try:
                 outs = generate_batch(self.engines[jobs[0].policy], [j.req for j in jobs])
-            except Exception as e:  # reported to every waiting client (500), never kills the batcher
+            except (
+                Exception
+            ) as e:  # reported to every waiting client (500), never kills the batcher
                 for j in jobs:
                     j.future.set_exception(e)
                 continue
             t1 = self.clock()
             self.batches[len(jobs)] += 1
             for j, ids in zip(jobs, outs):
-                j.future.set_result({"ids": ids, "batch": len(jobs), "queue_ms": (t0 - j.enqueued) * 1e3,
-                                     "compute_ms": (t1 - t0) * 1e3})
+                j.future.set_result(
+                    {
+                        "ids": ids,
+                        "batch": len(jobs),
+                        "queue_ms": (t0 - j.enqueued) * 1e3,
+                        "compute_ms": (t1 - t0) * 1e3,
+                    }
+                )
 
 
 class Service:
     """The verified artifact set, one engine per cache policy, the batcher, and readiness."""
 
-    def __init__(self, artifacts: str | Path, cfg: ServeConfig = ServeConfig(), *, run_dir=None, key_file=None):
+    def __init__(
+        self,
+        artifacts: str | Path,
+        cfg: ServeConfig = ServeConfig(),
+        *,
+        run_dir=None,
+        key_file=None,
+    ):
         self.cfg = cfg
         self.art = load_verified(artifacts, run_dir, read_key(key_file))
         self.engines = {p: self.art.engine(p) for p in kv.POLICIES}
         self.batcher = Batcher(self.engines, cfg)
         self.ready = threading.Event()
         self.warmup_error: str | None = None
-        self.on_warmup_failure = None  # set by ``serve``: stop the server rather than answer 503 forever
+        self.on_warmup_failure = (
+            None  # set by ``serve``: stop the server rather than answer 503 forever
+        )
 
     def warm_up(self) -> None:
         """Compile the loop for every policy and batch bucket (one executable each, reused after)."""
@@ -249,18 +286,36 @@ class Service:
         try:
             fut = self.batcher.submit(gen, req.cache)
         except QueueFull:
-            return JSONResponse({"detail": f"queue full ({self.cfg.max_queue} requests waiting); retry later"},
-                                status_code=503, headers={"Retry-After": str(self.cfg.retry_after_s)})
+            return JSONResponse(
+                {"detail": f"queue full ({self.cfg.max_queue} requests waiting); retry later"},
+                status_code=503,
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
+            )
         try:
             out = await asyncio.wait_for(asyncio.wrap_future(fut), self.cfg.request_timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             fut.cancel()
-            return JSONResponse({"detail": f"request exceeded the server's time limit of "
-                                           f"{self.cfg.request_timeout_s:g} s"}, status_code=504)
-        return JSONResponse({"text": decode_text(out["ids"]), "tokens": len(out["ids"]), "prompt": req.prompt,
-                             "max_new": req.max_new, "cache": req.cache, "seed": req.seed,
-                             "batch": out["batch"], "queue_ms": out["queue_ms"], "compute_ms": out["compute_ms"],
-                             "manifest_sha256": self.art.manifest_sha256})
+            return JSONResponse(
+                {
+                    "detail": f"request exceeded the server's time limit of "
+                    f"{self.cfg.request_timeout_s:g} s"
+                },
+                status_code=504,
+            )
+        return JSONResponse(
+            {
+                "text": decode_text(out["ids"]),
+                "tokens": len(out["ids"]),
+                "prompt": req.prompt,
+                "max_new": req.max_new,
+                "cache": req.cache,
+                "seed": req.seed,
+                "batch": out["batch"],
+                "queue_ms": out["queue_ms"],
+                "compute_ms": out["compute_ms"],
+                "manifest_sha256": self.art.manifest_sha256,
+            }
+        )
 
 
 def create_app(service: Service) -> FastAPI:
@@ -281,33 +336,55 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/model")
     async def model():
-        return {**service.art.identity(), "serving": dataclasses.asdict(service.cfg),
-                "batch_buckets": service.cfg.buckets()}
+        return {
+            **service.art.identity(),
+            "serving": dataclasses.asdict(service.cfg),
+            "batch_buckets": service.cfg.buckets(),
+        }
 
     @app.get("/v1/stats")
     async def stats():
-        return {"batches": {str(k): v for k, v in sorted(service.batcher.batches.items())},
-                "queued": len(service.batcher.queue), "compiled_variants": service.compiled_variants()}
+        return {
+            "batches": {str(k): v for k, v in sorted(service.batcher.batches.items())},
+            "queued": len(service.batcher.queue),
+            "compiled_variants": service.compiled_variants(),
+        }
 
     @app.post("/v1/generate")
     async def generate(request: Request):
         if not service.ready.is_set():
-            return JSONResponse({"detail": "warming up"}, status_code=503, headers={"Retry-After": "1"})
+            return JSONResponse(
+                {"detail": "warming up"}, status_code=503, headers={"Retry-After": "1"}
+            )
         return await service.generate(await request.body())
 
     return app
 
 
-def serve(artifacts: str | Path, host: str = "127.0.0.1", port: int = 8000, cfg: ServeConfig = ServeConfig(), *,
-          run_dir=None, key_file=None) -> None:
+def serve(
+    artifacts: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    cfg: ServeConfig = ServeConfig(),
+    *,
+    run_dir=None,
+    key_file=None,
+) -> None:
     import uvicorn
 
-    service = Service(artifacts, cfg, run_dir=run_dir, key_file=key_file)  # raises before anything listens
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host=host, port=port, log_level="warning"))
+    service = Service(
+        artifacts, cfg, run_dir=run_dir, key_file=key_file
+    )  # raises before anything listens
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(service), host=host, port=port, log_level="warning")
+    )
     service.on_warmup_failure = lambda: setattr(server, "should_exit", True)
-    print(f"serving {service.art.root} (manifest {service.art.manifest_sha256[:12]}, checkpoint step "
-          f"{service.art.manifest['source']['checkpoint_step']}, verified by {service.art.verification['mode']}) "
-          f"on http://{host}:{port}", flush=True)
+    print(
+        f"serving {service.art.root} (manifest {service.art.manifest_sha256[:12]}, checkpoint step "
+        f"{service.art.manifest['source']['checkpoint_step']}, verified by {service.art.verification['mode']}) "
+        f"on http://{host}:{port}",
+        flush=True,
+    )
     server.run()
     if service.warmup_error:
         raise TpulabError(f"warm-up failed: {service.warmup_error}", exit_code=1)

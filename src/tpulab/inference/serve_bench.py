@@ -41,7 +41,9 @@ class BenchConfig:
     startup_timeout_s: float = field(600.0, "how long a server may take to become ready")
 
     def __post_init__(self):
-        check(all(0 < c <= 256 for c in self.clients), f"clients={self.clients} must be in [1, 256]")
+        check(
+            all(0 < c <= 256 for c in self.clients), f"clients={self.clients} must be in [1, 256]"
+        )
         check(0 < self.requests_per_client <= 10_000, "requests must be in [1, 10000]")
 
 
@@ -54,23 +56,46 @@ def _free_port() -> int:
 class _Server:
     """``tpulab serve`` in its own process group, always reaped."""
 
-    def __init__(self, artifacts: Path, max_batch: int, window_ms: float, log: Path, timeout: float):
+    def __init__(
+        self, artifacts: Path, max_batch: int, window_ms: float, log: Path, timeout: float
+    ):
         import httpx
 
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tpulab.cli", "serve", "--artifacts", str(artifacts), "--port", str(self.port),
-             "--max-batch", str(max_batch), "--batch-window-ms", str(window_ms), "--max-queue", "1024",
-             "--request-timeout", "600"], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=os.environ.copy())
+            [
+                sys.executable,
+                "-m",
+                "tpulab.cli",
+                "serve",
+                "--artifacts",
+                str(artifacts),
+                "--port",
+                str(self.port),
+                "--max-batch",
+                str(max_batch),
+                "--batch-window-ms",
+                str(window_ms),
+                "--max-queue",
+                "1024",
+                "--request-timeout",
+                "600",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ.copy(),
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.close()
-                raise TpulabError(f"server exited with {self.proc.returncode}: "
-                                  f"{log.read_text().strip().splitlines()[-1:]}")
+                raise TpulabError(
+                    f"server exited with {self.proc.returncode}: "
+                    f"{log.read_text().strip().splitlines()[-1:]}"
+                )
             try:
                 if httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200:
                     return
@@ -126,11 +151,21 @@ def _round(base: str, clients: int, cfg: BenchConfig) -> dict:
     lat = np.array([r[0] for r in results]) * 1e3
     ttft = np.array([r[1] for r in results]) * 1e3
     tokens = sum(r[2] for r in results)
-    formed = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
-    return {"clients": clients, "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
-            "tokens_per_s": tokens / wall, "latency_p50_ms": float(np.percentile(lat, 50)),
-            "latency_p99_ms": float(np.percentile(lat, 99)), "ttft_p50_ms": float(np.percentile(ttft, 50)),
-            "ttft_p99_ms": float(np.percentile(ttft, 99)), "batches_formed": formed}
+    formed = {
+        k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)
+    }
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "wall_s": wall,
+        "requests_per_s": len(results) / wall,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_ms": float(np.percentile(lat, 50)),
+        "latency_p99_ms": float(np.percentile(lat, 99)),
+        "ttft_p50_ms": float(np.percentile(ttft, 50)),
+        "ttft_p99_ms": float(np.percentile(ttft, 99)),
+        "batches_formed": formed,
+    }
 
 
 def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) -> dict:
@@ -144,17 +179,30 @@ def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) ->
     rows = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        for name, max_batch in (("serial (max_batch 1)", 1), (f"batching (max_batch {cfg.max_batch})", cfg.max_batch)):
-            server = _Server(Path(artifacts), max_batch, cfg.batch_window_ms, Path(tmp) / f"{max_batch}.log",
-                             cfg.startup_timeout_s)
+        for name, max_batch in (
+            ("serial (max_batch 1)", 1),
+            (f"batching (max_batch {cfg.max_batch})", cfg.max_batch),
+        ):
+            server = _Server(
+                Path(artifacts),
+                max_batch,
+                cfg.batch_window_ms,
+                Path(tmp) / f"{max_batch}.log",
+                cfg.startup_timeout_s,
+            )
             try:
-                _round(server.base, 1, dataclasses.replace(cfg, requests_per_client=2))  # warm the connection path
+                _round(
+                    server.base, 1, dataclasses.replace(cfg, requests_per_client=2)
+                )  # warm the connection path
                 for clients in cfg.clients:
                     row = {"server": name, **_round(server.base, clients, cfg)}
                     rows.append(row)
-                    print(f"{name:>24} clients={clients:<3} {row['requests_per_s']:8.1f} req/s "
-                          f"{row['tokens_per_s']:9.1f} tok/s p50 {row['latency_p50_ms']:7.1f} ms "
-                          f"p99 {row['latency_p99_ms']:7.1f} ms", flush=True)
+                    print(
+                        f"{name:>24} clients={clients:<3} {row['requests_per_s']:8.1f} req/s "
+                        f"{row['tokens_per_s']:9.1f} tok/s p50 {row['latency_p50_ms']:7.1f} ms "
+                        f"p99 {row['latency_p99_ms']:7.1f} ms",
+                        flush=True,
+                    )
             finally:
                 server.close()
     env = environment()
@@ -162,10 +210,18 @@ def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) ->
     for r in rows:
         base = serial.get(r["clients"])
         r["throughput_vs_serial"] = r["requests_per_s"] / base["requests_per_s"] if base else None
-    result = {"rows": rows, "config": dataclasses.asdict(cfg), "environment": env, "hardware": describe_hardware(env),
-              "artifacts": str(Path(artifacts).resolve()), "manifest_sha256": art.manifest_sha256,
-              "model": art.manifest["model"], "max_len": art.max_len, "loadavg_before": load_before,
-              "loadavg_after": os.getloadavg()}
+    result = {
+        "rows": rows,
+        "config": dataclasses.asdict(cfg),
+        "environment": env,
+        "hardware": describe_hardware(env),
+        "artifacts": str(Path(artifacts).resolve()),
+        "manifest_sha256": art.manifest_sha256,
+        "model": art.manifest["model"],
+        "max_len": art.max_len,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
     atomic_write_json(out / "serve_bench.json", result)
     atomic_write_bytes(out / "serve_bench.md", (capacity_table(result) + "\n").encode())
     print(capacity_table(result))
@@ -174,17 +230,24 @@ def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) ->
 
 def capacity_table(result: dict) -> str:
     c, m = result["config"], result["model"]
-    lines = [f"{result['hardware']}; jax {result['environment']['packages']['jax']}; model d_model {m['d_model']}, "
-             f"{m['n_layers']} layers, max_seq_len {m['max_seq_len']}; cache {c['cache']}; prompt {c['prompt']!r}, "
-             f"{c['max_new']} new tokens, greedy; {c['requests_per_client']} requests per client; "
-             f"window {c['batch_window_ms']} ms; load average before {result['loadavg_before'][0]:.1f}, after "
-             f"{result['loadavg_after'][0]:.1f} (shared machine).", "",
-             "| server | clients | req/s | tok/s | p50 ms | p99 ms | TTFT p50 ms | vs serial | batch size:count |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{result['hardware']}; jax {result['environment']['packages']['jax']}; model d_model {m['d_model']}, "
+        f"{m['n_layers']} layers, max_seq_len {m['max_seq_len']}; cache {c['cache']}; prompt {c['prompt']!r}, "
+        f"{c['max_new']} new tokens, greedy; {c['requests_per_client']} requests per client; "
+        f"window {c['batch_window_ms']} ms; load average before {result['loadavg_before'][0]:.1f}, after "
+        f"{result['loadavg_after'][0]:.1f} (shared machine).",
+        "",
+        "| server | clients | req/s | tok/s | p50 ms | p99 ms | TTFT p50 ms | vs serial | batch size:count |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         vs = f"{r['throughput_vs_serial']:.2f}x" if r["throughput_vs_serial"] else "-"
-        formed = ", ".join(f"{k}:{v}" for k, v in sorted(r["batches_formed"].items(), key=lambda kv: int(kv[0])))
-        lines.append(f"| {r['server']} | {r['clients']} | {r['requests_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-                     f"{r['latency_p50_ms']:.1f} | {r['latency_p99_ms']:.1f} | {r['ttft_p50_ms']:.1f} | {vs} | "
-                     f"{formed} |")
+        formed = ", ".join(
+            f"{k}:{v}" for k, v in sorted(r["batches_formed"].items(), key=lambda kv: int(kv[0]))
+        )
+        lines.append(
+            f"| {r['server']} | {r['clients']} | {r['requests_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{r['latency_p50_ms']:.1f} | {r['latency_p99_ms']:.1f} | {r['ttft_p50_ms']:.1f} | {vs} | "
+            f"{formed} |"
+        )
     return "\n".join(lines)

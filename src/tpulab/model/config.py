@@ -41,7 +41,10 @@ class ModelConfig:
     rope_base: float = field(10000.0, "RoPE frequency base")
 
     def __post_init__(self):
-        check(self.vocab_size >= VOCAB_SIZE, f"model.vocab_size={self.vocab_size} must be >= {VOCAB_SIZE}")
+        check(
+            self.vocab_size >= VOCAB_SIZE,
+            f"model.vocab_size={self.vocab_size} must be >= {VOCAB_SIZE}",
+        )
         check(self.max_seq_len > 0, f"model.max_seq_len={self.max_seq_len} must be positive")
         check(self.d_model > 0, f"model.d_model={self.d_model} must be positive")
         check(self.n_layers > 0, f"model.n_layers={self.n_layers} must be positive")
@@ -49,15 +52,22 @@ class ModelConfig:
         check_int(self.max_seq_len, "model.max_seq_len", 1, MAX_SEQ_LEN)
         check_int(self.d_model, "model.d_model", 1, MAX_D_MODEL)
         check_int(self.n_layers, "model.n_layers", 1, MAX_LAYERS)
-        check(self.n_heads > 0 and self.d_model % self.n_heads == 0,
-              f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
-        check((self.d_model // self.n_heads) % 2 == 0,
-              f"model head dim {self.d_model // self.n_heads} must be even for RoPE")
+        check(
+            self.n_heads > 0 and self.d_model % self.n_heads == 0,
+            f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}",
+        )
+        check(
+            (self.d_model // self.n_heads) % 2 == 0,
+            f"model head dim {self.d_model // self.n_heads} must be even for RoPE",
+        )
         check(self.mlp_ratio > 0, f"model.mlp_ratio={self.mlp_ratio} must be positive")
         check_int(self.mlp_ratio, "model.mlp_ratio", 1, MAX_MLP_RATIO)
         check(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must be in [0, 1)")
-        check(self.rope_base > 1, f"model.rope_base={self.rope_base} must be > 1 (the RoPE frequencies "
-                                  "base**(-2i/d) must fall with i; a tiny base overflows them to inf)")
+        check(
+            self.rope_base > 1,
+            f"model.rope_base={self.rope_base} must be > 1 (the RoPE frequencies "
+            "base**(-2i/d) must fall with i; a tiny base overflows them to inf)",
+        )
 
     @property
     def head_dim(self) -> int:
@@ -71,11 +81,15 @@ class PrecisionConfig:
     param_dtype: DType = field("float32", "dtype parameters and optimizer moments are stored in")
     compute_dtype: DType = field("float32", "dtype of activations and matmul inputs")
     accum_dtype: Literal["float32"] = field(
-        "float32", "dtype of norms, softmax, logits and the loss (always fp32: reductions in bf16 lose bits)")
+        "float32",
+        "dtype of norms, softmax, logits and the loss (always fp32: reductions in bf16 lose bits)",
+    )
 
     def __post_init__(self):
-        check(not (self.param_dtype == "bfloat16" and self.compute_dtype == "float32"),
-              "precision.compute_dtype=float32 with param_dtype=bfloat16 gains nothing; use float32 params")
+        check(
+            not (self.param_dtype == "bfloat16" and self.compute_dtype == "float32"),
+            "precision.compute_dtype=float32 with param_dtype=bfloat16 gains nothing; use float32 params",
+        )
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -92,7 +106,10 @@ def param_count(cfg: ModelConfig) -> int:
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (2 FLOPs each): the blocks' projections and the
     output head (the embedding table when tied); the embedding lookup and norm scales are not matmuls."""
-    return cfg.n_layers * (4 * cfg.d_model**2 + 2 * cfg.mlp_ratio * cfg.d_model**2) + cfg.d_model * cfg.vocab_size
+    return (
+        cfg.n_layers * (4 * cfg.d_model**2 + 2 * cfg.mlp_ratio * cfg.d_model**2)
+        + cfg.d_model * cfg.vocab_size
+    )
 
 
 # Training holds, per parameter: the value, its gradient, and Adam's two moments (all in param_dtype).

@@ -28,8 +28,9 @@ def _rope_table(n: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndar
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def rope_tables(positions_bt: jax.Array | None, head_dim: int, base: float, max_len: int,
-                t: int | None = None) -> tuple[jax.Array, jax.Array]:
+def rope_tables(
+    positions_bt: jax.Array | None, head_dim: int, base: float, max_len: int, t: int | None = None
+) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables for integer positions [B, T] -> [B, T, head_dim/2]; positions None: 0..t-1 -> [1, t, head_dim/2].
 
     Looked up in one fp32 table per shape, computed in float64 on the host, so every path (training,
@@ -90,35 +91,62 @@ class Dense(nnx.Linear):
         return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
 
 
-def _linear(d_in: int, d_out: int, prec: PrecisionConfig, rngs: nnx.Rngs, std: float = _INIT_STD) -> Dense:
-    return Dense(d_in, d_out, use_bias=False, dtype=prec.compute_dtype, param_dtype=prec.param_dtype,
-                      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+def _linear(
+    d_in: int, d_out: int, prec: PrecisionConfig, rngs: nnx.Rngs, std: float = _INIT_STD
+) -> Dense:
+    return Dense(
+        d_in,
+        d_out,
+        use_bias=False,
+        dtype=prec.compute_dtype,
+        param_dtype=prec.param_dtype,
+        kernel_init=nnx.initializers.normal(std),
+        rngs=rngs,
+    )
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, prec: PrecisionConfig, *, rngs: nnx.Rngs):
         self.cfg, self.prec = cfg, prec
         self.qkv = _linear(cfg.d_model, 3 * cfg.d_model, prec, rngs)
-        self.out = _linear(cfg.d_model, cfg.d_model, prec, rngs, std=_INIT_STD / math.sqrt(2 * cfg.n_layers))
+        self.out = _linear(
+            cfg.d_model, cfg.d_model, prec, rngs, std=_INIT_STD / math.sqrt(2 * cfg.n_layers)
+        )
         self.attn_dropout = nnx.Dropout(cfg.dropout)
 
-    def project_qkv(self, x_btd: jax.Array, positions_bt: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def project_qkv(
+        self, x_btd: jax.Array, positions_bt: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q, k, v as [B, T, H, Dh]; RoPE already applied to q and k (positions None: 0..T-1 in every row)."""
         b, t, _ = x_btd.shape
         qkv = self.qkv(x_btd).reshape(b, t, 3, self.cfg.n_heads, self.cfg.head_dim)
         q_bthd, k_bthd, v_bthd = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        cos, sin = rope_tables(positions_bt, self.cfg.head_dim, self.cfg.rope_base, self.cfg.max_seq_len, t)
+        cos, sin = rope_tables(
+            positions_bt, self.cfg.head_dim, self.cfg.rope_base, self.cfg.max_seq_len, t
+        )
         return apply_rope(q_bthd, cos, sin), apply_rope(k_bthd, cos, sin), v_bthd
 
-    def attend(self, q_bthd: jax.Array, k_bshd: jax.Array, v_bshd: jax.Array, mask_bts: jax.Array, *,
-               deterministic: bool, rngs: nnx.Rngs | None) -> jax.Array:
+    def attend(
+        self,
+        q_bthd: jax.Array,
+        k_bshd: jax.Array,
+        v_bshd: jax.Array,
+        mask_bts: jax.Array,
+        *,
+        deterministic: bool,
+        rngs: nnx.Rngs | None,
+    ) -> jax.Array:
         """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s. Returns [B, T, D]."""
         acc = self.prec.accum_dtype
         scores_bhts = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc)
         e_bhts, sum_bht = self.weights(scores_bhts, mask_bts)
         e_bhts = self.attn_dropout(e_bhts, deterministic=deterministic, rngs=rngs)
-        out_bthd = jnp.einsum("bhts,bshd->bthd", e_bhts.astype(v_bshd.dtype), v_bshd, preferred_element_type=acc)
-        return self.project_out(out_bthd / jnp.swapaxes(sum_bht, 1, 2)[..., None], *out_bthd.shape[:2])
+        out_bthd = jnp.einsum(
+            "bhts,bshd->bthd", e_bhts.astype(v_bshd.dtype), v_bshd, preferred_element_type=acc
+        )
+        return self.project_out(
+            out_bthd / jnp.swapaxes(sum_bht, 1, 2)[..., None], *out_bthd.shape[:2]
+        )
 
     def weights(self, scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Softmax over the last axis of raw q.k products [B, H, ..., S] (accumulation dtype), scaled by
@@ -149,7 +177,9 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, prec: PrecisionConfig, *, rngs: nnx.Rngs):
         hidden = cfg.mlp_ratio * cfg.d_model
         self.up = _linear(cfg.d_model, hidden, prec, rngs)
-        self.down = _linear(hidden, cfg.d_model, prec, rngs, std=_INIT_STD / math.sqrt(2 * cfg.n_layers))
+        self.down = _linear(
+            hidden, cfg.d_model, prec, rngs, std=_INIT_STD / math.sqrt(2 * cfg.n_layers)
+        )
 
     def __call__(self, x_btd):
         return self.down(jax.nn.gelu(self.up(x_btd)))
@@ -174,7 +204,9 @@ class Block(nnx.Module):
         """
         h, aux = attn_fn(self.attn_norm(x_btd))
         x_btd = self.residual(x_btd, h, deterministic=deterministic, rngs=rngs)
-        x_btd = self.residual(x_btd, self.mlp(self.mlp_norm(x_btd)), deterministic=deterministic, rngs=rngs)
+        x_btd = self.residual(
+            x_btd, self.mlp(self.mlp_norm(x_btd)), deterministic=deterministic, rngs=rngs
+        )
         return x_btd, aux
 
     def __call__(self, x_btd, positions_bt, *, deterministic: bool, rngs: nnx.Rngs | None):
@@ -189,8 +221,14 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, prec: PrecisionConfig, *, rngs: nnx.Rngs):
         self.cfg, self.prec = cfg, prec
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=prec.compute_dtype, param_dtype=prec.param_dtype,
-                               embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=prec.compute_dtype,
+            param_dtype=prec.param_dtype,
+            embedding_init=nnx.initializers.normal(_INIT_STD),
+            rngs=rngs,
+        )
         self.blocks = nnx.List([Block(cfg, prec, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, prec, rngs=rngs)
         self.head = None if cfg.tie_embeddings else _linear(cfg.d_model, cfg.vocab_size, prec, rngs)
@@ -200,11 +238,19 @@ class Transformer(nnx.Module):
         h_btd = self.final_norm(x_btd)
         if self.head is None:
             table = self.embed.embedding[...].astype(self.prec.compute_dtype)
-            return jnp.einsum("btd,vd->btv", h_btd, table, preferred_element_type=self.prec.accum_dtype)
+            return jnp.einsum(
+                "btd,vd->btv", h_btd, table, preferred_element_type=self.prec.accum_dtype
+            )
         return self.head(h_btd).astype(self.prec.accum_dtype)
 
-    def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None, *,
-                 deterministic: bool = True, rngs: nnx.Rngs | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
         x_btd = self.embed(tokens_bt)
         for block in self.blocks:
             x_btd = block(x_btd, positions_bt, deterministic=deterministic, rngs=rngs)

@@ -26,7 +26,9 @@ class CapstoneOptions:
     skip_inference: bool = False
     chaos_kills: int = 5  # 0 leaves the chaos stage out
     skip_scaleout: bool = False  # the 2-process kill/resume stage
-    skip_dossier: bool = False  # the decision dossier (bench, profile, TPU budget, precision, hypothesis)
+    skip_dossier: bool = (
+        False  # the decision dossier (bench, profile, TPU budget, precision, hypothesis)
+    )
     compile_cache: Path | None = None
 
 
@@ -57,23 +59,35 @@ def scaleout_config(config: RunConfig) -> RunConfig:
     from tpulab.train.config import MeshConfig
 
     c = chaos_config(config)
-    return dataclasses.replace(c, train=dataclasses.replace(c.train, steps=20, eval_every=10),
-                               mesh=MeshConfig(data=2, fsdp=2))
+    return dataclasses.replace(
+        c,
+        train=dataclasses.replace(c.train, steps=20, eval_every=10),
+        mesh=MeshConfig(data=2, fsdp=2),
+    )
 
 
 def scaleout_section(v: dict, rel: str) -> str:
     e = v["event"]
-    return "\n".join([
-        "## Multi-process kill/resume (2 processes x 2 host devices, mesh data=2 fsdp=2)", "",
-        f"Two trainer processes on JAX's distributed runtime (tpulab launch, gloo over loopback). Process "
-        f"{e['victim_process']} was killed with **{e['signal']}** after step {e['last_logged_step']}; the launcher "
-        f"tore the job down in **{e['job_end_s']:.1f} s** (exit {e['launcher_exit_code']}, bound: poll + "
-        f"{v['grace_s']:g} s grace; survivors: {len(e['survivors_after'])}). A fresh 2-process launch resumed from "
-        f"step {v['resumed_from_step']}: {verdict_text(v)}.", "",
-        f"![overlay]({rel}/overlay.png)", "", f"Evidence: `{rel}/verdict.json`."])
+    return "\n".join(
+        [
+            "## Multi-process kill/resume (2 processes x 2 host devices, mesh data=2 fsdp=2)",
+            "",
+            f"Two trainer processes on JAX's distributed runtime (tpulab launch, gloo over loopback). Process "
+            f"{e['victim_process']} was killed with **{e['signal']}** after step {e['last_logged_step']}; the launcher "
+            f"tore the job down in **{e['job_end_s']:.1f} s** (exit {e['launcher_exit_code']}, bound: poll + "
+            f"{v['grace_s']:g} s grace; survivors: {len(e['survivors_after'])}). A fresh 2-process launch resumed from "
+            f"step {v['resumed_from_step']}: {verdict_text(v)}.",
+            "",
+            f"![overlay]({rel}/overlay.png)",
+            "",
+            f"Evidence: `{rel}/verdict.json`.",
+        ]
+    )
 
 
-def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = CapstoneOptions()) -> Path:
+def run_capstone(
+    config: RunConfig, out: Path, options: CapstoneOptions = CapstoneOptions()
+) -> Path:
     from tpulab.proofs.checks import run_checks
     from tpulab.proofs.transformer import prove_transformer_resume
 
@@ -81,42 +95,85 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
     run_dir = out / "run"
     config_path = write_child_config(config, out / "config.yaml")
     stages = Stages("capstone")
-    stage, sections, failures, timings = stages.run, stages.sections, stages.failures, stages.timings
+    stage, sections, failures, timings = (
+        stages.run,
+        stages.sections,
+        stages.failures,
+        stages.timings,
+    )
 
     def receipt_stage() -> str:
         from tpulab.evidence.receipt import hardware_line, run_receipt, table
 
         receipt = run_receipt(out / "receipt")
-        return "\n".join(["## Runtime receipt", "",
-                          f"What JAX reported and proved on this machine: **{hardware_line(receipt)}** (a collective "
-                          "with a known answer across all devices, a timed matmul checked against NumPy, a "
-                          "device-to-host round trip). Every chip named in this report comes from it.", "",
-                          table(receipt), "", "Evidence: `receipt/receipt.json`."])
+        return "\n".join(
+            [
+                "## Runtime receipt",
+                "",
+                f"What JAX reported and proved on this machine: **{hardware_line(receipt)}** (a collective "
+                "with a known answer across all devices, a timed matmul checked against NumPy, a "
+                "device-to-host round trip). Every chip named in this report comes from it.",
+                "",
+                table(receipt),
+                "",
+                "Evidence: `receipt/receipt.json`.",
+            ]
+        )
 
     def train_stage() -> str:
-        run_to_completion(train_child_argv(config_path, run_dir, compile_cache=options.compile_cache),
-                          out / "train.log", dict(os.environ), 3600, "training run")
-        return report.provenance_section(json.loads((run_dir / "env.json").read_text())) + "\n\n" + \
-            report.run_section(run_dir) + "\n\n" + \
-            report.curves_section(run_dir, out / "plots" / "curves.png", "plots/curves.png") + "\n\n" + \
-            report.goodput_section(run_dir, "Goodput of the training run")
+        run_to_completion(
+            train_child_argv(config_path, run_dir, compile_cache=options.compile_cache),
+            out / "train.log",
+            dict(os.environ),
+            3600,
+            "training run",
+        )
+        return (
+            report.provenance_section(json.loads((run_dir / "env.json").read_text()))
+            + "\n\n"
+            + report.run_section(run_dir)
+            + "\n\n"
+            + report.curves_section(run_dir, out / "plots" / "curves.png", "plots/curves.png")
+            + "\n\n"
+            + report.goodput_section(run_dir, "Goodput of the training run")
+        )
 
     def proof_stage() -> str:
-        verdict = prove_transformer_resume(config, out, reference_dir=run_dir, compile_cache=options.compile_cache)
+        verdict = prove_transformer_resume(
+            config, out, reference_dir=run_dir, compile_cache=options.compile_cache
+        )
         if not verdict["identical"]:
-            raise TpulabError(f"the resumed run is not identical (max |diff| {verdict['max_abs_diff']:g}, first "
-                              f"differing leaf {verdict.get('first_differing_leaf')}); see {out / 'proof'}")
-        return report.proof_section(out / "proof", "proof") + "\n\n" + \
-            report.goodput_section(out / "proof" / "interrupted", "Goodput of the killed-and-resumed run")
+            raise TpulabError(
+                f"the resumed run is not identical (max |diff| {verdict['max_abs_diff']:g}, first "
+                f"differing leaf {verdict.get('first_differing_leaf')}); see {out / 'proof'}"
+            )
+        return (
+            report.proof_section(out / "proof", "proof")
+            + "\n\n"
+            + report.goodput_section(
+                out / "proof" / "interrupted", "Goodput of the killed-and-resumed run"
+            )
+        )
 
     def chaos_stage() -> str:
         from tpulab.proofs.chaos import run_chaos
 
-        verdict = run_chaos(chaos_config(config), out, kills=options.chaos_kills, seed=0,
-                            compile_cache=options.compile_cache)
+        verdict = run_chaos(
+            chaos_config(config),
+            out,
+            kills=options.chaos_kills,
+            seed=0,
+            compile_cache=options.compile_cache,
+        )
         if not verdict["identical"]:
-            raise TpulabError(f"the chaos run is not identical: {verdict['summary']}; see {out / 'chaos'}")
-        return report.chaos_section(out / "chaos", "chaos") + "\n\n" + report.chaos_goodput(out / "chaos")
+            raise TpulabError(
+                f"the chaos run is not identical: {verdict['summary']}; see {out / 'chaos'}"
+            )
+        return (
+            report.chaos_section(out / "chaos", "chaos")
+            + "\n\n"
+            + report.chaos_goodput(out / "chaos")
+        )
 
     def checks_stage() -> str:
         results = run_checks(config, run_dir=run_dir)
@@ -130,22 +187,30 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
     def scaleout_stage() -> str:
         from tpulab.proofs.scaleout import prove_multiprocess_resume
 
-        v = prove_multiprocess_resume(scaleout_config(config), out / "scaleout", mode="kill", kill_at=8,
-                                      stall_timeout_s=120)
+        v = prove_multiprocess_resume(
+            scaleout_config(config), out / "scaleout", mode="kill", kill_at=8, stall_timeout_s=120
+        )
         if not (v["identical"] and v["teardown_ok"]):
-            raise TpulabError(f"the 2-process resume is not identical or the teardown failed; see "
-                              f"{out / 'scaleout' / 'proof-kill'}")
+            raise TpulabError(
+                f"the 2-process resume is not identical or the teardown failed; see "
+                f"{out / 'scaleout' / 'proof-kill'}"
+            )
         return scaleout_section(v, "scaleout/proof-kill")
 
     def dossier_stage() -> str:
         from tpulab.orchestrate.dossier import DossierPlan, build_dossier
 
         # Sized for `make demo`: fewer training steps, two batch sizes in the sweep (the hypothesis needs >= 23 steps).
-        build_dossier(config, out / "dossier", DossierPlan(train_steps=50, batch_sweep="data.batch_size=8,16",
-                                                           hypothesis_steps=30))  # raises, naming what failed
-        return ("## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU targets, precision "
-                "policy and one tested hypothesis, each with its evidence: [dossier/dossier.md](dossier/dossier.md) "
-                "([html](dossier/dossier.html)).")
+        build_dossier(
+            config,
+            out / "dossier",
+            DossierPlan(train_steps=50, batch_sweep="data.batch_size=8,16", hypothesis_steps=30),
+        )  # raises, naming what failed
+        return (
+            "## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU targets, precision "
+            "policy and one tested hypothesis, each with its evidence: [dossier/dossier.md](dossier/dossier.md) "
+            "([html](dossier/dossier.html))."
+        )
 
     # One MLflow store for every run the capstone starts (training, proof, chaos): the children inherit it.
     own_uri = "MLFLOW_TRACKING_URI" not in os.environ
@@ -177,13 +242,20 @@ def run_capstone(config: RunConfig, out: Path, options: CapstoneOptions = Capsto
         if own_uri:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
 
-    header = ["# tpulab capstone report", "",
-              "Every number below was measured by this run and carries its provenance; the raw evidence sits "
-              "beside this file.", "",
-              f"Status: **{'PASS' if not failures else 'FAIL'}**" + ("" if not failures else " — " + "; ".join(failures)),
-              "", "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())]
-    path, page = report.write_reports(out, "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n",
-                                      "tpulab capstone report")
+    header = [
+        "# tpulab capstone report",
+        "",
+        "Every number below was measured by this run and carries its provenance; the raw evidence sits "
+        "beside this file.",
+        "",
+        f"Status: **{'PASS' if not failures else 'FAIL'}**"
+        + ("" if not failures else " — " + "; ".join(failures)),
+        "",
+        "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()),
+    ]
+    path, page = report.write_reports(
+        out, "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n", "tpulab capstone report"
+    )
     if (run_dir / "mlflow_run.json").exists():
         from tpulab.tracking.mlflow_hook import log_files_to_run
 

@@ -31,7 +31,9 @@ class DossierPlan:
     train_steps: int = 100
     batch_sweep: str = "data.batch_size=8,16,32"
     targets: str = DEFAULT_TARGETS
-    target_overrides: tuple[str, ...] = ()  # --set-style overrides that turn the run config into the target model
+    target_overrides: tuple[
+        str, ...
+    ] = ()  # --set-style overrides that turn the run config into the target model
     profile_steps: int = 5
     hypothesis_steps: int = 30
 
@@ -40,25 +42,42 @@ def recommend_precision(rows: list[dict], context: int, serve_batch: int = 8) ->
     """Cheapest training and serving policies whose error against fp32 stays within the stated bounds.
 
     Serving cost = weights + KV cache for ``serve_batch`` sequences of ``context`` tokens."""
-    ok = [r for r in rows if r["mean_kl"] <= KL_OK and r["greedy_agreement"] >= AGREE_OK
-          and abs(r["heldout_loss"] - rows[0]["heldout_loss"]) <= LOSS_OK]
+    ok = [
+        r
+        for r in rows
+        if r["mean_kl"] <= KL_OK
+        and r["greedy_agreement"] >= AGREE_OK
+        and abs(r["heldout_loss"] - rows[0]["heldout_loss"]) <= LOSS_OK
+    ]
     # Training: mixed precision (bf16 compute, fp32 master weights and moments) when its error is within
     # bounds. bf16-params is not preferred even when accepted: the table measures the forward error of
     # trained weights, not whether bf16 updates and moments keep a long run on track.
     train_ok = {r["policy"] for r in ok if "train_step_ms" in r}
     choice = next((p for p in ("bf16-compute", "fp32") if p in train_ok), "fp32")
     best_train = next(r for r in rows if r["policy"] == choice)
-    serve = min(ok, key=lambda r: r["weight_bytes"] + r["kv_bytes_per_token"] * context * serve_batch) if ok \
+    serve = (
+        min(ok, key=lambda r: r["weight_bytes"] + r["kv_bytes_per_token"] * context * serve_batch)
+        if ok
         else rows[0]
-    bounds = f"mean KL <= {KL_OK:g}, greedy agreement >= {AGREE_OK}, |held-out loss diff| <= {LOSS_OK}"
-    return {"train": best_train["policy"], "serve": serve["policy"], "bounds": bounds,
-            "accepted": [r["policy"] for r in ok]}
+    )
+    bounds = (
+        f"mean KL <= {KL_OK:g}, greedy agreement >= {AGREE_OK}, |held-out loss diff| <= {LOSS_OK}"
+    )
+    return {
+        "train": best_train["policy"],
+        "serve": serve["policy"],
+        "bounds": bounds,
+        "accepted": [r["policy"] for r in ok],
+    }
 
 
 def recommend_batch(sweep_rows: list[dict]) -> dict:
     best = max(sweep_rows, key=lambda r: r["tokens_per_s"])
-    return {"batch_size": best["value"], "tokens_per_s": best["tokens_per_s"],
-            "why": "highest steady-state tokens/s of the batch sweep on this host"}
+    return {
+        "batch_size": best["value"],
+        "tokens_per_s": best["tokens_per_s"],
+        "why": "highest steady-state tokens/s of the batch sweep on this host",
+    }
 
 
 def _img(path: Path) -> str:
@@ -77,7 +96,9 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise TpulabError(f"--out {out} already exists and is not empty; choose a new directory")
     target_config = load(RunConfig, None, list(plan.target_overrides), base=to_dict(config))
-    sweep = bench.sweep_configs(lambda extra: load(RunConfig, None, extra, base=to_dict(config)), plan.batch_sweep)
+    sweep = bench.sweep_configs(
+        lambda extra: load(RunConfig, None, extra, base=to_dict(config)), plan.batch_sweep
+    )
     from tpulab.perf.aot import parse_targets
 
     parse_targets(plan.targets)
@@ -85,44 +106,65 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     run_dir = out / "run"
     results: dict = {}
     stages = Stages("dossier")
-    stage, sections, failures, timings = stages.run, stages.sections, stages.failures, stages.timings
+    stage, sections, failures, timings = (
+        stages.run,
+        stages.sections,
+        stages.failures,
+        stages.timings,
+    )
 
     def receipt():
         env = environment()
         results["receipt"] = env
         atomic_write_json(out / "receipt.json", env)
-        return (f"## Receipt: what JAX sees\n\n{describe_hardware(env)}; jax {env['packages'].get('jax')}, "
-                f"commit {env['git_commit']}, {env['platform']}. Every number below was measured on this host "
-                f"unless it is marked as the XLA:TPU compiler's (libtpu, compiled here, not run).")
+        return (
+            f"## Receipt: what JAX sees\n\n{describe_hardware(env)}; jax {env['packages'].get('jax')}, "
+            f"commit {env['git_commit']}, {env['platform']}. Every number below was measured on this host "
+            f"unless it is marked as the XLA:TPU compiler's (libtpu, compiled here, not run)."
+        )
 
     def train_stage():
-        cfg = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=plan.train_steps))
+        cfg = dataclasses.replace(
+            config, train=dataclasses.replace(config.train, steps=plan.train_steps)
+        )
         s = train(cfg, run_dir, progress=False)
         results["train"] = s
-        return (f"## Training run (for trained weights)\n\n{plan.train_steps} steps at the default size: final loss "
-                f"{s['final_loss']:.4f}, validation loss {s['final_val_loss']:.4f} ({run_dir.name}/).")
+        return (
+            f"## Training run (for trained weights)\n\n{plan.train_steps} steps at the default size: final loss "
+            f"{s['final_loss']:.4f}, validation loss {s['final_val_loss']:.4f} ({run_dir.name}/)."
+        )
 
     def bench_stage():
         key = bench.parse_sweep(plan.batch_sweep)[0]
         r = bench.run_bench(config, run_dir, sweep=sweep, sweep_key=key)
         results["bench"] = r
         results["batch"] = recommend_batch(r["sweep"]["rows"])
-        return ("## Bench (this host)\n\n" + bench.summary_table(r["bench"]) + "\n\n" +
-                bench.sweep_table(key, [(row["value"], row) for row in r["sweep"]["rows"]]) + "\n\n" +
-                "![sweep](run/bench/sweep.png)")
+        return (
+            "## Bench (this host)\n\n"
+            + bench.summary_table(r["bench"])
+            + "\n\n"
+            + bench.sweep_table(key, [(row["value"], row) for row in r["sweep"]["rows"]])
+            + "\n\n"
+            + "![sweep](run/bench/sweep.png)"
+        )
 
     def profile_stage():
         r = profile.profile_run(run_dir, steps=plan.profile_steps)
         results["profile"] = r
-        return "## Profile (this host)\n\n" + profile.markdown(r).replace(r["xplane"], f"run/{r['xplane']}")
+        return "## Profile (this host)\n\n" + profile.markdown(r).replace(
+            r["xplane"], f"run/{r['xplane']}"
+        )
 
     def budget_stage():
         r = budget.write_budget(target_config, plan.targets, out / "budget")
         results["budget"] = r
         _budget_plot(r, out / "budget" / "budget.png")
-        who = (f"the target model ({', '.join(plan.target_overrides)}; {r['param_count'] / 1e6:.1f}M parameters)"
-               if plan.target_overrides else f"the run's model ({r['param_count'] / 1e6:.2f}M parameters)")
-        return (f"## TPU budget for {who}\n\n" + budget.table(r) + "\n\n![budget](budget/budget.png)")
+        who = (
+            f"the target model ({', '.join(plan.target_overrides)}; {r['param_count'] / 1e6:.1f}M parameters)"
+            if plan.target_overrides
+            else f"the run's model ({r['param_count'] / 1e6:.2f}M parameters)"
+        )
+        return f"## TPU budget for {who}\n\n" + budget.table(r) + "\n\n![budget](budget/budget.png)"
 
     def precision_stage():
         r = precision.write_precision(run_dir)
@@ -131,17 +173,26 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         return "## Precision policy (this host)\n\n" + precision.markdown(r)
 
     def hypothesis_stage():
-        share = results.get("profile", {}).get("categories", {}).get("rng (random bits)", {}).get("share_of_step")
+        share = (
+            results.get("profile", {})
+            .get("categories", {})
+            .get("rng (random bits)", {})
+            .get("share_of_step")
+        )
         if config.model.dropout == 0 or share is None:
             raise TpulabError("no dropout random-bit share in the profile to base a hypothesis on")
         pct = round(100 * share)
-        predict = (f"the profile puts {pct}% of the step in random-bit generation for dropout; model.dropout=0 "
-                   f"removes it (and the mask multiplies): step time -{pct}%")
-        r = hypothesis.run_hypothesis(config, "model.dropout=0", predict, out / "hypothesis",
-                                      steps=plan.hypothesis_steps)
+        predict = (
+            f"the profile puts {pct}% of the step in random-bit generation for dropout; model.dropout=0 "
+            f"removes it (and the mask multiplies): step time -{pct}%"
+        )
+        r = hypothesis.run_hypothesis(
+            config, "model.dropout=0", predict, out / "hypothesis", steps=plan.hypothesis_steps
+        )
         results["hypothesis"] = r
-        return "## Hypothesis from the profile\n\n" + hypothesis.markdown(r).replace("hypothesis.png",
-                                                                                      "hypothesis/hypothesis.png")
+        return "## Hypothesis from the profile\n\n" + hypothesis.markdown(r).replace(
+            "hypothesis.png", "hypothesis/hypothesis.png"
+        )
 
     stage("receipt", receipt)
     stage("train", train_stage)
@@ -154,18 +205,38 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     # later profiler session in this process (tpulab.libtpu_env).
     stage("budget", budget_stage)
 
-    md = "\n".join(["# tpulab decision dossier", "", _decisions(results, plan), "",
-                    f"Status: **{'complete' if not failures else 'INCOMPLETE'}**"
-                    + ("" if not failures else " — " + "; ".join(failures)),
-                    "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()), ""]
-                   ) + "\n\n" + "\n\n".join(sections) + "\n"
+    md = (
+        "\n".join(
+            [
+                "# tpulab decision dossier",
+                "",
+                _decisions(results, plan),
+                "",
+                f"Status: **{'complete' if not failures else 'INCOMPLETE'}**"
+                + ("" if not failures else " — " + "; ".join(failures)),
+                "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()),
+                "",
+            ]
+        )
+        + "\n\n"
+        + "\n\n".join(sections)
+        + "\n"
+    )
     atomic_write_bytes(out / "dossier.md", md.encode())
     atomic_write_bytes(out / "dossier.html", render_html(md, out, "tpulab dossier").encode())
-    atomic_write_json(out / "dossier.json", {"decisions": {k: results.get(k) for k in ("batch", "precision_choice")},
-                                             "recommendation": results.get("budget", {}).get("recommendation"),
-                                             "failures": failures, "timings_s": timings})
+    atomic_write_json(
+        out / "dossier.json",
+        {
+            "decisions": {k: results.get(k) for k in ("batch", "precision_choice")},
+            "recommendation": results.get("budget", {}).get("recommendation"),
+            "failures": failures,
+            "timings_s": timings,
+        },
+    )
     if failures:
-        raise TpulabError(f"dossier incomplete ({'; '.join(failures)}); see {out / 'dossier.md'}", exit_code=1)
+        raise TpulabError(
+            f"dossier incomplete ({'; '.join(failures)}); see {out / 'dossier.md'}", exit_code=1
+        )
     return {"md": out / "dossier.md", "html": out / "dossier.html", "results": results}
 
 
@@ -173,21 +244,29 @@ def _decisions(results: dict, plan: DossierPlan) -> str:
     lines = ["## Decisions", ""]
     rec = results.get("budget", {}).get("recommendation")
     if rec:
-        lines.append(f"- **Slice**: {rec['target'] or 'none of ' + plan.targets} — {rec['why']} "
-                     "(see *TPU budget*: analytic bytes next to the XLA:TPU compiler's peak).")
+        lines.append(
+            f"- **Slice**: {rec['target'] or 'none of ' + plan.targets} — {rec['why']} "
+            "(see *TPU budget*: analytic bytes next to the XLA:TPU compiler's peak)."
+        )
     pc = results.get("precision_choice")
     if pc:
-        lines.append(f"- **Precision**: train with `{pc['train']}`, serve with `{pc['serve']}` — the cheapest policies "
-                     f"within {pc['bounds']} on held-out text (accepted: {', '.join(pc['accepted'])}); bf16 speed is "
-                     "not measurable on a CPU (emulated), only its accuracy.")
+        lines.append(
+            f"- **Precision**: train with `{pc['train']}`, serve with `{pc['serve']}` — the cheapest policies "
+            f"within {pc['bounds']} on held-out text (accepted: {', '.join(pc['accepted'])}); bf16 speed is "
+            "not measurable on a CPU (emulated), only its accuracy."
+        )
     b = results.get("batch")
     if b:
-        lines.append(f"- **Batch**: {b['batch_size']} — {b['why']} ({b['tokens_per_s']:.0f} tokens/s); on a TPU "
-                     "re-run the sweep there: only same-host ratios carry over.")
+        lines.append(
+            f"- **Batch**: {b['batch_size']} — {b['why']} ({b['tokens_per_s']:.0f} tokens/s); on a TPU "
+            "re-run the sweep there: only same-host ratios carry over."
+        )
     h = results.get("hypothesis")
     if h:
-        lines.append(f"- **Hypothesis**: {h['verdict']} (predicted {h['predicted_step_time_change_pct']:+.0f}%, "
-                     f"measured {h['measured_step_time_change_pct']:+.1f}%).")
+        lines.append(
+            f"- **Hypothesis**: {h['verdict']} (predicted {h['predicted_step_time_change_pct']:+.0f}%, "
+            f"measured {h['measured_step_time_change_pct']:+.1f}%)."
+        )
     return "\n".join(lines)
 
 
@@ -204,9 +283,20 @@ def _budget_plot(r: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.4))
     ax.bar(x - 0.27, [row["train"]["total"] / gib for row in rows], 0.27, label="analytic")
     ax.bar(x, [row["train"]["total_remat"] / gib for row in rows], 0.27, label="analytic, remat")
-    ax.bar(x + 0.27, [row.get("compiled_train", {}).get("peak_bytes", 0) / gib for row in rows], 0.27,
-           label="XLA:TPU peak")
-    ax.scatter(x, [row["hbm_per_device"] / gib for row in rows], marker="_", s=900, color="k", label="HBM/device")
+    ax.bar(
+        x + 0.27,
+        [row.get("compiled_train", {}).get("peak_bytes", 0) / gib for row in rows],
+        0.27,
+        label="XLA:TPU peak",
+    )
+    ax.scatter(
+        x,
+        [row["hbm_per_device"] / gib for row in rows],
+        marker="_",
+        s=900,
+        color="k",
+        label="HBM/device",
+    )
     ax.set_xticks(x, [row["target"] for row in rows])
     ax.set_ylabel("GiB per device")
     ax.set_yscale("log")
@@ -216,5 +306,3 @@ def _budget_plot(r: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-

@@ -32,12 +32,19 @@ from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.libtpu_env import set_explicitly
 from tpulab.proofs.driver import tpulab_argv
-from tpulab.train.distributed import (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PEER_FAILED,
-                                      EXIT_STALLED)
+from tpulab.train.distributed import (
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    EXIT_PEER_FAILED,
+    EXIT_STALLED,
+)
 
 POLL_S = 0.1
 GRACE_S = 10.0
-SETTLE_S = 2.0  # after a clean non-zero exit, the others get this long to exit on their own before SIGTERM
+SETTLE_S = (
+    2.0  # after a clean non-zero exit, the others get this long to exit on their own before SIGTERM
+)
 LAUNCH_FILE = "launch.json"
 
 
@@ -52,8 +59,9 @@ def check_port(port: int) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise TpulabError(f"coordinator port {port} on 127.0.0.1 is in use (leave --port out to pick a free one)") \
-                from None
+            raise TpulabError(
+                f"coordinator port {port} on 127.0.0.1 is in use (leave --port out to pick a free one)"
+            ) from None
 
 
 def _die_with_parent() -> None:
@@ -67,10 +75,19 @@ def _die_with_parent() -> None:
 
 
 def child_env(base: dict, *, coordinator: str, processes: int, index: int, devices: int) -> dict:
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", base.get("XLA_FLAGS", "")).strip()
-    return set_explicitly(base, {ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(processes),
-                                 ENV_PROCESS_ID: str(index), "JAX_PLATFORMS": "cpu",
-                                 "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip()})
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", base.get("XLA_FLAGS", "")
+    ).strip()
+    return set_explicitly(
+        base,
+        {
+            ENV_COORDINATOR: coordinator,
+            ENV_NUM_PROCESSES: str(processes),
+            ENV_PROCESS_ID: str(index),
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+        },
+    )
 
 
 def default_log_dir(command: list[str]) -> Path:
@@ -83,15 +100,25 @@ def default_log_dir(command: list[str]) -> Path:
     return Path(tempfile.mkdtemp(prefix="tpulab-launch-"))
 
 
-def launch(command: list[str], *, processes: int, devices_per_process: int = 1, port: int | None = None,
-           log_dir: Path | None = None, grace_s: float = GRACE_S, env: dict | None = None) -> int:
+def launch(
+    command: list[str],
+    *,
+    processes: int,
+    devices_per_process: int = 1,
+    port: int | None = None,
+    log_dir: Path | None = None,
+    grace_s: float = GRACE_S,
+    env: dict | None = None,
+) -> int:
     """Run ``tpulab COMMAND`` in ``processes`` processes; returns the job's exit code (see module doc)."""
     if processes < 1:
         raise TpulabError(f"--processes {processes} must be at least 1")
     if devices_per_process < 1:
         raise TpulabError(f"--devices-per-process {devices_per_process} must be at least 1")
     if not command:
-        raise TpulabError("nothing to launch: give a command after --, e.g. tpulab launch --processes 2 -- train ...")
+        raise TpulabError(
+            "nothing to launch: give a command after --, e.g. tpulab launch --processes 2 -- train ..."
+        )
     if port is not None:
         check_port(port)
     port = port or free_port()
@@ -120,14 +147,34 @@ def launch(command: list[str], *, processes: int, devices_per_process: int = 1, 
             if i > 0:
                 out = open(log_dir / f"p{i}.log", "ab")
                 logs.append(out)
-            procs.append(subprocess.Popen(tpulab_argv(*command), stdout=out, stderr=subprocess.STDOUT if out else None,
-                                          env=child_env(base, coordinator=coordinator, processes=processes, index=i,
-                                                        devices=devices_per_process),
-                                          preexec_fn=_die_with_parent))
-        atomic_write_json(log_dir / LAUNCH_FILE, {"coordinator": coordinator, "processes": processes,
-                                                  "devices_per_process": devices_per_process, "command": command,
-                                                  "pids": [p.pid for p in procs], "launcher_pid": os.getpid(),
-                                                  "grace_s": grace_s, "poll_s": POLL_S})
+            procs.append(
+                subprocess.Popen(
+                    tpulab_argv(*command),
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                    env=child_env(
+                        base,
+                        coordinator=coordinator,
+                        processes=processes,
+                        index=i,
+                        devices=devices_per_process,
+                    ),
+                    preexec_fn=_die_with_parent,
+                )
+            )
+        atomic_write_json(
+            log_dir / LAUNCH_FILE,
+            {
+                "coordinator": coordinator,
+                "processes": processes,
+                "devices_per_process": devices_per_process,
+                "command": command,
+                "pids": [p.pid for p in procs],
+                "launcher_pid": os.getpid(),
+                "grace_s": grace_s,
+                "poll_s": POLL_S,
+            },
+        )
         while True:
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
@@ -155,16 +202,26 @@ def _describe(code: int) -> str:
     return f"exited with {code}"
 
 
-def _tear_down(procs: list[subprocess.Popen], first: tuple[int, int], grace_s: float, log_dir: Path,
-               t_start: float) -> int:
+def _tear_down(
+    procs: list[subprocess.Popen],
+    first: tuple[int, int],
+    grace_s: float,
+    log_dir: Path,
+    t_start: float,
+) -> int:
     index, code = first
     t0 = time.monotonic()
-    if code > 0 and code != EXIT_STALLED:  # a clean error (bad input) usually ends every process alike: let them
+    if (
+        code > 0 and code != EXIT_STALLED
+    ):  # a clean error (bad input) usually ends every process alike: let them
         while time.monotonic() < t0 + SETTLE_S and any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
     for p in procs:
         if p.poll() is None:
-            for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped process must run to see SIGTERM
+            for sig in (
+                signal.SIGCONT,
+                signal.SIGTERM,
+            ):  # a stopped process must run to see SIGTERM
                 try:
                     p.send_signal(sig)
                 except ProcessLookupError:
@@ -180,13 +237,25 @@ def _tear_down(procs: list[subprocess.Popen], first: tuple[int, int], grace_s: f
         p.wait()
     codes = [p.returncode for p in procs]
     took = time.monotonic() - t0
-    atomic_write_json(log_dir / "teardown.json", {"first_failed_process": index, "first_code": code,
-                                                  "codes": codes, "teardown_s": round(took, 3),
-                                                  "sigkilled_after_grace": killed, "grace_s": grace_s,
-                                                  "job_s": round(time.monotonic() - t_start, 3)})
+    atomic_write_json(
+        log_dir / "teardown.json",
+        {
+            "first_failed_process": index,
+            "first_code": code,
+            "codes": codes,
+            "teardown_s": round(took, 3),
+            "sigkilled_after_grace": killed,
+            "grace_s": grace_s,
+            "job_s": round(time.monotonic() - t_start, 3),
+        },
+    )
     if all(c == code for c in codes) and code > 0:
         return code  # every process failed alike (bad input): its own code and message
-    print(f"error: process {index} (pid {procs[index].pid}) {_describe(code)}; tore down the other "
-          f"{len(procs) - 1} process(es) in {took:.1f}s ({killed} needed SIGKILL after {grace_s:.0f}s; "
-          f"logs in {log_dir})", file=sys.stderr, flush=True)
+    print(
+        f"error: process {index} (pid {procs[index].pid}) {_describe(code)}; tore down the other "
+        f"{len(procs) - 1} process(es) in {took:.1f}s ({killed} needed SIGKILL after {grace_s:.0f}s; "
+        f"logs in {log_dir})",
+        file=sys.stderr,
+        flush=True,
+    )
     return EXIT_STALLED if EXIT_STALLED in codes else EXIT_PEER_FAILED

@@ -18,11 +18,21 @@ import re
 import time
 
 from tpulab.errors import TpulabError
-from tpulab.perf.chips import CHIPS, Chip
 from tpulab.libtpu_env import quiet_libtpu_off_tpu
+from tpulab.perf.chips import CHIPS, Chip
 
-EXAMPLE_TARGETS = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v5e:4x4", "v5p:2x2x1", "v5p:2x2x2", "v6e:1x1", "v6e:2x2",
-                   "v6e:4x4", "v4:2x2x1")
+EXAMPLE_TARGETS = (
+    "v5e:1x1",
+    "v5e:2x2",
+    "v5e:2x4",
+    "v5e:4x4",
+    "v5p:2x2x1",
+    "v5p:2x2x2",
+    "v6e:1x1",
+    "v6e:2x2",
+    "v6e:4x4",
+    "v4:2x2x1",
+)
 _TOPOLOGY = re.compile(r"^(\d+)(x\d+){1,2}$")
 
 
@@ -42,13 +52,15 @@ class Target:
 
 
 def accepted() -> str:
-    return (f"generations {', '.join(CHIPS)}; topologies like {', '.join(EXAMPLE_TARGETS)}")
+    return f"generations {', '.join(CHIPS)}; topologies like {', '.join(EXAMPLE_TARGETS)}"
 
 
 def parse_target(name: str) -> Target:
     gen, _, topo = name.strip().partition(":")
     if gen not in CHIPS or not _TOPOLOGY.match(topo):
-        raise TargetError(f"unknown TPU target {name!r}: expected GENERATION:TOPOLOGY with {accepted()}")
+        raise TargetError(
+            f"unknown TPU target {name!r}: expected GENERATION:TOPOLOGY with {accepted()}"
+        )
     return Target(name.strip(), CHIPS[gen], tuple(int(x) for x in topo.split("x")))
 
 
@@ -59,25 +71,34 @@ def parse_targets(spec: str) -> list[Target]:
     return [parse_target(n) for n in names]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def topology_devices(name: str) -> tuple:
     """Abstract TPU devices of a target (libtpu's topology description); TargetError if libtpu refuses."""
     target = parse_target(name)
     quiet_libtpu_off_tpu()
     if libtpu_version() is None:
-        raise TargetError(f"cannot compile for {name}: libtpu (the XLA:TPU compiler) is not installed; "
-                          "`make setup` installs it on Linux x86_64")
+        raise TargetError(
+            f"cannot compile for {name}: libtpu (the XLA:TPU compiler) is not installed; "
+            "`make setup` installs it on Linux x86_64"
+        )
     from jax.experimental import topologies
 
     kwargs = {"chips_per_host_bounds": (1, 1, 1)} if target.chips == 1 else {}
     try:
-        topo = topologies.get_topology_desc(topology_name=f"{target.chip.generation}:"
-                                            f"{'x'.join(map(str, target.dims))}", platform="tpu", **kwargs)
+        topo = topologies.get_topology_desc(
+            topology_name=f"{target.chip.generation}:{'x'.join(map(str, target.dims))}",
+            platform="tpu",
+            **kwargs,
+        )
     except Exception as e:  # libtpu missing or the topology rejected: one line, what would work
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "topology" not in msg.lower():
-            raise TargetError(f"cannot compile for {name}: libtpu failed to start ({msg[:200]})") from None
-        raise TargetError(f"libtpu rejected TPU target {name!r} ({msg[:160]}); {accepted()}") from None
+            raise TargetError(
+                f"cannot compile for {name}: libtpu failed to start ({msg[:200]})"
+            ) from None
+        raise TargetError(
+            f"libtpu rejected TPU target {name!r} ({msg[:160]}); {accepted()}"
+        ) from None
     return tuple(topo.devices)
 
 
@@ -104,7 +125,9 @@ def _no_persistent_cache():
         with warnings.catch_warnings():
             # Once a process has used the cache (CPU compiles earlier in `tpulab dossier`), JAX keeps
             # consulting it; the failed read of a TPU entry is then harmless (it compiles) but noisy.
-            warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
+            warnings.filterwarnings(
+                "ignore", message="Error reading persistent compilation cache entry"
+            )
             yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
@@ -153,16 +176,24 @@ def compile_train_step(config, target_name: str) -> dict:
     devices = topology_devices(target_name)
     b, t = config.data.batch_size, config.data.seq_len
     if b % len(devices):
-        raise TpulabError(f"data.batch_size={b} does not split over the {len(devices)} devices of {target_name}; "
-                          f"use a multiple of {len(devices)}")
-    steps = make_steps(config, make_mesh(config.mesh, devices))  # the run's own layout (mesh.fsdp > 1: FSDP)
+        raise TpulabError(
+            f"data.batch_size={b} does not split over the {len(devices)} devices of {target_name}; "
+            f"use a multiple of {len(devices)}"
+        )
+    steps = make_steps(
+        config, make_mesh(config.mesh, devices)
+    )  # the run's own layout (mesh.fsdp > 1: FSDP)
     sds = lambda dtype: jax.ShapeDtypeStruct((b, t), dtype, sharding=steps.batch_sharding)  # noqa: E731
     batch = {"inputs": sds(np.int32), "targets": sds(np.int32), "mask": sds(np.float32)}
     t0 = time.perf_counter()
     with _no_persistent_cache(), _oom_as_verdict(target_name):
         compiled = steps.train.lower(steps.abstract_state(), batch).compile()
-    return {**read_compiled(compiled), "compile_s": time.perf_counter() - t0, "devices": len(devices),
-            "device_kind": devices[0].device_kind}
+    return {
+        **read_compiled(compiled),
+        "compile_s": time.perf_counter() - t0,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+    }
 
 
 def compile_decode_step(config, target_name: str, batch: int, policy: str) -> dict:
@@ -173,24 +204,41 @@ def compile_decode_step(config, target_name: str, batch: int, policy: str) -> di
     import jax
     import numpy as np
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from tpulab.inference.decode import ModelFns
     from tpulab.model.transformer import Transformer
 
     devices = topology_devices(target_name)
     if batch % len(devices):
-        raise TpulabError(f"serve batch {batch} does not split over the {len(devices)} devices of {target_name}")
+        raise TpulabError(
+            f"serve batch {batch} does not split over the {len(devices)} devices of {target_name}"
+        )
     mesh = Mesh(np.array(devices), ("data",))
-    fns = ModelFns(nnx.eval_shape(lambda: Transformer(config.model, config.precision, rngs=nnx.Rngs(0))))
+    fns = ModelFns(
+        nnx.eval_shape(lambda: Transformer(config.model, config.precision, rngs=nnx.Rngs(0)))
+    )
     params, cache, token, pos = fns.example_args("decode", policy, batch)
     rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data"))
     cache_sh = jax.tree.map(lambda _: split, cache)
-    fn = jax.jit(fns.decode, in_shardings=(jax.tree.map(lambda _: rep, params), cache_sh,
-                                           NamedSharding(mesh, P("data")), rep),
-                 out_shardings=(NamedSharding(mesh, P("data")), cache_sh), donate_argnums=(1,))
+    fn = jax.jit(
+        fns.decode,
+        in_shardings=(
+            jax.tree.map(lambda _: rep, params),
+            cache_sh,
+            NamedSharding(mesh, P("data")),
+            rep,
+        ),
+        out_shardings=(NamedSharding(mesh, P("data")), cache_sh),
+        donate_argnums=(1,),
+    )
     t0 = time.perf_counter()
     with _no_persistent_cache(), _oom_as_verdict(target_name):
         compiled = fn.lower(params, cache, token, pos).compile()
-    return {**read_compiled(compiled), "compile_s": time.perf_counter() - t0, "devices": len(devices),
-            "device_kind": devices[0].device_kind}
+    return {
+        **read_compiled(compiled),
+        "compile_s": time.perf_counter() - t0,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+    }

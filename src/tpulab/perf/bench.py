@@ -50,10 +50,22 @@ def synthetic_batch(config, seed: int = 0) -> dict[str, np.ndarray]:
 def gemm_shapes(config) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
     """(name, lhs shape, rhs shape, count per step) of every matrix product in one train step."""
     m, b, t = config.model, config.data.batch_size, config.data.seq_len
-    rows, d, hid, v, h, dh = b * t, m.d_model, m.mlp_ratio * m.d_model, m.vocab_size, m.n_heads, m.head_dim
+    rows, d, hid, v, h, dh = (
+        b * t,
+        m.d_model,
+        m.mlp_ratio * m.d_model,
+        m.vocab_size,
+        m.n_heads,
+        m.head_dim,
+    )
     out = []
-    for name, k, n, count in (("qkv", d, 3 * d, m.n_layers), ("out", d, d, m.n_layers), ("up", d, hid, m.n_layers),
-                              ("down", hid, d, m.n_layers), ("head", d, v, 1)):
+    for name, k, n, count in (
+        ("qkv", d, 3 * d, m.n_layers),
+        ("out", d, d, m.n_layers),
+        ("up", d, hid, m.n_layers),
+        ("down", hid, d, m.n_layers),
+        ("head", d, v, 1),
+    ):
         out.append((f"{name} fwd", (rows, k), (k, n), count))
         out.append((f"{name} dgrad", (rows, n), (n, k), count))
         out.append((f"{name} wgrad", (k, rows), (rows, n), count))
@@ -89,7 +101,9 @@ def matmul_rate(config, repeats: int = 15, dtype=None, max_bytes: float = 2 * 2*
     key = jax.random.PRNGKey(0)
     for name, a_shape, b_shape, count in gemm_shapes(config):
         flops = 2.0 * np.prod(a_shape[:-1]) * a_shape[-1] * b_shape[-1]
-        per_product = (np.prod(a_shape) + np.prod(b_shape) + np.prod(a_shape[:-1]) * b_shape[-1]) * dtype.itemsize
+        per_product = (
+            np.prod(a_shape) + np.prod(b_shape) + np.prod(a_shape[:-1]) * b_shape[-1]
+        ) * dtype.itemsize
         r = int(max(1, min(np.ceil(per_call / flops), max_batch, max_bytes // per_product)))
         ka, kb = jax.random.split(jax.random.fold_in(key, len(rows)))
         # R copies of one random product: separate buffers, filled by a copy rather than by the RNG
@@ -97,16 +111,30 @@ def matmul_rate(config, repeats: int = 15, dtype=None, max_bytes: float = 2 * 2*
         b = _copies(jax.random.normal(kb, b_shape, dtype), r)
         mm(a, b).block_until_ready()
         med = _median_call_s(mm, a, b, repeats) / r
-        rows.append({"gemm": name, "lhs": list(a_shape), "rhs": list(b_shape), "count": count, "batched": r,
-                     "median_s": med, "flop_per_s": flops / med})
+        rows.append(
+            {
+                "gemm": name,
+                "lhs": list(a_shape),
+                "rhs": list(b_shape),
+                "count": count,
+                "batched": r,
+                "median_s": med,
+                "flop_per_s": flops / med,
+            }
+        )
         total_flops += flops * count
         total_time += med * count
-    return {"flop_per_s": total_flops / total_time, "gemm_flops_per_step": total_flops,
-            "gemm_time_per_step_s": total_time, "dtype": dtype.name,
-            "matmul_precision": str(jax.config.jax_default_matmul_precision or "default"), "shapes": rows,
-            "method": f"jit(jnp.matmul) per shape (R same-shape products per call, R = {per_call:.0e} FLOPs / "
-                      f"product FLOPs, at most {max_batch}), median of {repeats} synchronized calls / R; "
-                      f"rate = sum(flops x count) / sum(time x count)"}
+    return {
+        "flop_per_s": total_flops / total_time,
+        "gemm_flops_per_step": total_flops,
+        "gemm_time_per_step_s": total_time,
+        "dtype": dtype.name,
+        "matmul_precision": str(jax.config.jax_default_matmul_precision or "default"),
+        "shapes": rows,
+        "method": f"jit(jnp.matmul) per shape (R same-shape products per call, R = {per_call:.0e} FLOPs / "
+        f"product FLOPs, at most {max_batch}), median of {repeats} synchronized calls / R; "
+        f"rate = sum(flops x count) / sum(time x count)",
+    }
 
 
 def _copies(x, r: int):
@@ -126,23 +154,31 @@ def _median_call_s(fn, a, b, repeats: int) -> float:
 
 def check_no_recompiles(result: dict) -> None:
     if result["recompiles_after_warmup"]:
-        raise RecompileError(f"the train step compiled {result['recompiles_after_warmup']} more time(s) after "
-                             "warm-up; its inputs changed shape, dtype, sharding or weak type between steps")
+        raise RecompileError(
+            f"the train step compiled {result['recompiles_after_warmup']} more time(s) after "
+            "warm-up; its inputs changed shape, dtype, sharding or weak type between steps"
+        )
 
 
-def bench_step(config, *, steps: int = MIN_TIMED_STEPS, warmup: int = DEFAULT_WARMUP,
-               batch_fn: Callable[[int], dict] | None = None, measure_matmul: bool = True) -> dict:
+def bench_step(
+    config,
+    *,
+    steps: int = MIN_TIMED_STEPS,
+    warmup: int = DEFAULT_WARMUP,
+    batch_fn: Callable[[int], dict] | None = None,
+    measure_matmul: bool = True,
+) -> dict:
     """Time the trainer's own jitted train step (``make_steps``) on this backend; see the module docstring.
 
     ``batch_fn(i)`` gives the host batch of timed step ``i`` (default: one fixed synthetic batch).
     """
     import jax
 
+    from tpulab.compile_cache import count_compiles
     from tpulab.evidence.provenance import jax_devices
     from tpulab.model.config import matmul_params
     from tpulab.perf.budget import train_flops
     from tpulab.perf.chips import chip_for_device_kind
-    from tpulab.compile_cache import count_compiles
     from tpulab.train.step import make_steps
 
     if steps < MIN_TIMED_STEPS:
@@ -163,7 +199,9 @@ def bench_step(config, *, steps: int = MIN_TIMED_STEPS, warmup: int = DEFAULT_WA
         state, metrics = s.train(state, batch)
         jax.block_until_ready((state, metrics))
 
-    mm_before = matmul_rate(config) if measure_matmul else None  # and again after: load drift hits both
+    mm_before = (
+        matmul_rate(config) if measure_matmul else None
+    )  # and again after: load drift hits both
     syncs = 0
     times = []
     with count_compiles() as steady, jax.transfer_guard_device_to_host("disallow"):
@@ -176,45 +214,70 @@ def bench_step(config, *, steps: int = MIN_TIMED_STEPS, warmup: int = DEFAULT_WA
             times.append(time.perf_counter() - t0)
     loss = float(metrics["loss"])  # outside the timed loop: the one number this bench logs
 
-    compiled = s.train.lower(s.abstract_state(), jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.batch_sharding), batch)).compile()
+    compiled = s.train.lower(
+        s.abstract_state(),
+        jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.batch_sharding), batch
+        ),
+    ).compile()
     cost = compiled.cost_analysis() or {}
     summary = summarize(times)
     tokens = config.data.batch_size * config.data.seq_len
     analytic = train_flops(config)
     env = jax_devices()
     result = {
-        "config": _model_shape(config), "matmul_params": matmul_params(config.model),
-        "compile_s": first["seconds"], "first_call_s": first_call_s,
+        "config": _model_shape(config),
+        "matmul_params": matmul_params(config.model),
+        "compile_s": first["seconds"],
+        "first_call_s": first_call_s,
         "first_step_s": max(first_call_s - first["seconds"], 0.0),
-        "warmup_steps": warmup, "step_time": summary,
-        "tokens_per_step": tokens, "tokens_per_s": tokens / summary["median_s"],
-        "recompiles_after_warmup": steady["n"], "host_syncs_per_step": syncs / steps,
+        "warmup_steps": warmup,
+        "step_time": summary,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / summary["median_s"],
+        "recompiles_after_warmup": steady["n"],
+        "host_syncs_per_step": syncs / steps,
         "implicit_device_to_host_transfers": "disallowed during the timed steps (jax.transfer_guard)",
         "final_loss": loss,
-        "flops_per_step_compiler": float(cost.get("flops", 0.0)), "flops_per_step_analytic": analytic,
+        "flops_per_step_compiler": float(cost.get("flops", 0.0)),
+        "flops_per_step_analytic": analytic,
         "achieved_flop_per_s": analytic / summary["median_s"],
     }
     if measure_matmul:
         mm_after = matmul_rate(config)
         seconds = (mm_before["gemm_time_per_step_s"] + mm_after["gemm_time_per_step_s"]) / 2
-        mm = {**mm_after, "flop_per_s": mm_after["gemm_flops_per_step"] / seconds, "gemm_time_per_step_s": seconds,
-              "flop_per_s_before_after": [mm_before["flop_per_s"], mm_after["flop_per_s"]],
-              "method": mm_after["method"] + "; measured before and after the timed steps, times averaged"}
+        mm = {
+            **mm_after,
+            "flop_per_s": mm_after["gemm_flops_per_step"] / seconds,
+            "gemm_time_per_step_s": seconds,
+            "flop_per_s_before_after": [mm_before["flop_per_s"], mm_after["flop_per_s"]],
+            "method": mm_after["method"]
+            + "; measured before and after the timed steps, times averaged",
+        }
         result["matmul"] = mm
         result["utilization_vs_matmul_rate"] = result["achieved_flop_per_s"] / mm["flop_per_s"]
     chip = chip_for_device_kind(env["device_kind"]) if env["backend"] == "tpu" else None
     if chip is not None:
-        result["utilization_vs_chip_peak_bf16"] = result["achieved_flop_per_s"] / (chip.peak_bf16_flops *
-                                                                                  env["device_count"])
+        result["utilization_vs_chip_peak_bf16"] = result["achieved_flop_per_s"] / (
+            chip.peak_bf16_flops * env["device_count"]
+        )
     return result
 
 
 def _model_shape(config) -> dict:
     m, p = config.model, config.precision
-    return {"d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "mlp_ratio": m.mlp_ratio,
-            "vocab_size": m.vocab_size, "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
-            "dropout": m.dropout, "param_dtype": p.param_dtype, "compute_dtype": p.compute_dtype}
+    return {
+        "d_model": m.d_model,
+        "n_layers": m.n_layers,
+        "n_heads": m.n_heads,
+        "mlp_ratio": m.mlp_ratio,
+        "vocab_size": m.vocab_size,
+        "seq_len": config.data.seq_len,
+        "batch_size": config.data.batch_size,
+        "dropout": m.dropout,
+        "param_dtype": p.param_dtype,
+        "compute_dtype": p.compute_dtype,
+    }
 
 
 def parse_sweep(spec: str) -> tuple[str, list[str]]:
@@ -225,47 +288,80 @@ def parse_sweep(spec: str) -> tuple[str, list[str]]:
     return key.strip(), vals
 
 
-def sweep_configs(load_config: Callable[[list[str]], object], spec: str) -> list[tuple[str, object]]:
+def sweep_configs(
+    load_config: Callable[[list[str]], object], spec: str
+) -> list[tuple[str, object]]:
     """Every config of a sweep, all validated before anything runs (a bad value fails in one line)."""
     key, values = parse_sweep(spec)
     return [(v, load_config([f"{key}={v}"])) for v in values]
 
 
 def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
-    lines = [f"| {key} | params (matmul) | step median ms (p10-p90) | tokens/s | achieved GFLOP/s | "
-             "matmul GFLOP/s at its shapes | utilization | recompiles |", "|" + "---|" * 8]
+    lines = [
+        f"| {key} | params (matmul) | step median ms (p10-p90) | tokens/s | achieved GFLOP/s | "
+        "matmul GFLOP/s at its shapes | utilization | recompiles |",
+        "|" + "---|" * 8,
+    ]
     for value, r in rows:
         st = r["step_time"]
         lines.append(
-            f"| {value} | {r['matmul_params']/1e6:.2f}M | {1e3*st['median_s']:.1f} ({1e3*st['p10_s']:.1f}-"
-            f"{1e3*st['p90_s']:.1f}) | {r['tokens_per_s']:.0f} | {r['achieved_flop_per_s']/1e9:.1f} | "
-            f"{r['matmul']['flop_per_s']/1e9:.1f} | {100*r['utilization_vs_matmul_rate']:.0f}% | "
-            f"{r['recompiles_after_warmup']} |")
+            f"| {value} | {r['matmul_params'] / 1e6:.2f}M | {1e3 * st['median_s']:.1f} ({1e3 * st['p10_s']:.1f}-"
+            f"{1e3 * st['p90_s']:.1f}) | {r['tokens_per_s']:.0f} | {r['achieved_flop_per_s'] / 1e9:.1f} | "
+            f"{r['matmul']['flop_per_s'] / 1e9:.1f} | {100 * r['utilization_vs_matmul_rate']:.0f}% | "
+            f"{r['recompiles_after_warmup']} |"
+        )
     return "\n".join(lines)
 
 
 def summary_table(r: dict) -> str:
     st = r["step_time"]
-    rows = [("compile (trace + lower + XLA)", f"{r['compile_s']:.2f} s"),
-            ("first step (after its compile)", f"{1e3 * r['first_step_s']:.1f} ms"),
-            (f"steady step, median of {st['steps']} (p10-p90)",
-             f"{1e3 * st['median_s']:.2f} ms ({1e3 * st['p10_s']:.2f}-{1e3 * st['p90_s']:.2f})"),
-            ("tokens/s", f"{r['tokens_per_s']:.0f}"),
-            ("recompiles after warm-up", str(r["recompiles_after_warmup"])),
-            ("host syncs per step", f"{r['host_syncs_per_step']:.0f}"),
-            ("FLOPs/step: compiler cost analysis vs analytic 6N·tokens + attention",
-             f"{r['flops_per_step_compiler'] / 1e9:.2f} G vs {r['flops_per_step_analytic'] / 1e9:.2f} G"),
-            ("achieved (analytic FLOPs / median step)", f"{r['achieved_flop_per_s'] / 1e9:.1f} GFLOP/s")]
+    rows = [
+        ("compile (trace + lower + XLA)", f"{r['compile_s']:.2f} s"),
+        ("first step (after its compile)", f"{1e3 * r['first_step_s']:.1f} ms"),
+        (
+            f"steady step, median of {st['steps']} (p10-p90)",
+            f"{1e3 * st['median_s']:.2f} ms ({1e3 * st['p10_s']:.2f}-{1e3 * st['p90_s']:.2f})",
+        ),
+        ("tokens/s", f"{r['tokens_per_s']:.0f}"),
+        ("recompiles after warm-up", str(r["recompiles_after_warmup"])),
+        ("host syncs per step", f"{r['host_syncs_per_step']:.0f}"),
+        (
+            "FLOPs/step: compiler cost analysis vs analytic 6N·tokens + attention",
+            f"{r['flops_per_step_compiler'] / 1e9:.2f} G vs {r['flops_per_step_analytic'] / 1e9:.2f} G",
+        ),
+        (
+            "achieved (analytic FLOPs / median step)",
+            f"{r['achieved_flop_per_s'] / 1e9:.1f} GFLOP/s",
+        ),
+    ]
     if "matmul" in r:
-        rows.append(("matmul rate here at the step's GEMM shapes", f"{r['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s"))
-        rows.append(("utilization vs that matmul rate", f"{100 * r['utilization_vs_matmul_rate']:.1f}%"))
+        rows.append(
+            (
+                "matmul rate here at the step's GEMM shapes",
+                f"{r['matmul']['flop_per_s'] / 1e9:.1f} GFLOP/s",
+            )
+        )
+        rows.append(
+            ("utilization vs that matmul rate", f"{100 * r['utilization_vs_matmul_rate']:.1f}%")
+        )
     if "utilization_vs_chip_peak_bf16" in r:
-        rows.append(("utilization vs the chip's published bf16 peak", f"{100 * r['utilization_vs_chip_peak_bf16']:.1f}%"))
+        rows.append(
+            (
+                "utilization vs the chip's published bf16 peak",
+                f"{100 * r['utilization_vs_chip_peak_bf16']:.1f}%",
+            )
+        )
     return "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
-def run_bench(config, run_dir, *, steps: int = MIN_TIMED_STEPS, sweep: list[tuple[str, object]] | None = None,
-              sweep_key: str | None = None) -> dict:
+def run_bench(
+    config,
+    run_dir,
+    *,
+    steps: int = MIN_TIMED_STEPS,
+    sweep: list[tuple[str, object]] | None = None,
+    sweep_key: str | None = None,
+) -> dict:
     """Bench the config (or each config of a sweep) and write DIR/bench/bench.{json,md} (+ sweep plot)."""
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
     from tpulab.config import to_dict
@@ -274,8 +370,12 @@ def run_bench(config, run_dir, *, steps: int = MIN_TIMED_STEPS, sweep: list[tupl
     out = Path(run_dir) / "bench"
     main = bench_step(config, steps=steps)
     check_no_recompiles(main)
-    result = {"bench": main, "config": to_dict(config), "environment": benchmark_environment(),
-              "batches": "fixed synthetic token ids of the configured shape"}
+    result = {
+        "bench": main,
+        "config": to_dict(config),
+        "environment": benchmark_environment(),
+        "batches": "fixed synthetic token ids of the configured shape",
+    }
     md = ["# bench", "", summary_table(main)]
     if sweep:
         rows = []
@@ -306,7 +406,9 @@ def sweep_plot(key: str, rows: list[tuple[str, dict]], path: Path) -> None:
     axes[0].set_ylabel("median step (ms)")
     axes[1].plot(labels, [r["tokens_per_s"] for _, r in rows], "o-")
     axes[1].set_ylabel("tokens/s")
-    axes[2].plot(labels, [100 * r["utilization_vs_matmul_rate"] for _, r in rows], "o-", label="step")
+    axes[2].plot(
+        labels, [100 * r["utilization_vs_matmul_rate"] for _, r in rows], "o-", label="step"
+    )
     axes[2].set_ylabel("% of matmul rate at own shapes")
     axes[2].set_ylim(0, 100)
     for ax in axes:

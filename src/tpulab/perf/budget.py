@@ -50,7 +50,9 @@ def train_flops(config) -> float:
 def activation_bytes(config, batch: int, *, remat: bool) -> int:
     m, t = config.model, config.data.seq_len
     c = _BYTES[config.precision.compute_dtype]
-    per_layer_token = 18 * m.d_model * c + 2 * m.n_heads * t * 4 + (m.n_heads * t if m.dropout > 0 else 0)
+    per_layer_token = (
+        18 * m.d_model * c + 2 * m.n_heads * t * 4 + (m.n_heads * t if m.dropout > 0 else 0)
+    )
     head_token = 2 * m.vocab_size * 4 + m.d_model * c
     if remat:
         per_token = m.n_layers * m.d_model * c + per_layer_token + head_token
@@ -66,11 +68,16 @@ def train_budget(config, devices: int) -> dict:
     state = {"params": n * p, "grads": n * p, "adam_mu": n * p, "adam_nu": n * p}
     act, act_remat = (activation_bytes(config, per_device_batch, remat=r) for r in (False, True))
     base = sum(state.values())
-    return {**state, "activations": act, "activations_remat": act_remat,
-            "workspace": int(WORKSPACE_MARGIN * (base + act)),
-            "total": int((base + act) * (1 + WORKSPACE_MARGIN)),
-            "total_remat": int((base + act_remat) * (1 + WORKSPACE_MARGIN)),
-            "param_count": n, "per_device_batch": per_device_batch}
+    return {
+        **state,
+        "activations": act,
+        "activations_remat": act_remat,
+        "workspace": int(WORKSPACE_MARGIN * (base + act)),
+        "total": int((base + act) * (1 + WORKSPACE_MARGIN)),
+        "total_remat": int((base + act_remat) * (1 + WORKSPACE_MARGIN)),
+        "param_count": n,
+        "per_device_batch": per_device_batch,
+    }
 
 
 def kv_cache_bytes(config, batch: int, context: int, policy: str) -> int:
@@ -86,29 +93,50 @@ def _explain(kind: str, analytic: float, compiled: float) -> str:
         return ""
     more = compiled > analytic
     if kind == "memory":
-        return ("compiler peak above analytic: XLA holds fp32 temporaries/fusion outputs and the updated state "
-                "alongside the old one beyond the margin" if more else
-                "compiler peak below analytic: XLA frees or recomputes cheap activations (elementwise fusions) "
-                "and never holds all gradients and activations at once")
-    return ("compiler counts elementwise work (softmax, GELU, norms, AdamW) that 6N·tokens leaves out" if more else
-            "compiler counts fewer FLOPs than the analytic matmul count (e.g. fused or simplified ops)")
+        return (
+            "compiler peak above analytic: XLA holds fp32 temporaries/fusion outputs and the updated state "
+            "alongside the old one beyond the margin"
+            if more
+            else "compiler peak below analytic: XLA frees or recomputes cheap activations (elementwise fusions) "
+            "and never holds all gradients and activations at once"
+        )
+    return (
+        "compiler counts elementwise work (softmax, GELU, norms, AdamW) that 6N·tokens leaves out"
+        if more
+        else "compiler counts fewer FLOPs than the analytic matmul count (e.g. fused or simplified ops)"
+    )
 
 
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b else None
 
 
-def budget(config, targets: str, *, serve_batch: int = 8, serve_context: int | None = None,
-           compile_steps: bool = True) -> dict:
+def budget(
+    config,
+    targets: str,
+    *,
+    serve_batch: int = 8,
+    serve_context: int | None = None,
+    compile_steps: bool = True,
+) -> dict:
     """Per target: analytic vs compiled memory and FLOPs, fit verdicts, roofline placement; plus a recommendation."""
     parsed = aot.parse_targets(targets)
     context = serve_context or config.model.max_seq_len
     if serve_batch <= 0 or context <= 0:
-        raise TpulabError(f"--serve-batch ({serve_batch}) and --serve-context ({context}) must be positive")
+        raise TpulabError(
+            f"--serve-batch ({serve_batch}) and --serve-context ({context}) must be positive"
+        )
     rows = []
     if compile_steps:  # a model that cannot fit anywhere is refused before any compile
-        check_fits(budget(config, targets, serve_batch=serve_batch, serve_context=serve_context,
-                          compile_steps=False))
+        check_fits(
+            budget(
+                config,
+                targets,
+                serve_batch=serve_batch,
+                serve_context=serve_context,
+                compile_steps=False,
+            )
+        )
     for target in parsed:
         devices = len(aot.topology_devices(target.name))
         per_chip = devices / target.chips  # libtpu shows a v4 chip as 2 devices, a v5p chip as 1
@@ -117,27 +145,40 @@ def budget(config, targets: str, *, serve_batch: int = 8, serve_context: int | N
         bw = target.chip.hbm_bytes_per_s / per_chip
         train = train_budget(config, devices)
         serve_weights = param_count(config.model) * _BYTES[config.precision.param_dtype]
-        serve = {pol: serve_weights + kv_cache_bytes(config, math.ceil(serve_batch / devices), context, pol)
-                 for pol in ("fp32", "bf16", "int8")}
+        serve = {
+            pol: serve_weights
+            + kv_cache_bytes(config, math.ceil(serve_batch / devices), context, pol)
+            for pol in ("fp32", "bf16", "int8")
+        }
         analytic_flops = train_flops(config) / devices
-        row = {"target": target.name, "generation": target.chip.generation, "chips": target.chips,
-               "devices": devices, "hbm_per_device": int(hbm), "train": train,
-               "serve": {"batch": serve_batch, "context": context, "bytes_per_device": serve},
-               "analytic_flops_per_device": analytic_flops,
-               "ridge_bf16": target.chip.ridge("bf16"), "ridge_int8": target.chip.ridge("int8"),
-               "chip_source": target.chip.source}
+        row = {
+            "target": target.name,
+            "generation": target.chip.generation,
+            "chips": target.chips,
+            "devices": devices,
+            "hbm_per_device": int(hbm),
+            "train": train,
+            "serve": {"batch": serve_batch, "context": context, "bytes_per_device": serve},
+            "analytic_flops_per_device": analytic_flops,
+            "ridge_bf16": target.chip.ridge("bf16"),
+            "ridge_int8": target.chip.ridge("int8"),
+            "chip_source": target.chip.source,
+        }
         if compile_steps:
             try:
                 c = aot.compile_train_step(config, target.name)
             except aot.CompilerOutOfMemory as e:
                 c = None
                 row["compiler_refused"] = str(e)
-            serve_cfg = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=context),
-                                            data=dataclasses.replace(config.data,
-                                                                     seq_len=min(config.data.seq_len, context)))
+            serve_cfg = dataclasses.replace(
+                config,
+                model=dataclasses.replace(config.model, max_seq_len=context),
+                data=dataclasses.replace(config.data, seq_len=min(config.data.seq_len, context)),
+            )
             try:
-                row["compiled_decode_bf16"] = aot.compile_decode_step(serve_cfg, target.name,
-                                                                      _round_up(serve_batch, devices), "bf16")
+                row["compiled_decode_bf16"] = aot.compile_decode_step(
+                    serve_cfg, target.name, _round_up(serve_batch, devices), "bf16"
+                )
             except aot.CompilerOutOfMemory as e:
                 row["compiled_decode_bf16"] = {"refused": str(e)}
         else:
@@ -146,8 +187,11 @@ def budget(config, targets: str, *, serve_batch: int = 8, serve_context: int | N
             intensity = c["flops"] / c["bytes_accessed"] if c["bytes_accessed"] else None
             row["compiled_train"] = c
             row["arithmetic_intensity"] = intensity
-            row["bound"] = None if intensity is None else (
-                "compute-bound" if intensity >= row["ridge_bf16"] else "memory-bound")
+            row["bound"] = (
+                None
+                if intensity is None
+                else ("compute-bound" if intensity >= row["ridge_bf16"] else "memory-bound")
+            )
             row["compute_time_floor_s"] = c["flops"] / peak
             row["memory_time_floor_s"] = c["bytes_accessed"] / bw
             row["memory_note"] = _explain("memory", train["total"], c["peak_bytes"])
@@ -162,8 +206,13 @@ def budget(config, targets: str, *, serve_batch: int = 8, serve_context: int | N
         row["train_fits_with_headroom"] = row["train_fits"] and need <= (1 - HEADROOM) * hbm
         row["serve_fits"] = {pol: b <= hbm for pol, b in serve.items()}
         rows.append(row)
-    return {"rows": rows, "recommendation": recommend(rows), "margin": WORKSPACE_MARGIN, "headroom": HEADROOM,
-            "libtpu": aot.libtpu_version()}
+    return {
+        "rows": rows,
+        "recommendation": recommend(rows),
+        "margin": WORKSPACE_MARGIN,
+        "headroom": HEADROOM,
+        "libtpu": aot.libtpu_version(),
+    }
 
 
 def _need(row: dict) -> int:
@@ -180,18 +229,31 @@ def _round_up(x: int, k: int) -> int:
 def recommend(rows: list[dict]) -> dict:
     """The smallest slice (fewest chips, then least HBM) that trains with headroom; else with remat; else none."""
     order = sorted(rows, key=lambda r: (r["chips"], r["hbm_per_device"] * r["devices"]))
-    for key, how in (("train_fits_with_headroom", "as configured"), ("train_fits_remat", "with rematerialization")):
+    for key, how in (
+        ("train_fits_with_headroom", "as configured"),
+        ("train_fits_remat", "with rematerialization"),
+    ):
         for r in order:
             if r[key]:
                 need = r["need_bytes"]
-                basis = "the XLA:TPU compiler's peak" if "compiled_train" in r else "the analytic estimate"
+                basis = (
+                    "the XLA:TPU compiler's peak"
+                    if "compiled_train" in r
+                    else "the analytic estimate"
+                )
                 if how != "as configured":
-                    need, basis = r["train"]["total_remat"], "the analytic estimate with rematerialization"
-                return {"target": r["target"], "how": how,
-                        "why": f"fewest chips among the targets that hold the train step {how}: needs "
-                               f"{_gib(need)} of {_gib(r['hbm_per_device'])} HBM per device "
-                               f"({100 * need / r['hbm_per_device']:.1f}% by {basis}; at most {100 * (1 - HEADROOM):.0f}% "
-                               "leaves the headroom)"}
+                    need, basis = (
+                        r["train"]["total_remat"],
+                        "the analytic estimate with rematerialization",
+                    )
+                return {
+                    "target": r["target"],
+                    "how": how,
+                    "why": f"fewest chips among the targets that hold the train step {how}: needs "
+                    f"{_gib(need)} of {_gib(r['hbm_per_device'])} HBM per device "
+                    f"({100 * need / r['hbm_per_device']:.1f}% by {basis}; at most {100 * (1 - HEADROOM):.0f}% "
+                    "leaves the headroom)",
+                }
     return {"target": None, "how": None, "why": "fits none of the targets"}
 
 
@@ -202,7 +264,8 @@ def check_fits(result: dict) -> None:
         raise DoesNotFit(
             f"this model fits none of {', '.join(r['target'] for r in result['rows'])}: the train step needs "
             f"{_gib(worst['train']['total_remat'])} per device even with rematerialization, {worst['target']} has "
-            f"{_gib(worst['hbm_per_device'])}; pick a bigger slice or a smaller model (nothing was provisioned)")
+            f"{_gib(worst['hbm_per_device'])}; pick a bigger slice or a smaller model (nothing was provisioned)"
+        )
 
 
 def _gib(b: float) -> str:
@@ -211,36 +274,67 @@ def _gib(b: float) -> str:
 
 def table(result: dict) -> str:
     """Markdown: one row per target (per device), then the recommendation."""
-    lines = ["| target | dev | HBM/dev | params+grads+Adam | activations (remat) | analytic total (remat) | "
-             "compiled peak | fits | serve bf16 / int8 KV | compiler GFLOP vs analytic | AI (FLOP/B) vs ridge bf16 |"
-             " notes |", "|" + "---|" * 12]
+    lines = [
+        "| target | dev | HBM/dev | params+grads+Adam | activations (remat) | analytic total (remat) | "
+        "compiled peak | fits | serve bf16 / int8 KV | compiler GFLOP vs analytic | AI (FLOP/B) vs ridge bf16 |"
+        " notes |",
+        "|" + "---|" * 12,
+    ]
     for r in result["rows"]:
         t = r["train"]
         state = t["params"] + t["grads"] + t["adam_mu"] + t["adam_nu"]
         c = r.get("compiled_train")
-        fits = ("yes" if r["train_fits_with_headroom"] else "tight" if r["train_fits"] else
-                "remat only" if r["train_fits_remat"] else "NO")
-        ai = f"{r['arithmetic_intensity']:.1f} vs {r['ridge_bf16']:.0f} ({r['bound']})" if c else "-"
-        flops = (f"{c['flops'] / 1e9:.2f} vs {r['analytic_flops_per_device'] / 1e9:.2f}" if c else
-                 f"- vs {r['analytic_flops_per_device'] / 1e9:.2f}")
+        fits = (
+            "yes"
+            if r["train_fits_with_headroom"]
+            else "tight"
+            if r["train_fits"]
+            else "remat only"
+            if r["train_fits_remat"]
+            else "NO"
+        )
+        ai = (
+            f"{r['arithmetic_intensity']:.1f} vs {r['ridge_bf16']:.0f} ({r['bound']})" if c else "-"
+        )
+        flops = (
+            f"{c['flops'] / 1e9:.2f} vs {r['analytic_flops_per_device'] / 1e9:.2f}"
+            if c
+            else f"- vs {r['analytic_flops_per_device'] / 1e9:.2f}"
+        )
         refused = r.get("compiler_refused")
-        notes = "; ".join(n for n in (r.get("memory_note"), r.get("flops_note"),
-                                      refused and "XLA:TPU refused to compile: " + refused.split(": ", 1)[-1]) if n)
+        notes = "; ".join(
+            n
+            for n in (
+                r.get("memory_note"),
+                r.get("flops_note"),
+                refused and "XLA:TPU refused to compile: " + refused.split(": ", 1)[-1],
+            )
+            if n
+        )
         s = r["serve"]["bytes_per_device"]
-        lines.append(f"| {r['target']} | {r['devices']} | {_gib(r['hbm_per_device'])} | {_gib(state)} | "
-                     f"{_gib(t['activations'])} ({_gib(t['activations_remat'])}) | {_gib(t['total'])} "
-                     f"({_gib(t['total_remat'])}) | {_gib(c['peak_bytes']) if c else ('OOM' if refused else '-')} | {fits} | "
-                     f"{_gib(s['bf16'])} / {_gib(s['int8'])} | {flops} | {ai} | {notes} |")
+        lines.append(
+            f"| {r['target']} | {r['devices']} | {_gib(r['hbm_per_device'])} | {_gib(state)} | "
+            f"{_gib(t['activations'])} ({_gib(t['activations_remat'])}) | {_gib(t['total'])} "
+            f"({_gib(t['total_remat'])}) | {_gib(c['peak_bytes']) if c else ('OOM' if refused else '-')} | {fits} | "
+            f"{_gib(s['bf16'])} / {_gib(s['int8'])} | {flops} | {ai} | {notes} |"
+        )
     rec = result["recommendation"]
     lines.append("")
-    lines.append(f"Recommendation: {rec['target']} ({rec['why']})" if rec["target"] else
-                 f"Recommendation: none — {rec['why']}")
+    lines.append(
+        f"Recommendation: {rec['target']} ({rec['why']})"
+        if rec["target"]
+        else f"Recommendation: none — {rec['why']}"
+    )
     lines.append("")
-    lines.append("Chip figures: " + "; ".join(f"{c.generation}: {c.source}" for c in CHIPS.values()))
+    lines.append(
+        "Chip figures: " + "; ".join(f"{c.generation}: {c.source}" for c in CHIPS.values())
+    )
     return "\n".join(lines)
 
 
-def write_budget(config, targets: str, out_dir, *, serve_batch: int = 8, serve_context: int | None = None) -> dict:
+def write_budget(
+    config, targets: str, out_dir, *, serve_batch: int = 8, serve_context: int | None = None
+) -> dict:
     """Run ``budget`` and write budget.json (with provenance and the config) and budget.md under ``out_dir``."""
     from pathlib import Path
 
@@ -252,10 +346,14 @@ def write_budget(config, targets: str, out_dir, *, serve_batch: int = 8, serve_c
     check_fits(result)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    result = {**result, "config": to_dict(config), "param_count": param_count(config.model),
-              "environment": {**environment(), "libtpu": aot.libtpu_version()},
-              "method": "analytic bytes per device (see tpulab.perf.budget) next to XLA:TPU compiles of the "
-                        "train and decode steps for each topology via libtpu on this host (not executed)"}
+    result = {
+        **result,
+        "config": to_dict(config),
+        "param_count": param_count(config.model),
+        "environment": {**environment(), "libtpu": aot.libtpu_version()},
+        "method": "analytic bytes per device (see tpulab.perf.budget) next to XLA:TPU compiles of the "
+        "train and decode steps for each topology via libtpu on this host (not executed)",
+    }
     atomic_write_json(out / "budget.json", result)
     atomic_write_bytes(out / "budget.md", (table(result) + "\n").encode())
     return result

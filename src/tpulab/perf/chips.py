@@ -31,16 +31,47 @@ class Chip:
         return peak / self.hbm_bytes_per_s
 
 
-CHIPS: dict[str, Chip] = {c.generation: c for c in (
-    Chip("v4", "TPU v4", 275e12, 275e12, 32 * GiB, 1200e9,
-         "https://cloud.google.com/tpu/docs/v4 (275 TFLOPS bf16 or int8, 32 GiB HBM2, 1200 GBps)"),
-    Chip("v5e", "TPU v5 lite", 197e12, 394e12, 16 * GiB, 819e9,
-         "https://cloud.google.com/tpu/docs/v5e (197 TFLOPS bf16, 394 TOPS int8, 16 GiB HBM2, 819 GB/s)"),
-    Chip("v5p", "TPU v5", 459e12, 918e12, 95 * GiB, 2765e9,
-         "https://cloud.google.com/tpu/docs/v5p (459 TFLOPS bf16, 918 TOPS int8, 95 GiB HBM2e, 2765 GB/s)"),
-    Chip("v6e", "TPU v6 lite", 918e12, 1836e12, 32 * GiB, 1640e9,
-         "https://cloud.google.com/tpu/docs/v6e (918 TFLOPS bf16, 1836 TOPS int8, 32 GiB HBM, 1640 GB/s)"),
-)}
+CHIPS: dict[str, Chip] = {
+    c.generation: c
+    for c in (
+        Chip(
+            "v4",
+            "TPU v4",
+            275e12,
+            275e12,
+            32 * GiB,
+            1200e9,
+            "https://cloud.google.com/tpu/docs/v4 (275 TFLOPS bf16 or int8, 32 GiB HBM2, 1200 GBps)",
+        ),
+        Chip(
+            "v5e",
+            "TPU v5 lite",
+            197e12,
+            394e12,
+            16 * GiB,
+            819e9,
+            "https://cloud.google.com/tpu/docs/v5e (197 TFLOPS bf16, 394 TOPS int8, 16 GiB HBM2, 819 GB/s)",
+        ),
+        Chip(
+            "v5p",
+            "TPU v5",
+            459e12,
+            918e12,
+            95 * GiB,
+            2765e9,
+            "https://cloud.google.com/tpu/docs/v5p (459 TFLOPS bf16, 918 TOPS int8, 95 GiB HBM2e, 2765 GB/s)",
+        ),
+        Chip(
+            "v6e",
+            "TPU v6 lite",
+            918e12,
+            1836e12,
+            32 * GiB,
+            1640e9,
+            "https://cloud.google.com/tpu/docs/v6e (918 TFLOPS bf16, 1836 TOPS int8, 32 GiB HBM, 1640 GB/s)",
+        ),
+    )
+}
 
 
 def chip_for_device_kind(device_kind: str) -> Chip | None:

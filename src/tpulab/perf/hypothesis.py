@@ -30,8 +30,10 @@ _PCT = re.compile(r"([+-−]?\s?\d+(?:\.\d+)?)\s?%")
 def predicted_change(text: str) -> float:
     found = _PCT.findall(text or "")
     if not found:
-        raise TpulabError(f"--predict must state the step-time change as a signed percentage (e.g. "
-                          f"'step time -15%'), got {text!r}")
+        raise TpulabError(
+            f"--predict must state the step-time change as a signed percentage (e.g. "
+            f"'step time -15%'), got {text!r}"
+        )
     return float(found[-1].replace("−", "-").replace(" ", ""))
 
 
@@ -42,8 +44,16 @@ def verdict(predicted_pct: float, measured_pct: float) -> dict:
     return {"verdict": "confirmed" if ok else "refuted", "tolerance_pp": tol}
 
 
-def run_hypothesis(base_config, change: str, predict: str, out_dir, *, steps: int = 30, skip: int = 3,
-                   loss_tol: float = 0.05) -> dict:
+def run_hypothesis(
+    base_config,
+    change: str,
+    predict: str,
+    out_dir,
+    *,
+    steps: int = 30,
+    skip: int = 3,
+    loss_tol: float = 0.05,
+) -> dict:
     """Alternate baseline and changed train steps on the same batches; write hypothesis.{json,md,png}."""
     import jax
 
@@ -62,11 +72,15 @@ def run_hypothesis(base_config, change: str, predict: str, out_dir, *, steps: in
     if changed_config == base_config:
         raise TpulabError(f"--change {change} leaves the config as it is; nothing to compare")
     if steps < skip + 20:
-        raise TpulabError(f"--steps {steps}: need at least {skip + 20} (warm-up {skip} plus 20 timed per side)")
+        raise TpulabError(
+            f"--steps {steps}: need at least {skip + 20} (warm-up {skip} plus 20 timed per side)"
+        )
     splits = build_splits(load_corpus(base_config.data.path), base_config.data)
     data = iter(train_dataset(splits.train_windows, base_config.data))
     batches = [next(data) for _ in range(steps)]
-    val = eval_batches(splits.val_windows, base_config.data.batch_size, base_config.train.eval_batches)
+    val = eval_batches(
+        splits.val_windows, base_config.data.batch_size, base_config.train.eval_batches
+    )
 
     sides = {}
     for name, cfg in (("baseline", base_config), ("changed", changed_config)):
@@ -94,14 +108,27 @@ def run_hypothesis(base_config, change: str, predict: str, out_dir, *, steps: in
     base_t, new_t = sides["baseline"]["median_step_s"], sides["changed"]["median_step_s"]
     measured = 100.0 * (new_t - base_t) / base_t
     dloss = abs(sides["changed"]["val_loss"] - sides["baseline"]["val_loss"])
-    result = {"change": change, "prediction": predict, "predicted_step_time_change_pct": pred,
-              "measured_step_time_change_pct": measured, **verdict(pred, measured),
-              "baseline": {k: sides["baseline"][k] for k in ("median_step_s", "val_loss", "losses", "times")},
-              "changed": {k: sides["changed"][k] for k in ("median_step_s", "val_loss", "losses", "times")},
-              "steps": steps, "timed_steps_per_side": steps - skip, "loss_tolerance": loss_tol,
-              "val_loss_difference": dloss, "quality_within_tolerance": dloss <= loss_tol,
-              "method": "same seed, same batches, alternating order each step, synchronized steps",
-              "config": to_dict(base_config), "environment": benchmark_environment()}
+    result = {
+        "change": change,
+        "prediction": predict,
+        "predicted_step_time_change_pct": pred,
+        "measured_step_time_change_pct": measured,
+        **verdict(pred, measured),
+        "baseline": {
+            k: sides["baseline"][k] for k in ("median_step_s", "val_loss", "losses", "times")
+        },
+        "changed": {
+            k: sides["changed"][k] for k in ("median_step_s", "val_loss", "losses", "times")
+        },
+        "steps": steps,
+        "timed_steps_per_side": steps - skip,
+        "loss_tolerance": loss_tol,
+        "val_loss_difference": dloss,
+        "quality_within_tolerance": dloss <= loss_tol,
+        "method": "same seed, same batches, alternating order each step, synchronized steps",
+        "config": to_dict(base_config),
+        "environment": benchmark_environment(),
+    }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _plot(result, out / "hypothesis.png")
@@ -112,16 +139,25 @@ def run_hypothesis(base_config, change: str, predict: str, out_dir, *, steps: in
 
 def markdown(r: dict) -> str:
     b, c = r["baseline"], r["changed"]
-    return "\n".join([
-        f"Hypothesis: {r['prediction']}", f"Change: `{r['change']}`", "",
-        "| | median step ms | val loss |", "|---|---|---|",
-        f"| baseline | {1e3 * b['median_step_s']:.2f} | {b['val_loss']:.4f} |",
-        f"| changed | {1e3 * c['median_step_s']:.2f} | {c['val_loss']:.4f} |", "",
-        f"Predicted step time {r['predicted_step_time_change_pct']:+.1f}%, measured "
-        f"{r['measured_step_time_change_pct']:+.1f}% over {r['timed_steps_per_side']} alternating steps per side "
-        f"(tolerance {r['tolerance_pp']:.1f} pp): **{r['verdict'].upper()}**. Validation losses differ by "
-        f"{r['val_loss_difference']:.4f} ({'within' if r['quality_within_tolerance'] else 'OUTSIDE'} the "
-        f"{r['loss_tolerance']} tolerance).", "", "![curves](hypothesis.png)"])
+    return "\n".join(
+        [
+            f"Hypothesis: {r['prediction']}",
+            f"Change: `{r['change']}`",
+            "",
+            "| | median step ms | val loss |",
+            "|---|---|---|",
+            f"| baseline | {1e3 * b['median_step_s']:.2f} | {b['val_loss']:.4f} |",
+            f"| changed | {1e3 * c['median_step_s']:.2f} | {c['val_loss']:.4f} |",
+            "",
+            f"Predicted step time {r['predicted_step_time_change_pct']:+.1f}%, measured "
+            f"{r['measured_step_time_change_pct']:+.1f}% over {r['timed_steps_per_side']} alternating steps per side "
+            f"(tolerance {r['tolerance_pp']:.1f} pp): **{r['verdict'].upper()}**. Validation losses differ by "
+            f"{r['val_loss_difference']:.4f} ({'within' if r['quality_within_tolerance'] else 'OUTSIDE'} the "
+            f"{r['loss_tolerance']} tolerance).",
+            "",
+            "![curves](hypothesis.png)",
+        ]
+    )
 
 
 def _plot(r: dict, path: Path) -> None:
@@ -132,8 +168,15 @@ def _plot(r: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     for name, style in (("baseline", "-"), ("changed", "--")):
-        axes[0].plot(range(1, r["steps"] + 1), r[name]["losses"], style, label=f"{name} (val {r[name]['val_loss']:.3f})")
-        axes[1].plot(range(1, r["steps"] + 1), [1e3 * t for t in r[name]["times"]], style, label=name)
+        axes[0].plot(
+            range(1, r["steps"] + 1),
+            r[name]["losses"],
+            style,
+            label=f"{name} (val {r[name]['val_loss']:.3f})",
+        )
+        axes[1].plot(
+            range(1, r["steps"] + 1), [1e3 * t for t in r[name]["times"]], style, label=name
+        )
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("train loss")
     axes[0].legend(fontsize=8)
@@ -141,8 +184,11 @@ def _plot(r: dict, path: Path) -> None:
     axes[1].set_ylabel("step time (ms)")
     axes[1].set_yscale("log")
     axes[1].legend(fontsize=8)
-    fig.suptitle(f"{r['change']}: {r['verdict']} (predicted {r['predicted_step_time_change_pct']:+.0f}%, "
-                 f"measured {r['measured_step_time_change_pct']:+.0f}%)", fontsize=10)
+    fig.suptitle(
+        f"{r['change']}: {r['verdict']} (predicted {r['predicted_step_time_change_pct']:+.0f}%, "
+        f"measured {r['measured_step_time_change_pct']:+.0f}%)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -33,7 +33,12 @@ _POLICY = {  # weights, activations, accumulation, kv cache
     "fp32": ("float32", "float32", "float32", "fp32"),
     "bf16-compute": ("float32", "bfloat16", "float32", "bf16"),
     "bf16-params": ("bfloat16", "bfloat16", "float32", "bf16"),
-    "int8-weights": ("int8 per-channel (dequantized to float32 for the matmul)", "float32", "float32", "fp32"),
+    "int8-weights": (
+        "int8 per-channel (dequantized to float32 for the matmul)",
+        "float32",
+        "float32",
+        "fp32",
+    ),
     "int8-cache": ("float32", "float32", "float32", "int8"),
 }
 
@@ -73,11 +78,14 @@ def _compare(ref_btv, logits_btv, targets, mask) -> dict:
     kl = jnp.maximum(jnp.sum(jnp.exp(lp_ref) * (lp_ref - lp), axis=-1), 0.0)
     nll = -jnp.take_along_axis(lp, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
     diff = jnp.max(jnp.abs(logits_btv.astype(jnp.float32) - ref_btv), axis=-1)
-    agree = (jnp.argmax(lp, -1) == jnp.argmax(lp_ref, -1))
-    return {"heldout_loss": float(jnp.sum(nll * m) / m.sum()),
-            "max_abs_logit_diff": float(jnp.max(jnp.where(m, diff, 0.0))),
-            "mean_kl": float(jnp.sum(kl * m) / m.sum()),
-            "greedy_agreement": float(jnp.sum(agree * m) / m.sum()), "positions": int(m.sum())}
+    agree = jnp.argmax(lp, -1) == jnp.argmax(lp_ref, -1)
+    return {
+        "heldout_loss": float(jnp.sum(nll * m) / m.sum()),
+        "max_abs_logit_diff": float(jnp.max(jnp.where(m, diff, 0.0))),
+        "mean_kl": float(jnp.sum(kl * m) / m.sum()),
+        "greedy_agreement": float(jnp.sum(agree * m) / m.sum()),
+        "positions": int(m.sum()),
+    }
 
 
 def _median_time(fn, *args, n: int = 20) -> float:
@@ -103,9 +111,14 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
     from tpulab.train.restore import load_model
 
     src = load_model(run_dir)
-    if src.config.precision.param_dtype != "float32" or src.config.precision.compute_dtype != "float32":
-        raise TpulabError(f"{run_dir} was trained in {src.config.precision.param_dtype}/"
-                          f"{src.config.precision.compute_dtype}; the precision table needs an fp32 run as reference")
+    if (
+        src.config.precision.param_dtype != "float32"
+        or src.config.precision.compute_dtype != "float32"
+    ):
+        raise TpulabError(
+            f"{run_dir} was trained in {src.config.precision.param_dtype}/"
+            f"{src.config.precision.compute_dtype}; the precision table needs an fp32 run as reference"
+        )
     win = heldout_windows(src.config, windows)
     inputs, targets = jnp.asarray(win[:, :-1]), win[:, 1:]
     mask = targets != PAD
@@ -118,7 +131,9 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
         w_dtype, act, acc, cache_policy = _POLICY[name]
         if name in ("bf16-compute", "bf16-params"):
             prec = PrecisionConfig(param_dtype=w_dtype, compute_dtype=act)
-            model = nnx.eval_shape(lambda p=prec: Transformer(src.config.model, p, rngs=nnx.Rngs(0)))
+            model = nnx.eval_shape(
+                lambda p=prec: Transformer(src.config.model, p, rngs=nnx.Rngs(0))
+            )
             fns = ModelFns(model)
             params = {k: v.astype(fns.params[k].dtype) for k, v in ref_fns.params.items()}
             weight_bytes = sum(int(v.size) * v.dtype.itemsize for v in params.values())
@@ -137,30 +152,52 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
         else:
             logits = fwd(params, inputs)
             fwd_s = _median_time(fwd, params, inputs)
-        row = {"policy": name, "weights": w_dtype, "activations": act, "accumulation": acc, "kv_cache": cache_policy,
-               "weight_bytes": weight_bytes, "forward_ms": 1e3 * fwd_s,
-               **_compare(ref, logits, targets, mask)}
+        row = {
+            "policy": name,
+            "weights": w_dtype,
+            "activations": act,
+            "accumulation": acc,
+            "kv_cache": cache_policy,
+            "weight_bytes": weight_bytes,
+            "forward_ms": 1e3 * fwd_s,
+            **_compare(ref, logits, targets, mask),
+        }
         abstract = jax.eval_shape(lambda c=cache_policy: ref_fns.shape.init(c, 1))
         row["kv_bytes_per_token"] = kv.bytes_per_token(abstract)
         if name in ("fp32", "bf16-compute", "bf16-params"):
-            cfg = dataclasses.replace(src.config, precision=PrecisionConfig(param_dtype=w_dtype, compute_dtype=act))
-            row["train_step_ms"] = 1e3 * bench_step(cfg, steps=train_steps, warmup=2,
-                                                    measure_matmul=False)["step_time"]["median_s"]
+            cfg = dataclasses.replace(
+                src.config, precision=PrecisionConfig(param_dtype=w_dtype, compute_dtype=act)
+            )
+            row["train_step_ms"] = (
+                1e3
+                * bench_step(cfg, steps=train_steps, warmup=2, measure_matmul=False)["step_time"][
+                    "median_s"
+                ]
+            )
         rows.append(row)
-    return {"rows": rows, "checkpoint": {"step": src.step, "manifest_sha256": src.checkpoint_digest},
-            "heldout": {"windows": list(inputs.shape), "positions": int(mask.sum())},
-            "model": dataclasses.asdict(src.config.model)}
+    return {
+        "rows": rows,
+        "checkpoint": {"step": src.step, "manifest_sha256": src.checkpoint_digest},
+        "heldout": {"windows": list(inputs.shape), "positions": int(mask.sum())},
+        "model": dataclasses.asdict(src.config.model),
+    }
 
 
 def markdown(result: dict) -> str:
-    lines = ["| policy | weights | activations | accum | KV cache | held-out loss | max abs logit diff | mean KL "
-             "| greedy agreement | weight MB | KV B/token | forward ms | train step ms |", "|" + "---|" * 13]
+    lines = [
+        "| policy | weights | activations | accum | KV cache | held-out loss | max abs logit diff | mean KL "
+        "| greedy agreement | weight MB | KV B/token | forward ms | train step ms |",
+        "|" + "---|" * 13,
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['policy']} | {r['weights']} | {r['activations']} | {r['accumulation']} | {r['kv_cache']} "
-                     f"| {r['heldout_loss']:.4f} | {r['max_abs_logit_diff']:.2e} | {r['mean_kl']:.2e} | "
-                     f"{r['greedy_agreement']:.4f} | {r['weight_bytes'] / 1e6:.3f} | {r['kv_bytes_per_token']:.0f} | "
-                     f"{r['forward_ms']:.2f} | " + (f"{r['train_step_ms']:.2f}" if "train_step_ms" in r else "inference only")
-                     + " |")
+        lines.append(
+            f"| {r['policy']} | {r['weights']} | {r['activations']} | {r['accumulation']} | {r['kv_cache']} "
+            f"| {r['heldout_loss']:.4f} | {r['max_abs_logit_diff']:.2e} | {r['mean_kl']:.2e} | "
+            f"{r['greedy_agreement']:.4f} | {r['weight_bytes'] / 1e6:.3f} | {r['kv_bytes_per_token']:.0f} | "
+            f"{r['forward_ms']:.2f} | "
+            + (f"{r['train_step_ms']:.2f}" if "train_step_ms" in r else "inference only")
+            + " |"
+        )
     return "\n".join(lines)
 
 

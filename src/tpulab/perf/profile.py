@@ -29,8 +29,14 @@ from pathlib import Path
 from tpulab.errors import TpulabError
 
 AGREEMENT = 0.10
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                "collective-broadcast")
+_COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+.*?\s([a-z][\w\-]*)\((.*)$")
 _CALLEE = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -42,7 +48,9 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
     current = None
     for line in hlo_text.splitlines():
         m = _COMP.match(line)
-        if m and not line[:1].isspace():  # computation headers are unindented; instructions are indented
+        if (
+            m and not line[:1].isspace()
+        ):  # computation headers are unindented; instructions are indented
             current = m.group(1)
             continue
         if current is None:
@@ -76,9 +84,12 @@ def _category(opcode: str, kinds: set[str]) -> str:
     if any(k.startswith(c) for k in kinds for c in _COLLECTIVES):
         return "collective"
     if {"xor", "shift-right-logical"} <= kinds or "rng-bit-generator" in kinds:
-        return "rng (random bits)"  # threefry lowers to u32 shifts and xors; dropout masks start here
-    if opcode in ("copy", "transpose") or (opcode == "fusion" and kinds - {"fusion", "parameter", "bitcast"}
-                                           <= {"copy", "transpose"}):
+        return (
+            "rng (random bits)"  # threefry lowers to u32 shifts and xors; dropout masks start here
+        )
+    if opcode in ("copy", "transpose") or (
+        opcode == "fusion" and kinds - {"fusion", "parameter", "bitcast"} <= {"copy", "transpose"}
+    ):
         return "copy/transposition"
     if opcode == "fusion":
         return "fusion"
@@ -108,29 +119,53 @@ def read_trace(xplane: Path, module: str = "jit_train_step") -> dict:
                     ops[where][str(stats["hlo_op"])] += ev.duration_ns / 1e9
                     counts[where][str(stats["hlo_op"])] += 1
     source = "device" if ops["device"] else "host"
-    return {"steps": sorted(steps), "op_seconds": dict(ops[source]), "op_counts": dict(counts[source]),
-            "op_time_source": source}
+    return {
+        "steps": sorted(steps),
+        "op_seconds": dict(ops[source]),
+        "op_counts": dict(counts[source]),
+        "op_time_source": source,
+    }
 
 
-def top_ops(trace: dict, categories: dict[str, str], n_steps: int, step_s: float, top: int = 15) -> dict:
+def top_ops(
+    trace: dict, categories: dict[str, str], n_steps: int, step_s: float, top: int = 15
+) -> dict:
     per_step = {op: s / n_steps for op, s in trace["op_seconds"].items()}
     by_cat = collections.defaultdict(float)
     for op, s in per_step.items():
         by_cat[categories.get(op, "other")] += s
     op_total = sum(per_step.values())
-    gap = ("gaps (step time no device op covers: launches, host)" if trace.get("op_time_source") == "device"
-           else "host (step time not inside an HLO op)")
+    gap = (
+        "gaps (step time no device op covers: launches, host)"
+        if trace.get("op_time_source") == "device"
+        else "host (step time not inside an HLO op)"
+    )
     by_cat[gap] = max(step_s - op_total, 0.0)
-    rows = [{"op": op, "category": categories.get(op, "other"), "ms_per_step": 1e3 * s, "share_of_step": s / step_s}
-            for op, s in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]]
-    return {"ops": rows, "categories": {k: {"ms_per_step": 1e3 * v, "share_of_step": v / step_s}
-                                        for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-            "op_time_per_step_ms": 1e3 * op_total,
-            "op_time_source": trace.get("op_time_source", "host"),
-            "note": ("op time is kernel time on the device plane; kernels on several streams may overlap, and the "
-                     "rest of the step is launch gaps and host work" if trace.get("op_time_source") == "device" else
-                     "op time is from the host plane: ops on XLA:CPU may run on several threads at once, so op "
-                     "shares can add up past 100%")}
+    rows = [
+        {
+            "op": op,
+            "category": categories.get(op, "other"),
+            "ms_per_step": 1e3 * s,
+            "share_of_step": s / step_s,
+        }
+        for op, s in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]
+    ]
+    return {
+        "ops": rows,
+        "categories": {
+            k: {"ms_per_step": 1e3 * v, "share_of_step": v / step_s}
+            for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])
+        },
+        "op_time_per_step_ms": 1e3 * op_total,
+        "op_time_source": trace.get("op_time_source", "host"),
+        "note": (
+            "op time is kernel time on the device plane; kernels on several streams may overlap, and the "
+            "rest of the step is launch gaps and host work"
+            if trace.get("op_time_source") == "device"
+            else "op time is from the host plane: ops on XLA:CPU may run on several threads at once, so op "
+            "shares can add up past 100%"
+        ),
+    }
 
 
 def load_train_state(run_dir: Path):
@@ -143,7 +178,9 @@ def load_train_state(run_dir: Path):
 
     ckpt_dir = Path(run_dir) / "checkpoints"
     if not ckpt_dir.is_dir():
-        raise TpulabError(f"{run_dir} holds no checkpoints to profile (train first: tpulab train --run-dir {run_dir})")
+        raise TpulabError(
+            f"{run_dir} holds no checkpoints to profile (train first: tpulab train --run-dir {run_dir})"
+        )
     store = CheckpointStore(ckpt_dir, keep=1_000_000, async_save=False)
     try:
         step = store.latest
@@ -181,7 +218,9 @@ def profile_run(run_dir, *, steps: int = 5, warmup: int = 3, timed: int = 20) ->
     trace_dir = out / "trace"
     t0 = time.perf_counter()
     options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0  # Python call tracing would inflate the step; XLA ops are host-tracer events
+    options.python_tracer_level = (
+        0  # Python call tracing would inflate the step; XLA ops are host-tracer events
+    )
     options.host_tracer_level = 1
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True, profiler_options=options):
         for i in range(steps):
@@ -189,7 +228,9 @@ def profile_run(run_dir, *, steps: int = 5, warmup: int = 3, timed: int = 20) ->
                 jax.block_until_ready(one())
     trace_wall = time.perf_counter() - t0
     after = time_steps(one, jax.block_until_ready, timed - timed // 2)
-    unprofiled = summarize(before + after)  # half before, half after the trace: host-load drift hits both
+    unprofiled = summarize(
+        before + after
+    )  # half before, half after the trace: host-load drift hits both
     xplanes = sorted(trace_dir.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not xplanes:
         raise TpulabError(f"the profiler wrote no *.xplane.pb under {trace_dir}")
@@ -198,32 +239,59 @@ def profile_run(run_dir, *, steps: int = 5, warmup: int = 3, timed: int = 20) ->
     if len(step_times) != steps:
         raise TpulabError(f"the trace holds {len(step_times)} step annotations, expected {steps}")
     profiled = statistics.median(step_times)
-    hlo = s.train.lower(s.abstract_state(), jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.batch_sharding), batch)).compile().as_text()
+    hlo = (
+        s.train.lower(
+            s.abstract_state(),
+            jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.batch_sharding), batch
+            ),
+        )
+        .compile()
+        .as_text()
+    )
     table = top_ops(trace, hlo_categories(hlo), steps, profiled)
     rel = abs(profiled - unprofiled["median_s"]) / unprofiled["median_s"]
-    result = {"checkpoint_step": ckpt_step, "profiled_steps": steps, "profiled_step_median_s": profiled,
-              "profiled_step_times_s": step_times, "unprofiled": unprofiled, "relative_difference": rel,
-              "agrees_within": AGREEMENT, "agrees": rel <= AGREEMENT, "trace_wall_s": trace_wall,
-              "xplane": str(xplanes[-1].relative_to(run_dir)),
-              "perfetto": [str(p.relative_to(run_dir)) for p in trace_dir.rglob("*.trace.json.gz")],
-              "how_to_open": "XProf/TensorBoard: pip install xprof; xprof --logdir DIR/profile/trace. "
-                             "Perfetto: open the *.trace.json.gz at https://ui.perfetto.dev",
-              **table, "environment": benchmark_environment(), "batches": "fixed synthetic token ids"}
+    result = {
+        "checkpoint_step": ckpt_step,
+        "profiled_steps": steps,
+        "profiled_step_median_s": profiled,
+        "profiled_step_times_s": step_times,
+        "unprofiled": unprofiled,
+        "relative_difference": rel,
+        "agrees_within": AGREEMENT,
+        "agrees": rel <= AGREEMENT,
+        "trace_wall_s": trace_wall,
+        "xplane": str(xplanes[-1].relative_to(run_dir)),
+        "perfetto": [str(p.relative_to(run_dir)) for p in trace_dir.rglob("*.trace.json.gz")],
+        "how_to_open": "XProf/TensorBoard: pip install xprof; xprof --logdir DIR/profile/trace. "
+        "Perfetto: open the *.trace.json.gz at https://ui.perfetto.dev",
+        **table,
+        "environment": benchmark_environment(),
+        "batches": "fixed synthetic token ids",
+    }
     atomic_write_json(out / "profile.json", result)
     atomic_write_bytes(out / "profile.md", (markdown(result) + "\n").encode())
     return result
 
 
 def markdown(r: dict) -> str:
-    lines = [f"Profiled step (median of {r['profiled_steps']}): {1e3 * r['profiled_step_median_s']:.2f} ms; "
-             f"unprofiled median of {r['unprofiled']['steps']}: {1e3 * r['unprofiled']['median_s']:.2f} ms "
-             f"({100 * r['relative_difference']:.1f}% apart: {'agrees' if r['agrees'] else 'DOES NOT agree'} "
-             f"within {100 * r['agrees_within']:.0f}%)", "",
-             "| category | ms/step | share of step |", "|---|---|---|"]
-    lines += [f"| {k} | {v['ms_per_step']:.2f} | {100 * v['share_of_step']:.1f}% |" for k, v in r["categories"].items()]
+    lines = [
+        f"Profiled step (median of {r['profiled_steps']}): {1e3 * r['profiled_step_median_s']:.2f} ms; "
+        f"unprofiled median of {r['unprofiled']['steps']}: {1e3 * r['unprofiled']['median_s']:.2f} ms "
+        f"({100 * r['relative_difference']:.1f}% apart: {'agrees' if r['agrees'] else 'DOES NOT agree'} "
+        f"within {100 * r['agrees_within']:.0f}%)",
+        "",
+        "| category | ms/step | share of step |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {k} | {v['ms_per_step']:.2f} | {100 * v['share_of_step']:.1f}% |"
+        for k, v in r["categories"].items()
+    ]
     lines += ["", "| HLO op / fusion | category | ms/step | share of step |", "|---|---|---|---|"]
-    lines += [f"| {o['op']} | {o['category']} | {o['ms_per_step']:.2f} | {100 * o['share_of_step']:.1f}% |"
-              for o in r["ops"]]
+    lines += [
+        f"| {o['op']} | {o['category']} | {o['ms_per_step']:.2f} | {100 * o['share_of_step']:.1f}% |"
+        for o in r["ops"]
+    ]
     lines += ["", r["note"], f"Trace: {r['xplane']} — {r['how_to_open']}"]
     return "\n".join(lines)

@@ -19,7 +19,9 @@ from tpulab.evidence.provenance import BASE_PACKAGES, environment
 MIN_TIMED_STEPS = 20
 
 
-def time_steps(step: Callable[[], Any], sync: Callable[[Any], Any], n: int, *, warmup: int = 0) -> list[float]:
+def time_steps(
+    step: Callable[[], Any], sync: Callable[[Any], Any], n: int, *, warmup: int = 0
+) -> list[float]:
     """Run ``step`` ``warmup + n`` times; return the ``n`` post-warm-up wall times (s), each synchronized."""
     for _ in range(warmup):
         sync(step())
@@ -37,7 +39,13 @@ def summarize(times: list[float], *, min_steps: int = MIN_TIMED_STEPS) -> dict:
         raise ValueError(f"{len(times)} timed steps; a median needs at least {min_steps}")
     s = sorted(times)
     q = lambda f: s[round(f * (len(s) - 1))]  # noqa: E731
-    return {"median_s": statistics.median(s), "p10_s": q(0.1), "p90_s": q(0.9), "min_s": s[0], "steps": len(s)}
+    return {
+        "median_s": statistics.median(s),
+        "p10_s": q(0.1),
+        "p90_s": q(0.9),
+        "min_s": s[0],
+        "steps": len(s),
+    }
 
 
 def benchmark_environment(extra_packages: tuple[str, ...] = ()) -> dict:

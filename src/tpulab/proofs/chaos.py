@@ -30,12 +30,22 @@ def saves_in_flight(ckpt_dir: Path) -> list[str]:
     """Names of Orbax temporary dirs and unmarked step dirs: evidence of a save cut short."""
     if not ckpt_dir.is_dir():
         return []
-    return sorted(p.name for p in ckpt_dir.iterdir()
-                  if TMP_MARK in p.name or (p.is_dir() and p.name.isdigit() and not (p / MANIFEST).exists()))
+    return sorted(
+        p.name
+        for p in ckpt_dir.iterdir()
+        if TMP_MARK in p.name or (p.is_dir() and p.name.isdigit() and not (p / MANIFEST).exists())
+    )
 
 
-def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0, compile_cache: Path | None = None,
-              timeout_s: float = 900) -> dict:
+def run_chaos(
+    config: RunConfig,
+    out_dir: Path,
+    *,
+    kills: int = 5,
+    seed: int = 0,
+    compile_cache: Path | None = None,
+    timeout_s: float = 900,
+) -> dict:
     """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict."""
     if kills < 1:
         raise TpulabError(f"--kills {kills} must be at least 1")
@@ -55,7 +65,9 @@ def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0
     step_s = max(1e-3, (walls[-1] - walls[0]) / max(1, len(walls) - 1)) if len(walls) > 1 else 0.05
 
     rng = random.Random(seed)
-    observed_startup: list[float] = []  # a victim lifetime's time from spawn to its first logged step
+    observed_startup: list[
+        float
+    ] = []  # a victim lifetime's time from spawn to its first logged step
     victim.mkdir(parents=True)
     kill_log: list[dict] = []
     t_victim = time.monotonic()
@@ -63,30 +75,45 @@ def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0
         lifetime = len(kill_log)
         log_path = chaos_dir / f"victim-{lifetime}.log"
         n_before = len(M.read_records(victim))  # this lifetime's records come after these
-        finished = (scan(victim / "checkpoints").latest or 0) >= steps  # a kill landed after the final save
+        finished = (
+            scan(victim / "checkpoints").latest or 0
+        ) >= steps  # a kill landed after the final save
         with Proc(argv(victim), log_path, env) as proc:
             if lifetime < kills and not finished:
                 # Wall-clock moments are drawn within the start-up a victim lifetime was *seen* to take (the
                 # reference's, with a cold compile cache or a loaded machine, can exceed a whole warm run).
-                plan = _draw_moment(rng, victim, steps, min(observed_startup) if observed_startup else None, step_s)
+                plan = _draw_moment(
+                    rng, victim, steps, min(observed_startup) if observed_startup else None, step_s
+                )
                 t_start = time.monotonic()
                 if not _wait_for(proc, victim, plan, n_before, t_start, timeout_s):
-                    raise TpulabError(f"victim process {lifetime} ended (exit {proc.p.returncode}) before its drawn "
-                                      f"kill moment ({plan}): {proc.tail(1)} (log: {log_path})")
+                    raise TpulabError(
+                        f"victim process {lifetime} ended (exit {proc.p.returncode}) before its drawn "
+                        f"kill moment ({plan}): {proc.tail(1)} (log: {log_path})"
+                    )
                 proc.kill(signal.SIGKILL)
                 if "first_step_s" in plan:
                     observed_startup.append(plan.pop("first_step_s"))
                 logged = M.curve(M.read_records(victim)[n_before:])
-                kill_log.append({**plan, "at_s": round(time.monotonic() - t_start, 3),
-                                 "in_flight": saves_in_flight(victim / "checkpoints"),
-                                 "last_logged_step": max(logged) if logged else None})  # by this lifetime
+                kill_log.append(
+                    {
+                        **plan,
+                        "at_s": round(time.monotonic() - t_start, 3),
+                        "in_flight": saves_in_flight(victim / "checkpoints"),
+                        "last_logged_step": max(logged) if logged else None,
+                    }
+                )  # by this lifetime
                 continue
             try:
                 rc = proc.p.wait(timeout=timeout_s)
             except Exception:  # noqa: BLE001 - TimeoutExpired
-                raise TpulabError(f"the final victim process did not finish within {timeout_s:.0f}s") from None
+                raise TpulabError(
+                    f"the final victim process did not finish within {timeout_s:.0f}s"
+                ) from None
             if rc != 0:
-                raise TpulabError(f"victim process {lifetime} exited with {rc}: {proc.tail(1)} (log: {log_path})")
+                raise TpulabError(
+                    f"victim process {lifetime} exited with {rc}: {proc.tail(1)} (log: {log_path})"
+                )
             break
     t_victim = time.monotonic() - t_victim
 
@@ -94,16 +121,24 @@ def run_chaos(config: RunConfig, out_dir: Path, *, kills: int = 5, seed: int = 0
     verdict.update(final_state_verdict(reference, victim))
     verdict["identical"] = verdict["curves_identical"] and verdict["final_state_identical"]
     verdict.update(
-        kills=len(kill_log), kills_during_save=sum(1 for k in kill_log if k["in_flight"]), kill_log=kill_log,
-        seed=seed, segments=len(kill_log) + 1, signal="SIGKILL", steps=steps,
+        kills=len(kill_log),
+        kills_during_save=sum(1 for k in kill_log if k["in_flight"]),
+        kill_log=kill_log,
+        seed=seed,
+        segments=len(kill_log) + 1,
+        signal="SIGKILL",
+        steps=steps,
         timings={"reference_s": round(t_ref, 2), "victim_s": round(t_victim, 2)},
-        summary=_summary(verdict))
+        summary=_summary(verdict),
+    )
     atomic_write_json(chaos_dir / "verdict.json", verdict)
     plot_segments(reference, victim, verdict, chaos_dir / "segments.png")
     return verdict
 
 
-def _draw_moment(rng: random.Random, victim: Path, steps: int, startup_s: float | None, step_s: float) -> dict:
+def _draw_moment(
+    rng: random.Random, victim: Path, steps: int, startup_s: float | None, step_s: float
+) -> dict:
     """A kill moment: one in five a pure wall-clock delay from process start, within the start-up time seen
     so far (imports, compile, restore), else a random step after the newest committed checkpoint plus a
     random fraction of a step (so a kill can land anywhere in a step, or while a background save is in
@@ -111,11 +146,16 @@ def _draw_moment(rng: random.Random, victim: Path, steps: int, startup_s: float 
     if startup_s is not None and rng.random() < 0.2:
         return {"phase": "wall-clock", "delay_s": round(rng.uniform(0.0, startup_s), 3)}
     lo = (scan(victim / "checkpoints").latest or 0) + 1
-    return {"phase": "training", "after_step": rng.randint(min(lo, steps - 1), steps - 1),
-            "delay_s": round(rng.uniform(0.0, step_s), 4)}
+    return {
+        "phase": "training",
+        "after_step": rng.randint(min(lo, steps - 1), steps - 1),
+        "delay_s": round(rng.uniform(0.0, step_s), 4),
+    }
 
 
-def _wait_for(proc: Proc, victim: Path, plan: dict, n_before: int, t_start: float, timeout_s: float) -> bool:
+def _wait_for(
+    proc: Proc, victim: Path, plan: dict, n_before: int, t_start: float, timeout_s: float
+) -> bool:
     """Wait until the drawn moment; False if the process ended first."""
     if plan["phase"] == "wall-clock":
         try:
@@ -150,19 +190,30 @@ def judge_segments(reference: Path, victim: Path, steps: int) -> dict:
         if first is None and c["first_differing_step"] is not None:
             first = c["first_differing_step"]
     missing = [s for s in range(1, steps + 1) if s not in covered or s not in ref]
-    return {"curves_identical": first is None and not missing and compared > 0, "max_abs_diff": worst,
-            "first_differing_step": first, "missing_steps": missing[:10], "steps_compared": compared,
-            "logged_segments": len(seg_ids),
-            "resumed_from_steps": [s.get("resumed_from") for s in M.starts(recs)[1:]]}
+    return {
+        "curves_identical": first is None and not missing and compared > 0,
+        "max_abs_diff": worst,
+        "first_differing_step": first,
+        "missing_steps": missing[:10],
+        "steps_compared": compared,
+        "logged_segments": len(seg_ids),
+        "resumed_from_steps": [s.get("resumed_from") for s in M.starts(recs)[1:]],
+    }
 
 
 def _summary(v: dict) -> str:
-    curves = (f"{v['steps_compared']} logged steps across {v['logged_segments']} logged lifetimes equal the reference "
-              "bitwise" if v["curves_identical"] else
-              f"losses differ (first at step {v['first_differing_step']}, max |diff| {v['max_abs_diff']:.3g}, "
-              f"missing steps {v['missing_steps']})")
-    state = ("final state bitwise identical" if v["final_state_identical"]
-             else f"final state differs at {v['first_differing_leaf']}")
+    curves = (
+        f"{v['steps_compared']} logged steps across {v['logged_segments']} logged lifetimes equal the reference "
+        "bitwise"
+        if v["curves_identical"]
+        else f"losses differ (first at step {v['first_differing_step']}, max |diff| {v['max_abs_diff']:.3g}, "
+        f"missing steps {v['missing_steps']})"
+    )
+    state = (
+        "final state bitwise identical"
+        if v["final_state_identical"]
+        else f"final state differs at {v['first_differing_leaf']}"
+    )
     return f"{curves}; {state} ({v['final_state_compared']})"
 
 
@@ -174,9 +225,13 @@ def plot_segments(reference: Path, victim: Path, verdict: dict, path: Path) -> N
 
     ref = M.curve(M.read_records(reference))
     recs = M.read_records(victim)
-    fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    fig, (ax, ax_d) = plt.subplots(
+        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
+    )
     rs = sorted(ref)
-    ax.plot(rs, [ref[s] for s in rs], color="0.6", lw=5, alpha=0.6, label="reference (uninterrupted)")
+    ax.plot(
+        rs, [ref[s] for s in rs], color="0.6", lw=5, alpha=0.6, label="reference (uninterrupted)"
+    )
     cmap = plt.get_cmap("tab10")
     diffs: dict[int, float] = {}
     for i, start in enumerate(M.starts(recs)):
@@ -185,8 +240,16 @@ def plot_segments(reference: Path, victim: Path, verdict: dict, path: Path) -> N
         if not xs:
             continue
         origin = start.get("resumed_from")
-        ax.plot(xs, [seg[s] for s in xs], color=cmap(i % 10), lw=1.2, marker=".", ms=3,
-                label=f"lifetime {i}: " + ("from scratch" if origin is None else f"resumed from step {origin}"))
+        ax.plot(
+            xs,
+            [seg[s] for s in xs],
+            color=cmap(i % 10),
+            lw=1.2,
+            marker=".",
+            ms=3,
+            label=f"lifetime {i}: "
+            + ("from scratch" if origin is None else f"resumed from step {origin}"),
+        )
         for s in xs:
             if s in ref:
                 diffs[s] = max(diffs.get(s, 0.0), abs(seg[s] - ref[s]))
@@ -194,16 +257,25 @@ def plot_segments(reference: Path, victim: Path, verdict: dict, path: Path) -> N
         if k["last_logged_step"] is not None:
             ax.axvline(k["last_logged_step"], color="k", ls=":", lw=0.8)
     ax.set_ylabel("train loss")
-    ax.set_title(f"chaos: {verdict['kills']} random SIGKILLs ({verdict['kills_during_save']} mid-save); "
-                 + ("IDENTICAL" if verdict["identical"] else "NOT identical"), fontsize=10)
+    ax.set_title(
+        f"chaos: {verdict['kills']} random SIGKILLs ({verdict['kills_during_save']} mid-save); "
+        + ("IDENTICAL" if verdict["identical"] else "NOT identical"),
+        fontsize=10,
+    )
     ax.legend(fontsize=7, ncol=2)
     ds = sorted(diffs)
     ax_d.plot(ds, [diffs[s] for s in ds], color="tab:purple", marker=".", ms=3, lw=0.8)
     ax_d.set_yscale("symlog", linthresh=1e-8)
     ax_d.set_ylim(0, max(1e-6, 10 * max(diffs.values(), default=0.0)))
     if diffs and max(diffs.values()) == 0.0:
-        ax_d.text(0.5, 0.5, "every logged step of every lifetime: difference exactly 0", transform=ax_d.transAxes,
-                  ha="center", fontsize=9)
+        ax_d.text(
+            0.5,
+            0.5,
+            "every logged step of every lifetime: difference exactly 0",
+            transform=ax_d.transAxes,
+            ha="center",
+            fontsize=9,
+        )
     ax_d.set_ylabel("max |lifetime - reference|")
     ax_d.set_xlabel("step (dotted: last step logged before a kill)")
     fig.tight_layout()

@@ -49,8 +49,9 @@ class Proc:
     def __init__(self, argv: list[str], log_path: Path, env: dict | None = None):
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.p = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
+        self.p = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.p.poll() is None:
@@ -72,18 +73,23 @@ class Proc:
         self._log.close()
 
 
-def run_to_completion(argv: list[str], log_path: Path, env: dict, timeout_s: float, what: str) -> None:
+def run_to_completion(
+    argv: list[str], log_path: Path, env: dict, timeout_s: float, what: str
+) -> None:
     with Proc(argv, log_path, env) as proc:
         try:
             rc = proc.p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise TpulabError(f"{what} did not finish within {timeout_s:.0f}s (log: {log_path})") from None
+            raise TpulabError(
+                f"{what} did not finish within {timeout_s:.0f}s (log: {log_path})"
+            ) from None
         if rc != 0:
             raise TpulabError(f"{what} exited with {rc}: {proc.tail(1)} (log: {log_path})")
 
 
-def run_and_kill(argv: list[str], run_dir: Path, log_path: Path, env: dict, kill_at: int,
-                 timeout_s: float) -> int:
+def run_and_kill(
+    argv: list[str], run_dir: Path, log_path: Path, env: dict, kill_at: int, timeout_s: float
+) -> int:
     """Start a run held after ``kill_at``; SIGKILL it once that step is logged. Returns the last logged step."""
     with Proc([*argv, HOLD_FLAG, str(kill_at)], log_path, env) as proc:
         deadline = time.monotonic() + timeout_s
@@ -92,10 +98,14 @@ def run_and_kill(argv: list[str], run_dir: Path, log_path: Path, env: dict, kill
             if kill_at in logged:
                 break
             if proc.p.poll() is not None:
-                raise TpulabError(f"run to be killed exited with {proc.p.returncode} before step {kill_at}: "
-                                  f"{proc.tail(1)} (log: {log_path})")
+                raise TpulabError(
+                    f"run to be killed exited with {proc.p.returncode} before step {kill_at}: "
+                    f"{proc.tail(1)} (log: {log_path})"
+                )
             if time.monotonic() > deadline:
-                raise TpulabError(f"run to be killed did not reach step {kill_at} within {timeout_s:.0f}s")
+                raise TpulabError(
+                    f"run to be killed did not reach step {kill_at} within {timeout_s:.0f}s"
+                )
             time.sleep(0.05)
         proc.kill(signal.SIGKILL)
         if proc.p.returncode != -signal.SIGKILL:
@@ -109,10 +119,19 @@ def checkpoint_listing(run_dir: Path) -> list[str]:
     return sorted(os.listdir(ckpt)) if ckpt.is_dir() else []
 
 
-def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *, steps: int, kill_at: int,
-                 reference_dir: str | Path | None = None, env: dict | None = None, timeout_s: float = 900,
-                 title: str = "kill/resume proof", extra: dict | None = None,
-                 compare_state: Callable[[Path, Path], dict] | None = None) -> dict:
+def prove_resume(
+    command: Callable[[Path], list[str]],
+    proof_dir: str | Path,
+    *,
+    steps: int,
+    kill_at: int,
+    reference_dir: str | Path | None = None,
+    env: dict | None = None,
+    timeout_s: float = 900,
+    title: str = "kill/resume proof",
+    extra: dict | None = None,
+    compare_state: Callable[[Path, Path], dict] | None = None,
+) -> dict:
     """Run the whole proof and write proof_dir/verdict.json and proof_dir/overlay.png.
 
     ``command(run_dir)`` returns the argv of a trainer that trains ``steps`` steps in ``run_dir``,
@@ -134,7 +153,9 @@ def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *,
             raise TpulabError(f"{reference_dir} already holds a run; use a fresh --run-dir")
         reference_dir.mkdir(parents=True)
         t0 = time.monotonic()
-        run_to_completion(command(reference_dir), proof_dir / "reference.log", env, timeout_s, "reference run")
+        run_to_completion(
+            command(reference_dir), proof_dir / "reference.log", env, timeout_s, "reference run"
+        )
         timings["reference_s"] = time.monotonic() - t0
     reference_dir = Path(reference_dir)
 
@@ -143,7 +164,9 @@ def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *,
         raise TpulabError(f"{run_dir} already holds a run; use a fresh --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    kill_step = run_and_kill(command(run_dir), run_dir, proof_dir / "killed.log", env, kill_at, timeout_s)
+    kill_step = run_and_kill(
+        command(run_dir), run_dir, proof_dir / "killed.log", env, kill_at, timeout_s
+    )
     at_kill = checkpoint_listing(run_dir)
     timings["killed_run_s"] = time.monotonic() - t0
     t0 = time.monotonic()
@@ -154,8 +177,13 @@ def prove_resume(command: Callable[[Path], list[str]], proof_dir: str | Path, *,
     if compare_state is not None:
         verdict.update(compare_state(reference_dir, run_dir))
         verdict["identical"] = verdict["curves_identical"] and verdict["final_state_identical"]
-    verdict.update(timings=timings, reference_dir=str(reference_dir), run_dir=str(run_dir),
-                   checkpoints_at_kill=at_kill, **(extra or {}))
+    verdict.update(
+        timings=timings,
+        reference_dir=str(reference_dir),
+        run_dir=str(run_dir),
+        checkpoints_at_kill=at_kill,
+        **(extra or {}),
+    )
     atomic_write_json(proof_dir / "verdict.json", verdict)
     plot_proof(reference_dir, run_dir, verdict, proof_dir / "overlay.png", title=title)
     return verdict
@@ -166,7 +194,9 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
     recs = M.read_records(run_dir)
     segs = M.starts(recs)
     if len(segs) < 2:
-        raise TpulabError(f"{run_dir} holds {len(segs)} run segment(s); expected a killed and a resumed one")
+        raise TpulabError(
+            f"{run_dir} holds {len(segs)} run segment(s); expected a killed and a resumed one"
+        )
     resumed_from = segs[-1].get("resumed_from")
     if resumed_from is None:
         raise TpulabError(f"the resumed process in {run_dir} did not resume from a checkpoint")
@@ -195,25 +225,44 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
 
 def verdict_text(verdict: dict) -> str:
     """One sentence that says what was compared and how it came out."""
-    curves = (f"per-step losses bitwise identical over {verdict['steps_compared']} steps"
-              if verdict.get("curves_identical", verdict["identical"])
-              else f"per-step losses NOT identical (max |diff| {verdict['max_abs_diff']:.3g})")
+    curves = (
+        f"per-step losses bitwise identical over {verdict['steps_compared']} steps"
+        if verdict.get("curves_identical", verdict["identical"])
+        else f"per-step losses NOT identical (max |diff| {verdict['max_abs_diff']:.3g})"
+    )
     if "final_state_identical" not in verdict:
         return curves + " (final state not compared)"
-    state = ("final state bitwise identical" if verdict["final_state_identical"]
-             else f"final state NOT identical (first differing: {verdict['first_differing_leaf']})")
+    state = (
+        "final state bitwise identical"
+        if verdict["final_state_identical"]
+        else f"final state NOT identical (first differing: {verdict['first_differing_leaf']})"
+    )
     return f"{curves}; {state} ({verdict['final_state_compared']})"
 
 
 def plot_proof(reference_dir: Path, run_dir: Path, verdict: dict, path: Path, title: str) -> None:
     recs = M.read_records(run_dir)
     segs = M.starts(recs)
-    plot_overlay(M.curve(M.read_records(reference_dir)), M.curve(recs, segment=segs[0]["segment"]),
-                 M.curve(recs, segment=segs[-1]["segment"]), verdict, path, title)
+    plot_overlay(
+        M.curve(M.read_records(reference_dir)),
+        M.curve(recs, segment=segs[0]["segment"]),
+        M.curve(recs, segment=segs[-1]["segment"]),
+        verdict,
+        path,
+        title,
+    )
 
 
-def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Path, title: str,
-                 labels: tuple[str, str, str] | None = None, marks: tuple[str, str] = ("checkpoint", "kill")) -> None:
+def plot_overlay(
+    ref: dict,
+    killed: dict,
+    resumed: dict,
+    verdict: dict,
+    path: Path,
+    title: str,
+    labels: tuple[str, str, str] | None = None,
+    marks: tuple[str, str] = ("checkpoint", "kill"),
+) -> None:
     """Two panels: the three curves overlaid (checkpoint and kill marked), and |resumed - reference|.
     ``labels`` (reference, first segment, second segment) and ``marks`` rename them for other proofs."""
     import matplotlib
@@ -221,10 +270,15 @@ def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    fig, (ax, ax_d) = plt.subplots(
+        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
+    )
     rs = sorted(ref)
-    labels = labels or ("reference (uninterrupted)", f"killed run (SIGKILL after step {verdict['kill_step']})",
-                        f"fresh process, resumed from step {verdict['resumed_from_step']}")
+    labels = labels or (
+        "reference (uninterrupted)",
+        f"killed run (SIGKILL after step {verdict['kill_step']})",
+        f"fresh process, resumed from step {verdict['resumed_from_step']}",
+    )
     ax.plot(rs, [ref[s] for s in rs], color="0.55", lw=4.0, alpha=0.6, label=labels[0])
     ks = sorted(killed)
     ax.plot(ks, [killed[s] for s in ks], color="tab:blue", lw=1.3, label=labels[1])
@@ -233,9 +287,22 @@ def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Pa
     for a in (ax, ax_d):
         a.axvline(verdict["resumed_from_step"], color="tab:green", ls=":", lw=1.2)
         a.axvline(verdict["kill_step"], color="k", ls=":", lw=1.2)
-    ax.annotate(f" {marks[0]}", (verdict["resumed_from_step"], 0.98), xycoords=("data", "axes fraction"),
-                color="tab:green", va="top", ha="right", fontsize=8)
-    ax.annotate(f" {marks[1]}", (verdict["kill_step"], 0.98), xycoords=("data", "axes fraction"), va="top", fontsize=8)
+    ax.annotate(
+        f" {marks[0]}",
+        (verdict["resumed_from_step"], 0.98),
+        xycoords=("data", "axes fraction"),
+        color="tab:green",
+        va="top",
+        ha="right",
+        fontsize=8,
+    )
+    ax.annotate(
+        f" {marks[1]}",
+        (verdict["kill_step"], 0.98),
+        xycoords=("data", "axes fraction"),
+        va="top",
+        fontsize=8,
+    )
     ax.set_ylabel("train loss")
     ax.set_title("\n".join(textwrap.wrap(f"{title}: {verdict_text(verdict)}", 90)), fontsize=10)
     ax.legend(fontsize=8)
@@ -246,7 +313,14 @@ def plot_overlay(ref: dict, killed: dict, resumed: dict, verdict: dict, path: Pa
     ax_d.set_yscale("symlog", linthresh=1e-8)
     ax_d.set_ylim(0, max(1e-6, 10 * max(diffs, default=0.0)))
     if diffs and max(diffs) == 0.0:
-        ax_d.text(0.5, 0.5, "every step: difference exactly 0", transform=ax_d.transAxes, ha="center", fontsize=9)
+        ax_d.text(
+            0.5,
+            0.5,
+            "every step: difference exactly 0",
+            transform=ax_d.transAxes,
+            ha="center",
+            fontsize=9,
+        )
     ax_d.set_ylabel("|run - reference|")
     ax_d.set_xlabel("step")
     fig.tight_layout()

@@ -24,8 +24,16 @@ from pathlib import Path
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
-from tpulab.evidence.ledger import PATTERN as LEDGER_PATTERN, read_ledger
-from tpulab.proofs.driver import Proc, judge, plot_overlay, plot_proof, run_to_completion, tpulab_argv
+from tpulab.evidence.ledger import PATTERN as LEDGER_PATTERN
+from tpulab.evidence.ledger import read_ledger
+from tpulab.proofs.driver import (
+    Proc,
+    judge,
+    plot_overlay,
+    plot_proof,
+    run_to_completion,
+    tpulab_argv,
+)
 from tpulab.proofs.state import final_state_verdict
 from tpulab.proofs.transformer import check_kill_step, default_kill_step, write_child_config
 from tpulab.train.config import RunConfig
@@ -35,11 +43,34 @@ LAYOUT_RTOL = 1e-4
 GRACE_S = 3.0  # launcher teardown grace in the proofs (SIGTERM -> SIGKILL)
 
 
-def launch_argv(config_path: Path, run_dir: Path, *, processes: int, devices: int, extra: tuple = (),
-                grace_s: float = GRACE_S) -> list[str]:
-    return tpulab_argv("launch", "--processes", processes, "--devices-per-process", devices, "--grace", grace_s,
-                       "--log-dir", Path(run_dir) / "launch", "--", "train", "--config", config_path, "--run-dir",
-                       run_dir, "--no-progress", *extra)
+def launch_argv(
+    config_path: Path,
+    run_dir: Path,
+    *,
+    processes: int,
+    devices: int,
+    extra: tuple = (),
+    grace_s: float = GRACE_S,
+) -> list[str]:
+    return tpulab_argv(
+        "launch",
+        "--processes",
+        processes,
+        "--devices-per-process",
+        devices,
+        "--grace",
+        grace_s,
+        "--log-dir",
+        Path(run_dir) / "launch",
+        "--",
+        "train",
+        "--config",
+        config_path,
+        "--run-dir",
+        run_dir,
+        "--no-progress",
+        *extra,
+    )
 
 
 def _with_mesh(config: RunConfig, data: int, fsdp: int) -> RunConfig:
@@ -55,14 +86,20 @@ def compare_layout(ref: dict[int, float], other: dict[int, float]) -> dict:
     rel = [abs(other[s] - ref[s]) / abs(ref[s]) for s in steps]
     bitwise = bool(steps) and all(other[s] == ref[s] for s in steps)
     worst = max(rel) if rel else math.nan
-    return {"steps": len(steps), "bitwise": bitwise, "max_rel_diff": worst,
-            "first_differing_step": next((s for s in steps if other[s] != ref[s]), None),
-            "within_tolerance": bitwise or (bool(steps) and worst <= LAYOUT_RTOL)}
+    return {
+        "steps": len(steps),
+        "bitwise": bitwise,
+        "max_rel_diff": worst,
+        "first_differing_step": next((s for s in steps if other[s] != ref[s]), None),
+        "within_tolerance": bitwise or (bool(steps) and worst <= LAYOUT_RTOL),
+    }
 
 
-LAYOUTS = (("1 proc x 1 dev {data:1, fsdp:1}", 1, 1, 1, 1),
-           ("1 proc x 4 dev {data:2, fsdp:2}", 1, 4, 2, 2),
-           ("2 proc x 2 dev {data:2, fsdp:2}", 2, 2, 2, 2))
+LAYOUTS = (
+    ("1 proc x 1 dev {data:1, fsdp:1}", 1, 1, 1, 1),
+    ("1 proc x 4 dev {data:2, fsdp:2}", 1, 4, 2, 2),
+    ("2 proc x 2 dev {data:2, fsdp:2}", 2, 2, 2, 2),
+)
 
 
 def prove_layouts(config: RunConfig, out_dir: Path, *, timeout_s: float = 600) -> dict:
@@ -74,28 +111,44 @@ def prove_layouts(config: RunConfig, out_dir: Path, *, timeout_s: float = 600) -
         tag = f"p{procs}d{devs}"
         cfg_path = write_child_config(_with_mesh(config, data, fsdp), out_dir / f"{tag}.yaml")
         t0 = time.monotonic()
-        run_to_completion(launch_argv(cfg_path, out_dir / tag, processes=procs, devices=devs),
-                          out_dir / f"{tag}.log", dict(os.environ), timeout_s, f"{name} run")
+        run_to_completion(
+            launch_argv(cfg_path, out_dir / tag, processes=procs, devices=devs),
+            out_dir / f"{tag}.log",
+            dict(os.environ),
+            timeout_s,
+            f"{name} run",
+        )
         timings[name] = round(time.monotonic() - t0, 2)
         curves[name] = M.curve(M.read_records(out_dir / tag))
     base, four, two = (n for n, *_ in LAYOUTS)
-    rows = [{"a": base, "b": four, **compare_layout(curves[base], curves[four])},
-            {"a": base, "b": two, **compare_layout(curves[base], curves[two])},
-            {"a": four, "b": two, **compare_layout(curves[four], curves[two])}]
-    verdict = {"rows": rows, "rtol": LAYOUT_RTOL, "timings_s": timings, "steps": config.train.steps,
-               "passed": all(r["within_tolerance"] for r in rows)}
+    rows = [
+        {"a": base, "b": four, **compare_layout(curves[base], curves[four])},
+        {"a": base, "b": two, **compare_layout(curves[base], curves[two])},
+        {"a": four, "b": two, **compare_layout(curves[four], curves[two])},
+    ]
+    verdict = {
+        "rows": rows,
+        "rtol": LAYOUT_RTOL,
+        "timings_s": timings,
+        "steps": config.train.steps,
+        "passed": all(r["within_tolerance"] for r in rows),
+    }
     atomic_write_json(out_dir / "layouts.json", verdict)
     (out_dir / "layouts.md").write_text(layout_markdown(verdict))
     return verdict
 
 
 def layout_markdown(v: dict) -> str:
-    lines = ["| layout A | layout B | steps | bitwise | max rel diff | first differing step | within rtol |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| layout A | layout B | steps | bitwise | max rel diff | first differing step | within rtol |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in v["rows"]:
-        lines.append(f"| {r['a']} | {r['b']} | {r['steps']} | {'yes' if r['bitwise'] else 'no'} | "
-                     f"{r['max_rel_diff']:.2e} | {r['first_differing_step'] or '-'} | "
-                     f"{'yes' if r['within_tolerance'] else 'NO'} (rtol {v['rtol']:g}) |")
+        lines.append(
+            f"| {r['a']} | {r['b']} | {r['steps']} | {'yes' if r['bitwise'] else 'no'} | "
+            f"{r['max_rel_diff']:.2e} | {r['first_differing_step'] or '-'} | "
+            f"{'yes' if r['within_tolerance'] else 'NO'} (rtol {v['rtol']:g}) |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -109,8 +162,16 @@ def _pids(run_dir: Path) -> list[int]:
     return json.loads(path.read_text())["pids"]
 
 
-def interrupt_one(argv: list[str], run_dir: Path, log_path: Path, *, at_step: int, victim: int, mode: str,
-                  timeout_s: float) -> dict:
+def interrupt_one(
+    argv: list[str],
+    run_dir: Path,
+    log_path: Path,
+    *,
+    at_step: int,
+    victim: int,
+    mode: str,
+    timeout_s: float,
+) -> dict:
     """Start a launched job, wait for step ``at_step`` in process 0's metrics and a committed checkpoint, then
     SIGKILL (``mode='kill'``, the job held there) or SIGSTOP (``mode='stall'``, running) process ``victim``;
     time until the launcher exits. Waiting for the commit matters: a save that every process finished can
@@ -120,12 +181,18 @@ def interrupt_one(argv: list[str], run_dir: Path, log_path: Path, *, at_step: in
     with Proc(argv, log_path) as proc:
         pids = _pids(run_dir)
         deadline = time.monotonic() + timeout_s
-        while at_step not in M.curve(M.read_records(run_dir / M.METRICS)) or \
-                scan(run_dir / "checkpoints").latest is None:
+        while (
+            at_step not in M.curve(M.read_records(run_dir / M.METRICS))
+            or scan(run_dir / "checkpoints").latest is None
+        ):
             if proc.p.poll() is not None:
-                raise TpulabError(f"job exited with {proc.p.returncode} before step {at_step}: {proc.tail(1)}")
+                raise TpulabError(
+                    f"job exited with {proc.p.returncode} before step {at_step}: {proc.tail(1)}"
+                )
             if time.monotonic() > deadline:
-                raise TpulabError(f"job did not reach step {at_step} within {timeout_s:.0f}s (log: {log_path})")
+                raise TpulabError(
+                    f"job did not reach step {at_step} within {timeout_s:.0f}s (log: {log_path})"
+                )
             time.sleep(0.02)
         t0 = time.monotonic()
 
@@ -133,7 +200,9 @@ def interrupt_one(argv: list[str], run_dir: Path, log_path: Path, *, at_step: in
         try:
             code = proc.p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise TpulabError(f"the launcher did not end within {timeout_s:.0f}s of the {mode}") from None
+            raise TpulabError(
+                f"the launcher did not end within {timeout_s:.0f}s of the {mode}"
+            ) from None
         took = time.monotonic() - t0
     alive = []
     for pid in pids:
@@ -142,15 +211,30 @@ def interrupt_one(argv: list[str], run_dir: Path, log_path: Path, *, at_step: in
             alive.append(pid)
         except ProcessLookupError:
             pass
-    return {"mode": mode, "victim_process": victim, "signal": "SIGKILL" if mode == "kill" else "SIGSTOP",
-            "launcher_exit_code": code, "job_end_s": round(took, 3), "survivors_after": alive,
-            "last_logged_step": max(M.curve(M.read_records(run_dir / M.METRICS)))}
+    return {
+        "mode": mode,
+        "victim_process": victim,
+        "signal": "SIGKILL" if mode == "kill" else "SIGSTOP",
+        "launcher_exit_code": code,
+        "job_end_s": round(took, 3),
+        "survivors_after": alive,
+        "last_logged_step": max(M.curve(M.read_records(run_dir / M.METRICS))),
+    }
 
 
-def prove_multiprocess_resume(config: RunConfig, out_dir: Path, *, processes: int = 2, devices: int = 2,
-                              mode: str = "kill", kill_at: int | None = None, victim: int = 1,
-                              stall_timeout_s: float = 10.0, reference_dir: Path | None = None,
-                              timeout_s: float = 600) -> dict:
+def prove_multiprocess_resume(
+    config: RunConfig,
+    out_dir: Path,
+    *,
+    processes: int = 2,
+    devices: int = 2,
+    mode: str = "kill",
+    kill_at: int | None = None,
+    victim: int = 1,
+    stall_timeout_s: float = 10.0,
+    reference_dir: Path | None = None,
+    timeout_s: float = 600,
+) -> dict:
     """Reference job; a job whose process ``victim`` is SIGKILLed (held after ``kill_at``) or SIGSTOPped
     (the others then hang in a collective until their step watchdog fires); a fresh launch that resumes.
     Curves and final whole state compared bitwise with the reference; verdict.json and overlay.png."""
@@ -164,42 +248,83 @@ def prove_multiprocess_resume(config: RunConfig, out_dir: Path, *, processes: in
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
     cfg_path = write_child_config(config, proof_dir / "config.yaml")
     watchdog = ("--stall-timeout", str(stall_timeout_s))
-    argv = lambda d, *x: launch_argv(cfg_path, d, processes=processes, devices=devices, extra=(*watchdog, *x))  # noqa: E731
+    argv = lambda d, *x: launch_argv(
+        cfg_path, d, processes=processes, devices=devices, extra=(*watchdog, *x)
+    )  # noqa: E731
     timings = {}
     if reference_dir is None:
         reference_dir = proof_dir / "reference"
         t0 = time.monotonic()
-        run_to_completion(argv(reference_dir), proof_dir / "reference.log", dict(os.environ), timeout_s, "reference job")
+        run_to_completion(
+            argv(reference_dir),
+            proof_dir / "reference.log",
+            dict(os.environ),
+            timeout_s,
+            "reference job",
+        )
         timings["reference_s"] = round(time.monotonic() - t0, 2)
     run_dir = proof_dir / "interrupted"
     hold = ("--hold-after-step", str(kill_at)) if mode == "kill" else ()
     t0 = time.monotonic()
-    event = interrupt_one(argv(run_dir, *hold), run_dir, proof_dir / "interrupted.log", at_step=kill_at,
-                          victim=victim, mode=mode, timeout_s=timeout_s)
+    event = interrupt_one(
+        argv(run_dir, *hold),
+        run_dir,
+        proof_dir / "interrupted.log",
+        at_step=kill_at,
+        victim=victim,
+        mode=mode,
+        timeout_s=timeout_s,
+    )
     timings["interrupted_s"] = round(time.monotonic() - t0, 2)
     expected = EXIT_PEER_FAILED if mode == "kill" else EXIT_STALLED
     t0 = time.monotonic()
-    run_to_completion(argv(run_dir), proof_dir / "resumed.log", dict(os.environ), timeout_s, "resumed job")
+    run_to_completion(
+        argv(run_dir), proof_dir / "resumed.log", dict(os.environ), timeout_s, "resumed job"
+    )
     timings["resumed_s"] = round(time.monotonic() - t0, 2)
     verdict = judge(Path(reference_dir), run_dir, steps=steps, kill_step=event["last_logged_step"])
     verdict.update(final_state_verdict(Path(reference_dir), run_dir))
-    teardown = json.loads((run_dir / "launch" / "teardown.json").read_text()) \
-        if (run_dir / "launch" / "teardown.json").exists() else {}
+    teardown = (
+        json.loads((run_dir / "launch" / "teardown.json").read_text())
+        if (run_dir / "launch" / "teardown.json").exists()
+        else {}
+    )
     # the watchdog's one line names the stack file it wrote (tpulab.train.watchdog.StallWatchdog)
     logs = [*(run_dir / "launch").glob("p*.log"), proof_dir / "interrupted.log"]
-    said = any("error: stalled: no step completed" in p.read_text(errors="replace") for p in logs if p.exists())
-    stack_dumped = said and any("Thread 0x" in p.read_text(errors="replace") or "Current thread" in
-                                p.read_text(errors="replace") for p in run_dir.glob("stall-*.txt"))
-    verdict.update(event=event, teardown=teardown, expected_exit_code=expected, processes=processes,
-                   devices_per_process=devices, stall_timeout_s=stall_timeout_s, grace_s=GRACE_S,
-                   stack_dumped=stack_dumped if mode == "stall" else None, signal=event["signal"],
-                   timings=timings, reference_dir=str(reference_dir), run_dir=str(run_dir))
+    said = any(
+        "error: stalled: no step completed" in p.read_text(errors="replace")
+        for p in logs
+        if p.exists()
+    )
+    stack_dumped = said and any(
+        "Thread 0x" in p.read_text(errors="replace")
+        or "Current thread" in p.read_text(errors="replace")
+        for p in run_dir.glob("stall-*.txt")
+    )
+    verdict.update(
+        event=event,
+        teardown=teardown,
+        expected_exit_code=expected,
+        processes=processes,
+        devices_per_process=devices,
+        stall_timeout_s=stall_timeout_s,
+        grace_s=GRACE_S,
+        stack_dumped=stack_dumped if mode == "stall" else None,
+        signal=event["signal"],
+        timings=timings,
+        reference_dir=str(reference_dir),
+        run_dir=str(run_dir),
+    )
     verdict["identical"] = verdict["curves_identical"] and verdict["final_state_identical"]
-    verdict["teardown_ok"] = event["launcher_exit_code"] == expected and not event["survivors_after"] \
+    verdict["teardown_ok"] = (
+        event["launcher_exit_code"] == expected
+        and not event["survivors_after"]
         and (mode == "kill" or stack_dumped)
+    )
     atomic_write_json(proof_dir / "verdict.json", verdict)
-    what = (f"{processes}-process job, process {victim} "
-            + ("SIGKILLed" if mode == "kill" else f"SIGSTOPped (watchdog {stall_timeout_s:g}s)"))
+    what = f"{processes}-process job, process {victim} " + (
+        "SIGKILLed" if mode == "kill" else f"SIGSTOPped (watchdog {stall_timeout_s:g}s)"
+    )
     plot_proof(Path(reference_dir), run_dir, verdict, proof_dir / "overlay.png", title=what)
     return verdict
 
@@ -221,15 +346,33 @@ def ledger_verdict(multi_dir: Path, single_dir: Path) -> dict:
                 steps_of[rec["step"]] = set(rec["train"])
         per_process.append(steps_of)
     steps = sorted(set(multi["train"]) & set(single["train"]))
-    overlap = [s for s in steps if any(a.get(s, set()) & b.get(s, set())
-                                       for i, a in enumerate(per_process) for b in per_process[i + 1:])]
+    overlap = [
+        s
+        for s in steps
+        if any(
+            a.get(s, set()) & b.get(s, set())
+            for i, a in enumerate(per_process)
+            for b in per_process[i + 1 :]
+        )
+    ]
     differ = [s for s in steps if sorted(multi["train"][s]) != sorted(single["train"][s])]
-    return {"steps_compared": len(steps), "process_files": multi["files"], "steps_with_overlap": overlap[:10],
-            "steps_where_union_differs": differ[:10], "passed": bool(steps) and not overlap and not differ}
+    return {
+        "steps_compared": len(steps),
+        "process_files": multi["files"],
+        "steps_with_overlap": overlap[:10],
+        "steps_where_union_differs": differ[:10],
+        "passed": bool(steps) and not overlap and not differ,
+    }
 
 
-def prove_reshard(config: RunConfig, out_dir: Path, *, at_step: int, timeout_s: float = 600,
-                  reference_dir: Path | None = None) -> dict:
+def prove_reshard(
+    config: RunConfig,
+    out_dir: Path,
+    *,
+    at_step: int,
+    timeout_s: float = 600,
+    reference_dir: Path | None = None,
+) -> dict:
     """The 2 processes x 2 devices {2,2} reference's checkpoint ``at_step`` -> resharded onto 1 process x 2
     devices {1,2} -> trained on to the end; its curve over the uninterrupted 2-process one (not bitwise: the reduction
     order changes with the layout; judged against LAYOUT_RTOL)."""
@@ -238,34 +381,97 @@ def prove_reshard(config: RunConfig, out_dir: Path, *, at_step: int, timeout_s: 
     cfg_path = write_child_config(two, out_dir / "p2d2.yaml")
     if reference_dir is None:
         reference_dir = out_dir / "reference"
-        run_to_completion(launch_argv(cfg_path, reference_dir, processes=2, devices=2), out_dir / "reference.log",
-                          dict(os.environ), timeout_s, "2-process reference")
+        run_to_completion(
+            launch_argv(cfg_path, reference_dir, processes=2, devices=2),
+            out_dir / "reference.log",
+            dict(os.environ),
+            timeout_s,
+            "2-process reference",
+        )
     src = Path(reference_dir)  # its checkpoint at ``at_step`` (kept: checkpoint.keep) is the source
     dst = out_dir / "resharded"
-    run_to_completion(tpulab_argv("launch", "--processes", 1, "--devices-per-process", 2, "--log-dir",
-                                  out_dir / "reshard-launch", "--", "reshard", "--run-dir", src, "--out", dst,
-                                  "--mesh", "data=1,fsdp=2", "--step", at_step), out_dir / "reshard.log",
-                      dict(os.environ), timeout_s, "reshard")
+    run_to_completion(
+        tpulab_argv(
+            "launch",
+            "--processes",
+            1,
+            "--devices-per-process",
+            2,
+            "--log-dir",
+            out_dir / "reshard-launch",
+            "--",
+            "reshard",
+            "--run-dir",
+            src,
+            "--out",
+            dst,
+            "--mesh",
+            "data=1,fsdp=2",
+            "--step",
+            at_step,
+        ),
+        out_dir / "reshard.log",
+        dict(os.environ),
+        timeout_s,
+        "reshard",
+    )
     reshard_result = json.loads((dst / "reshard.json").read_text())
-    run_to_completion(tpulab_argv("launch", "--processes", 1, "--devices-per-process", 2, "--log-dir", dst / "launch",
-                                  "--", "train", "--config", dst / "config.yaml", "--run-dir", dst, "--no-progress",
-                                  "--steps", config.train.steps),
-                      out_dir / "continued.log", dict(os.environ), timeout_s, "continued 1-process run")
+    run_to_completion(
+        tpulab_argv(
+            "launch",
+            "--processes",
+            1,
+            "--devices-per-process",
+            2,
+            "--log-dir",
+            dst / "launch",
+            "--",
+            "train",
+            "--config",
+            dst / "config.yaml",
+            "--run-dir",
+            dst,
+            "--no-progress",
+            "--steps",
+            config.train.steps,
+        ),
+        out_dir / "continued.log",
+        dict(os.environ),
+        timeout_s,
+        "continued 1-process run",
+    )
     ref = M.curve(M.read_records(reference_dir))
     before = {s: v for s, v in ref.items() if s <= at_step}
     after = M.curve(M.read_records(dst))
     cmp_after = compare_layout(ref, after)
-    verdict = {"identical": cmp_after["bitwise"], "kill_step": at_step, "resumed_from_step": at_step,
-               "max_abs_diff": max(abs(after[s] - ref[s]) for s in after), "steps_compared": cmp_after["steps"],
-               "continued_vs_reference": cmp_after, "rtol": LAYOUT_RTOL, "reshard": reshard_result,
-               "passed": reshard_result["bitwise_equal"] and cmp_after["within_tolerance"]
-               and sorted(after) == list(range(at_step + 1, config.train.steps + 1))}
+    verdict = {
+        "identical": cmp_after["bitwise"],
+        "kill_step": at_step,
+        "resumed_from_step": at_step,
+        "max_abs_diff": max(abs(after[s] - ref[s]) for s in after),
+        "steps_compared": cmp_after["steps"],
+        "continued_vs_reference": cmp_after,
+        "rtol": LAYOUT_RTOL,
+        "reshard": reshard_result,
+        "passed": reshard_result["bitwise_equal"]
+        and cmp_after["within_tolerance"]
+        and sorted(after) == list(range(at_step + 1, config.train.steps + 1)),
+    }
     atomic_write_json(out_dir / "verdict.json", verdict)
-    plot_overlay(ref, before, after, verdict, out_dir / "overlay.png",
-                 title=f"2 proc x 2 dev -> resharded at step {at_step} onto 1 proc x 2 dev {{data:1, fsdp:2}}; "
-                       f"max rel diff {cmp_after['max_rel_diff']:.1e} (rtol {LAYOUT_RTOL:g}, not bitwise: "
-                       "another reduction order)",
-                 labels=("2 proc x 2 dev, uninterrupted", f"2 proc x 2 dev, up to its checkpoint at step {at_step}",
-                         f"1 proc x 2 dev, from the resharded checkpoint {at_step}"),
-                 marks=("reshard", ""))
+    plot_overlay(
+        ref,
+        before,
+        after,
+        verdict,
+        out_dir / "overlay.png",
+        title=f"2 proc x 2 dev -> resharded at step {at_step} onto 1 proc x 2 dev {{data:1, fsdp:2}}; "
+        f"max rel diff {cmp_after['max_rel_diff']:.1e} (rtol {LAYOUT_RTOL:g}, not bitwise: "
+        "another reduction order)",
+        labels=(
+            "2 proc x 2 dev, uninterrupted",
+            f"2 proc x 2 dev, up to its checkpoint at step {at_step}",
+            f"1 proc x 2 dev, from the resharded checkpoint {at_step}",
+        ),
+        marks=("reshard", ""),
+    )
     return verdict

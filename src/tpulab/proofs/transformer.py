@@ -24,8 +24,13 @@ def write_child_config(config: RunConfig, path: Path) -> Path:
     return path
 
 
-def train_child_argv(config_path: Path, run_dir: Path, *, compile_cache: Path | None = None,
-                     extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+def train_child_argv(
+    config_path: Path,
+    run_dir: Path,
+    *,
+    compile_cache: Path | None = None,
+    extra: list[str] | tuple[str, ...] = (),
+) -> list[str]:
     """`tpulab train` of a written config in ``run_dir``, no progress bar (logs only)."""
     argv = tpulab_argv("train", "--config", config_path, "--run-dir", run_dir, "--no-progress")
     if compile_cache is not None:
@@ -39,8 +44,10 @@ def default_kill_step(steps: int, save_every: int) -> int:
     if k % save_every == 0:
         k += 1
     if k >= steps:
-        raise TpulabError(f"{steps} steps leave no room to kill between checkpoints (checkpoint.save_every="
-                          f"{save_every}); train longer or save more often")
+        raise TpulabError(
+            f"{steps} steps leave no room to kill between checkpoints (checkpoint.save_every="
+            f"{save_every}); train longer or save more often"
+        )
     return k
 
 
@@ -49,13 +56,21 @@ def check_kill_step(kill_at: int, steps: int, save_every: int) -> None:
     if not 0 < kill_at < steps:
         raise TpulabError(f"--kill-at {kill_at} must be between 1 and steps-1 ({steps - 1})")
     if kill_at <= save_every:
-        raise TpulabError(f"--kill-at {kill_at} comes before the first checkpoint (step {save_every}, "
-                          f"checkpoint.save_every={save_every}); kill after step {save_every} or save more often")
+        raise TpulabError(
+            f"--kill-at {kill_at} comes before the first checkpoint (step {save_every}, "
+            f"checkpoint.save_every={save_every}); kill after step {save_every} or save more often"
+        )
 
 
-def prove_transformer_resume(config: RunConfig, out_dir: Path, *, reference_dir: Path | None = None,
-                             kill_at: int | None = None, skip_restore: tuple[str, ...] = (),
-                             compile_cache: Path | None = None) -> dict:
+def prove_transformer_resume(
+    config: RunConfig,
+    out_dir: Path,
+    *,
+    reference_dir: Path | None = None,
+    kill_at: int | None = None,
+    skip_restore: tuple[str, ...] = (),
+    compile_cache: Path | None = None,
+) -> dict:
     """Write out_dir/proof/{verdict.json, overlay.png}: per-step losses and the final whole state compared."""
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
@@ -65,7 +80,13 @@ def prove_transformer_resume(config: RunConfig, out_dir: Path, *, reference_dir:
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
     config_path = write_child_config(config, proof_dir / "config.yaml")
     extra = [a for part in skip_restore for a in ("--skip-restore", part)]
-    return prove_resume(lambda d: train_child_argv(config_path, d, compile_cache=compile_cache, extra=extra),
-                        proof_dir, steps=steps, kill_at=kill_at, reference_dir=reference_dir,
-                        title="Transformer kill/resume", compare_state=final_state_verdict,
-                        extra={"skip_restore": list(skip_restore)})
+    return prove_resume(
+        lambda d: train_child_argv(config_path, d, compile_cache=compile_cache, extra=extra),
+        proof_dir,
+        steps=steps,
+        kill_at=kill_at,
+        reference_dir=reference_dir,
+        title="Transformer kill/resume",
+        compare_state=final_state_verdict,
+        extra={"skip_restore": list(skip_restore)},
+    )

@@ -38,7 +38,11 @@ RUN_FILE = "mlflow_run.json"  # in the run dir: which store and run this run dir
 EXPERIMENT = "tpulab"
 STORE_NAME = "mlruns.db"
 METRIC_KEYS = ("loss", "lr", "grad_norm")
-ARTIFACTS = ("config.yaml", "env.json", "documents.json")  # + summary.json, from the summary the loop hands over
+ARTIFACTS = (
+    "config.yaml",
+    "env.json",
+    "documents.json",
+)  # + summary.json, from the summary the loop hands over
 
 
 def default_uri(run_dir: str | Path, explicit: str | None = None) -> str:
@@ -57,7 +61,7 @@ def sqlite_uri(path: str | Path) -> str:
 def _artifact_root(uri: str) -> str | None:
     """Artifacts of a sqlite store live beside it (MLflow's default is ./mlruns under the cwd)."""
     if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").absolute().as_uri()
+        return (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").absolute().as_uri()
     return None
 
 
@@ -71,7 +75,7 @@ def open_store(uri: str):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     from mlflow.tracking import MlflowClient
 
-    db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    db = Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
     fresh = db is not None and not db.exists()
     if db is not None:
         if not db.parent.is_dir():
@@ -82,8 +86,11 @@ def open_store(uri: str):
     exp = client.get_experiment_by_name(EXPERIMENT)
     if fresh:
         _save_template(db)
-    exp_id = exp.experiment_id if exp is not None else client.create_experiment(
-        EXPERIMENT, artifact_location=_artifact_root(uri))
+    exp_id = (
+        exp.experiment_id
+        if exp is not None
+        else client.create_experiment(EXPERIMENT, artifact_location=_artifact_root(uri))
+    )
     return client, exp_id
 
 
@@ -162,11 +169,16 @@ def lineage_tags(run_dir: Path, env: dict | None) -> dict[str, str]:
     docs_path = run_dir / "documents.json"
     if docs_path.exists():
         docs = json.loads(docs_path.read_text())
-        tags.update({"tpulab.corpus.source": str(docs.get("source")), "tpulab.corpus.identity": str(docs.get("identity")),
-                     "tpulab.split.train_sha256": _sha(docs.get("train_documents")),
-                     "tpulab.split.validation_sha256": _sha(docs.get("validation_documents")),
-                     "tpulab.split.train_documents": str(len(docs.get("train_documents", []))),
-                     "tpulab.split.validation_documents": str(len(docs.get("validation_documents", [])))})
+        tags.update(
+            {
+                "tpulab.corpus.source": str(docs.get("source")),
+                "tpulab.corpus.identity": str(docs.get("identity")),
+                "tpulab.split.train_sha256": _sha(docs.get("train_documents")),
+                "tpulab.split.validation_sha256": _sha(docs.get("validation_documents")),
+                "tpulab.split.train_documents": str(len(docs.get("train_documents", []))),
+                "tpulab.split.validation_documents": str(len(docs.get("validation_documents", []))),
+            }
+        )
     try:
         from tpulab.data.tokenizer import DEFINITION
 
@@ -193,8 +205,16 @@ class MlflowTracker(Hooks):
     One class, two roles: in the trainer it buffers, decides what may be sent and feeds the helper
     process; in the helper (``tpulab.tracking.worker``) the same class executes the jobs (``execute``)."""
 
-    def __init__(self, run_dir: str | Path, uri: str | None = None, *, kind: str = "transformer",
-                 extra_tags: dict | None = None, params: dict | None = None, join_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        uri: str | None = None,
+        *,
+        kind: str = "transformer",
+        extra_tags: dict | None = None,
+        params: dict | None = None,
+        join_timeout_s: float = 120.0,
+    ):
         self.run_dir = Path(run_dir)
         self.uri = default_uri(self.run_dir, uri)
         self.kind = kind
@@ -220,13 +240,18 @@ class MlflowTracker(Hooks):
         try:
             self._client, self._exp = open_store(self.uri)
         except Exception as e:  # noqa: BLE001 - sqlite, alembic, permissions: all mean "no store"
-            raise TpulabError(f"cannot open the MLflow tracking store {self.uri}: {_short(e)}") from None
+            raise TpulabError(
+                f"cannot open the MLflow tracking store {self.uri}: {_short(e)}"
+            ) from None
 
     def _fail(self, e: BaseException) -> None:
         if self.failed is None:
             self.failed = _short(e)
-            print(f"warning: MLflow tracking off for this process ({self.uri}): {self.failed}; training goes on",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: MLflow tracking off for this process ({self.uri}): {self.failed}; training goes on",
+                file=sys.stderr,
+                flush=True,
+            )
         self._enabled = False
 
     def _run(self) -> None:
@@ -262,29 +287,55 @@ class MlflowTracker(Hooks):
         from tpulab.config import to_dict
 
         config = info.get("config")
-        params = self.params if self.params is not None else (to_dict(config) if config is not None else {})
-        self.begin(params=params, env=env, resumed_from=info.get("resumed_from"),
-                   digest=info.get("checkpoint_digest"))
+        params = (
+            self.params
+            if self.params is not None
+            else (to_dict(config) if config is not None else {})
+        )
+        self.begin(
+            params=params,
+            env=env,
+            resumed_from=info.get("resumed_from"),
+            digest=info.get("checkpoint_digest"),
+        )
 
-    def begin(self, *, params: dict, env: dict | None = None, resumed_from: int | None = None,
-              digest: str | None = None) -> None:
+    def begin(
+        self,
+        *,
+        params: dict,
+        env: dict | None = None,
+        resumed_from: int | None = None,
+        digest: str | None = None,
+    ) -> None:
         """Start the worker and queue: open store, find or create the run, tags, params, resume record."""
         if self._worker is not None or not self._enabled:
             return
         try:
-            self._child = subprocess.Popen([sys.executable, "-m", "tpulab.tracking.worker"], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, text=True)
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", "tpulab.tracking.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         except OSError as e:
             self._fail(e)
             return
-        self._jobs.put({"run_dir": str(self.run_dir), "uri": self.uri, "kind": self.kind,
-                        "extra_tags": self.extra_tags})
+        self._jobs.put(
+            {
+                "run_dir": str(self.run_dir),
+                "uri": self.uri,
+                "kind": self.kind,
+                "extra_tags": self.extra_tags,
+            }
+        )
         self._worker = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
         self._worker.start()
         self._committed = resumed_from or 0
         self._submit("_open_run", params, env, resumed_from, digest)
 
-    def _open_run(self, params: dict, env: dict | None, resumed_from: int | None, digest: str | None) -> None:
+    def _open_run(
+        self, params: dict, env: dict | None, resumed_from: int | None, digest: str | None
+    ) -> None:
         from mlflow.entities import Param, RunTag
 
         if self._client is None:
@@ -299,32 +350,50 @@ class MlflowTracker(Hooks):
                 run = None
         new = run is None
         if new:
-            run = c.create_run(self._exp, run_name=self.run_dir.name, tags={"tpulab.kind": self.kind})
-            atomic_write_json(self.run_dir / RUN_FILE, {"tracking_uri": self.uri, "run_id": run.info.run_id,
-                                                        "experiment_id": self._exp})
+            run = c.create_run(
+                self._exp, run_name=self.run_dir.name, tags={"tpulab.kind": self.kind}
+            )
+            atomic_write_json(
+                self.run_dir / RUN_FILE,
+                {"tracking_uri": self.uri, "run_id": run.info.run_id, "experiment_id": self._exp},
+            )
         elif run.info.status != "RUNNING":
             c.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
-        tags = {**lineage_tags(self.run_dir, env), **{k: str(v) for k, v in self.extra_tags.items()}}
-        have = {} if new else run.data.params  # a killed first process may have died before its params
+        tags = {
+            **lineage_tags(self.run_dir, env),
+            **{k: str(v) for k, v in self.extra_tags.items()},
+        }
+        have = (
+            {} if new else run.data.params
+        )  # a killed first process may have died before its params
         items = [Param(k, v[:6000]) for k, v in flatten(params).items() if k not in have]
         if items:
             for i in range(0, len(items), 100):
-                c.log_batch(self.run_id, params=items[i:i + 100])
-        if resumed_from is not None:  # also when an earlier process died before it could create the run
-            existing = {m.step for m in c.get_metric_history(self.run_id, "loss")} if not new else set()
+                c.log_batch(self.run_id, params=items[i : i + 100])
+        if (
+            resumed_from is not None
+        ):  # also when an earlier process died before it could create the run
+            existing = (
+                {m.step for m in c.get_metric_history(self.run_id, "loss")} if not new else set()
+            )
             self._logged_max = max(existing, default=0)
             n = int(run.data.tags.get("tpulab.resume_count", "0")) + 1
             redone = max(0, self._logged_max - resumed_from)
             tags["tpulab.resume_count"] = str(n)
-            tags[f"tpulab.resume.{n}"] = json.dumps({
-                "from_checkpoint_step": resumed_from, "checkpoint_manifest_digest": digest,
-                "steps_already_logged": self._logged_max, "steps_redone_marked": redone,
-                "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+            tags[f"tpulab.resume.{n}"] = json.dumps(
+                {
+                    "from_checkpoint_step": resumed_from,
+                    "checkpoint_manifest_digest": digest,
+                    "steps_already_logged": self._logged_max,
+                    "steps_redone_marked": redone,
+                    "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                }
+            )
             self._backfill(resumed_from)
         items = [RunTag(k, v[:5000]) for k, v in tags.items()]
         for i in range(0, len(items), 100):
-            c.log_batch(self.run_id, tags=items[i:i + 100])
+            c.log_batch(self.run_id, tags=items[i : i + 100])
 
     def _backfill(self, upto: int) -> None:
         """Steps an earlier (killed) process committed but had not sent yet, read from metrics.jsonl."""
@@ -349,14 +418,19 @@ class MlflowTracker(Hooks):
 
         if not rows or self.run_id is None:
             return
-        metrics = [Metric(("redone/" + k) if s <= self._logged_max else k, v, ts, s) for k, v, s, ts in rows]
+        metrics = [
+            Metric(("redone/" + k) if s <= self._logged_max else k, v, ts, s)
+            for k, v, s, ts in rows
+        ]
         for i in range(0, len(metrics), 1000):
-            self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def on_metrics(self, step: int, record: dict) -> None:
         if not self._enabled:
             return
-        if self._worker is None and self.params is not None:  # a trainer without on_start (the bridge)
+        if (
+            self._worker is None and self.params is not None
+        ):  # a trainer without on_start (the bridge)
             self.begin(params=self.params, resumed_from=step - 1 if step > 1 else None)
         ts = _now_ms()
         with self._lock:
@@ -407,14 +481,24 @@ class MlflowTracker(Hooks):
             g = None
         step = int(summary.get("final_step") or 0)
         now = _now_ms()
-        metrics = [Metric(k, float(summary[k]), now, step) for k in ("final_loss", "final_val_loss")
-                   if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])]  # NaN: no step ran
+        metrics = [
+            Metric(k, float(summary[k]), now, step)
+            for k in ("final_loss", "final_val_loss")
+            if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])
+        ]  # NaN: no step ran
         if g is not None and g["total_s"] > 0:  # trainers whose records carry wall_s
             metrics.append(Metric("goodput", g["goodput"], now, step))
-        tags = [RunTag("tpulab.final_step", str(step)), RunTag("tpulab.preempted", str(bool(summary.get("preempted"))))]
+        tags = [
+            RunTag("tpulab.final_step", str(step)),
+            RunTag("tpulab.preempted", str(bool(summary.get("preempted")))),
+        ]
         c.log_batch(rid, metrics=metrics, tags=tags)
-        self.log_artifacts([self.run_dir / n for n in ARTIFACTS] + [_latest_manifest(self.run_dir, summary)])
-        c.log_dict(rid, summary, "summary.json")  # the loop writes its file only after on_end returns
+        self.log_artifacts(
+            [self.run_dir / n for n in ARTIFACTS] + [_latest_manifest(self.run_dir, summary)]
+        )
+        c.log_dict(
+            rid, summary, "summary.json"
+        )  # the loop writes its file only after on_end returns
         if g is not None and g["total_s"] > 0:
             c.log_dict(rid, g, "goodput.json")
         c.set_terminated(rid, "KILLED" if summary.get("preempted") else "FINISHED")
@@ -442,15 +526,21 @@ class MlflowTracker(Hooks):
         self._jobs.put(None)
         self._worker.join(self.join_timeout_s)
         try:
-            out, _ = self._child.communicate(timeout=self.join_timeout_s)  # closes stdin: end of jobs
+            out, _ = self._child.communicate(
+                timeout=self.join_timeout_s
+            )  # closes stdin: end of jobs
             status_line = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
             self.run_id = status_line.get("run_id") or self.run_id
             self.failed = self.failed or status_line.get("failed")
         except subprocess.TimeoutExpired:
             self._child.kill()
             self._child.wait()
-            print(f"warning: MLflow tracking did not finish within {self.join_timeout_s:.0f} s; "
-                  "some metrics may be missing from the store", file=sys.stderr, flush=True)
+            print(
+                f"warning: MLflow tracking did not finish within {self.join_timeout_s:.0f} s; "
+                "some metrics may be missing from the store",
+                file=sys.stderr,
+                flush=True,
+            )
         except (ValueError, OSError):
             pass
 
@@ -476,7 +566,9 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
-def log_files_to_run(run_dir: str | Path, paths: list[Path], artifact_path: str | None = None) -> bool:
+def log_files_to_run(
+    run_dir: str | Path, paths: list[Path], artifact_path: str | None = None
+) -> bool:
     """Attach files (a report, plots) to the MLflow run a run dir logged to, if it has one. False otherwise."""
     stored = _read_json(Path(run_dir) / RUN_FILE)
     if not stored:
@@ -488,8 +580,10 @@ def log_files_to_run(run_dir: str | Path, paths: list[Path], artifact_path: str 
                 client.log_artifact(stored["run_id"], str(p), artifact_path)
         return True
     except Exception as e:  # noqa: BLE001
-        print(f"warning: could not attach {len(paths)} file(s) to MLflow run {stored.get('run_id')}: {_short(e)}",
-              file=sys.stderr)
+        print(
+            f"warning: could not attach {len(paths)} file(s) to MLflow run {stored.get('run_id')}: {_short(e)}",
+            file=sys.stderr,
+        )
         return False
 
 
@@ -503,9 +597,19 @@ def list_runs(uri: str) -> list[dict]:
     rows = []
     for r in runs:
         m, t = r.data.metrics, r.data.tags
-        rows.append({"run_id": r.info.run_id, "name": r.info.run_name, "status": r.info.status,
-                     "kind": t.get("tpulab.kind", "?"), "steps": t.get("tpulab.final_step"),
-                     "final_loss": m.get("final_loss", m.get("loss")), "final_val_loss": m.get("final_val_loss"),
-                     "resumes": int(t.get("tpulab.resume_count", "0")), "backend": t.get("tpulab.backend", "?"),
-                     "goodput": m.get("goodput"), "run_dir": t.get("tpulab.run_dir")})
+        rows.append(
+            {
+                "run_id": r.info.run_id,
+                "name": r.info.run_name,
+                "status": r.info.status,
+                "kind": t.get("tpulab.kind", "?"),
+                "steps": t.get("tpulab.final_step"),
+                "final_loss": m.get("final_loss", m.get("loss")),
+                "final_val_loss": m.get("final_val_loss"),
+                "resumes": int(t.get("tpulab.resume_count", "0")),
+                "backend": t.get("tpulab.backend", "?"),
+                "goodput": m.get("goodput"),
+                "run_dir": t.get("tpulab.run_dir"),
+            }
+        )
     return rows

@@ -22,7 +22,11 @@ class LogLines(Hooks):
         self.total, self.start_step = info.get("total_steps", 0), info.get("start_step", 0)
         self._t0 = self._last = time.monotonic()
         if self.enabled:
-            how = f"resumed from step {self.start_step}" if info.get("resumed_from") is not None else "from scratch"
+            how = (
+                f"resumed from step {self.start_step}"
+                if info.get("resumed_from") is not None
+                else "from scratch"
+            )
             self._print(f"training to step {self.total} ({how})")
 
     def on_metrics(self, step, record):
@@ -31,8 +35,10 @@ class LogLines(Hooks):
             self._last = now
             rate = (step - self.start_step) / max(now - self._t0, 1e-9)
             eta = (self.total - step) / rate if rate > 0 else float("nan")
-            self._print(f"step {step}/{self.total} loss {record.get('loss', float('nan')):.4f} "
-                        f"({rate:.2f} step/s, eta {eta:.0f} s)")
+            self._print(
+                f"step {step}/{self.total} loss {record.get('loss', float('nan')):.4f} "
+                f"({rate:.2f} step/s, eta {eta:.0f} s)"
+            )
 
     def on_eval(self, step, val_loss):
         if self.enabled:

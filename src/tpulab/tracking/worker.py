@@ -31,7 +31,9 @@ def main() -> int:
     if not first:
         return 0
     cfg = json.loads(first)
-    tracker = MlflowTracker(cfg["run_dir"], cfg["uri"], kind=cfg["kind"], extra_tags=cfg["extra_tags"])
+    tracker = MlflowTracker(
+        cfg["run_dir"], cfg["uri"], kind=cfg["kind"], extra_tags=cfg["extra_tags"]
+    )
     for name in ("mlflow", "alembic", "sqlalchemy"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     for line in sys.stdin:

@@ -8,7 +8,6 @@ from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, field, nested
 from tpulab.data.config import DataConfig
 from tpulab.model.config import ModelConfig, PrecisionConfig
 
-
 MIN_NORMAL_FLOAT32 = 2.0**-126  # also bfloat16's: the two share an exponent range
 
 
@@ -18,7 +17,9 @@ class OptimConfig:
 
     lr: float = field(3e-3, "peak learning rate")
     warmup_steps: int = field(50, "linear warmup from 0 to lr")
-    schedule_steps: int = field(300, "cosine decay horizon (steps); lr stays at its floor afterwards")
+    schedule_steps: int = field(
+        300, "cosine decay horizon (steps); lr stays at its floor afterwards"
+    )
     min_lr_ratio: float = field(0.1, "floor of the cosine decay, as a fraction of lr")
     b1: float = field(0.9, "Adam first-moment decay")
     b2: float = field(0.99, "Adam second-moment decay")
@@ -29,16 +30,31 @@ class OptimConfig:
     def __post_init__(self):
         check(self.lr > 0, f"optim.lr={self.lr} must be positive")
         check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        check(self.schedule_steps > self.warmup_steps,
-              f"optim.schedule_steps={self.schedule_steps} must exceed optim.warmup_steps={self.warmup_steps}")
-        check(0.0 <= self.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        check(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0, f"optim.b1/b2 ({self.b1}, {self.b2}) must be in [0, 1)")
-        check(self.eps >= MIN_NORMAL_FLOAT32, f"optim.eps={self.eps} must be >= {MIN_NORMAL_FLOAT32:.3g} (smaller "
-              "values flush to 0 in float32 and bfloat16, and Adam divides 0 by 0)")
+        check(
+            self.schedule_steps > self.warmup_steps,
+            f"optim.schedule_steps={self.schedule_steps} must exceed optim.warmup_steps={self.warmup_steps}",
+        )
+        check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
+        )
+        check(
+            0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
+            f"optim.b1/b2 ({self.b1}, {self.b2}) must be in [0, 1)",
+        )
+        check(
+            self.eps >= MIN_NORMAL_FLOAT32,
+            f"optim.eps={self.eps} must be >= {MIN_NORMAL_FLOAT32:.3g} (smaller "
+            "values flush to 0 in float32 and bfloat16, and Adam divides 0 by 0)",
+        )
         check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
         check(self.clip_norm >= 0, f"optim.clip_norm={self.clip_norm} must be >= 0")
-        check_int(self.warmup_steps, "optim.warmup_steps", 0, INT32_MAX - 1, "optax counts steps in int32")
-        check_int(self.schedule_steps, "optim.schedule_steps", 1, INT32_MAX, "optax counts steps in int32")
+        check_int(
+            self.warmup_steps, "optim.warmup_steps", 0, INT32_MAX - 1, "optax counts steps in int32"
+        )
+        check_int(
+            self.schedule_steps, "optim.schedule_steps", 1, INT32_MAX, "optax counts steps in int32"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +62,12 @@ class TrainConfig:
     """How long to train and what to log. None of these change the math, so they may change on resume."""
 
     steps: int = field(300, "train until this step", resume_mutable=True)
-    log_every: int = field(10, "progress-bar refresh interval (metrics.jsonl gets every step)", resume_mutable=True)
-    eval_every: int = field(50, "validation loss interval (and at the last step)", resume_mutable=True)
+    log_every: int = field(
+        10, "progress-bar refresh interval (metrics.jsonl gets every step)", resume_mutable=True
+    )
+    eval_every: int = field(
+        50, "validation loss interval (and at the last step)", resume_mutable=True
+    )
     eval_batches: int = field(8, "fixed validation batches per evaluation", resume_mutable=True)
     crash_on_nan: bool = field(True, "stop with an error on a non-finite loss", resume_mutable=True)
 
@@ -65,14 +85,20 @@ class TrainConfig:
 class CheckpointConfig:
     """Orbax checkpointing: cadence and retention (may change on resume)."""
 
-    save_every: int = field(50, "save a checkpoint every this many steps (and at the end)", resume_mutable=True)
+    save_every: int = field(
+        50, "save a checkpoint every this many steps (and at the end)", resume_mutable=True
+    )
     keep: int = field(3, "keep the newest N checkpoints", resume_mutable=True)
-    async_save: bool = field(True, "write checkpoints in the background while training continues",
-                             resume_mutable=True)
+    async_save: bool = field(
+        True, "write checkpoints in the background while training continues", resume_mutable=True
+    )
 
     def __post_init__(self):
         check(self.save_every > 0, f"checkpoint.save_every={self.save_every} must be positive")
-        check(self.keep >= 2, f"checkpoint.keep={self.keep} must be >= 2 (a corrupt newest one needs a fallback)")
+        check(
+            self.keep >= 2,
+            f"checkpoint.keep={self.keep} must be >= 2 (a corrupt newest one needs a fallback)",
+        )
         check_int(self.save_every, "checkpoint.save_every", 1, INT32_MAX)
         check_int(self.keep, "checkpoint.keep", 2, INT32_MAX)
 
@@ -85,11 +111,15 @@ class MeshConfig:
     checkpoint to another layout is ``tpulab reshard``.
     """
 
-    data: int = field(0, "data-parallel size; 0 = every device that fsdp leaves (the default: all devices)")
+    data: int = field(
+        0, "data-parallel size; 0 = every device that fsdp leaves (the default: all devices)"
+    )
     fsdp: int = field(1, "fully-sharded size: parameters and both Adam moments are split over it")
 
     def __post_init__(self):
-        check(self.data >= 0, f"mesh.data={self.data} must be >= 0 (0 = all devices not used by fsdp)")
+        check(
+            self.data >= 0, f"mesh.data={self.data} must be >= 0 (0 = all devices not used by fsdp)"
+        )
         check(self.fsdp >= 1, f"mesh.fsdp={self.fsdp} must be >= 1")
 
 
@@ -110,5 +140,7 @@ class RunConfig:
         # With 32-bit JAX, PRNGKey keeps only the low 32 bits: seed 2**32 would silently equal seed 0,
         # and seeds beyond int64 crash it.
         check_int(self.seed, "seed", 0, UINT32_MAX, "a uint32: JAX's PRNGKey keeps 32 bits")
-        check(self.data.seq_len <= self.model.max_seq_len,
-              f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        check(
+            self.data.seq_len <= self.model.max_seq_len,
+            f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )

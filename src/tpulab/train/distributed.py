@@ -28,7 +28,9 @@ from tpulab.train.watchdog import STALL_EXIT_CODE
 ENV_COORDINATOR = "TPULAB_COORDINATOR"
 ENV_NUM_PROCESSES = "TPULAB_NUM_PROCESSES"
 ENV_PROCESS_ID = "TPULAB_PROCESS_ID"
-ENV_MODE = "TPULAB_DISTRIBUTED"  # "auto": let JAX detect the cluster (TPU VM); "off": never initialize
+ENV_MODE = (
+    "TPULAB_DISTRIBUTED"  # "auto": let JAX detect the cluster (TPU VM); "off": never initialize
+)
 
 INIT_TIMEOUT_S = 120  # every process must reach the coordinator within this
 HEARTBEAT_TIMEOUT_S = 30  # the coordination service declares a silent process dead after this
@@ -53,9 +55,13 @@ def initialize_from_env(init_timeout_s: int = INIT_TIMEOUT_S) -> dict:
         try:
             n, pid = int(os.environ[ENV_NUM_PROCESSES]), int(os.environ[ENV_PROCESS_ID])
         except (KeyError, ValueError):
-            raise TpulabError(f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} are missing or "
-                              "not integers (start multi-process runs with tpulab launch)") from None
-        if pid != 0:  # the runtime aborts the process (SIGABRT) when it cannot connect: find out first
+            raise TpulabError(
+                f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} are missing or "
+                "not integers (start multi-process runs with tpulab launch)"
+            ) from None
+        if (
+            pid != 0
+        ):  # the runtime aborts the process (SIGABRT) when it cannot connect: find out first
             _wait_for_coordinator(coordinator, init_timeout_s, pid, n)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs = {"coordinator_address": coordinator, "num_processes": n, "process_id": pid}
@@ -65,17 +71,28 @@ def initialize_from_env(init_timeout_s: int = INIT_TIMEOUT_S) -> dict:
     else:
         return {"distributed": False}
     try:
-        jax.distributed.initialize(**kwargs, initialization_timeout=init_timeout_s,
-                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+        jax.distributed.initialize(
+            **kwargs,
+            initialization_timeout=init_timeout_s,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        )
     except Exception as e:  # noqa: BLE001 - the runtime's errors are long C++ status dumps
-        raise _fail_to_join(where, init_timeout_s, (str(e).splitlines() or [type(e).__name__])[0][:200]) from None
-    return {"distributed": True, "process_index": jax.process_index(), "process_count": jax.process_count()}
+        raise _fail_to_join(
+            where, init_timeout_s, (str(e).splitlines() or [type(e).__name__])[0][:200]
+        ) from None
+    return {
+        "distributed": True,
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+    }
 
 
 def _fail_to_join(where: str, timeout_s: int, why: str) -> TpulabError:
-    return TpulabError(f"joining {where} failed within {timeout_s}s: {why}. Every process must run the same command "
-                       "at the same time: on a TPU slice use gcloud compute tpus tpu-vm ssh ... --worker=all "
-                       "--command '...'; locally use tpulab launch --processes N")
+    return TpulabError(
+        f"joining {where} failed within {timeout_s}s: {why}. Every process must run the same command "
+        "at the same time: on a TPU slice use gcloud compute tpus tpu-vm ssh ... --worker=all "
+        "--command '...'; locally use tpulab launch --processes N"
+    )
 
 
 def _wait_for_coordinator(address: str, timeout_s: int, pid: int, n: int) -> None:
@@ -89,8 +106,11 @@ def _wait_for_coordinator(address: str, timeout_s: int, pid: int, n: int) -> Non
                 return
         except (OSError, ValueError) as e:
             if time.monotonic() >= deadline:
-                raise _fail_to_join(f"coordinator {address} (process {pid} of {n})", timeout_s,
-                                    f"nothing answers there ({getattr(e, 'strerror', None) or e})") from None
+                raise _fail_to_join(
+                    f"coordinator {address} (process {pid} of {n})",
+                    timeout_s,
+                    f"nothing answers there ({getattr(e, 'strerror', None) or e})",
+                ) from None
             time.sleep(0.2)
 
 

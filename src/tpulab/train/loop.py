@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import yaml
 
+from tpulab import compile_cache
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
@@ -34,7 +35,6 @@ from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
 from tpulab.model.transformer import param_count
-from tpulab import compile_cache
 from tpulab.train.config import MeshConfig, RunConfig
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.memory import check_fits_host
@@ -64,20 +64,30 @@ def prepare_run_dir(run_dir: Path) -> Path:
     return run_dir
 
 
-def check_resume_identity(meta: dict, config: RunConfig, corpus_identity: str, force: bool) -> list[str]:
+def check_resume_identity(
+    meta: dict, config: RunConfig, corpus_identity: str, force: bool
+) -> list[str]:
     """Differences that make a resume not the same run; raises unless ``force``."""
     saved = meta.get("config", {})
     if "mesh" not in saved:  # written before meshes were configurable: it used the default layout
         saved = {**saved, "mesh": to_dict(MeshConfig())}
     diffs = identity_diff(RunConfig, saved, to_dict(config))
     if meta.get("corpus_identity") != corpus_identity:
-        diffs.append(f"corpus identity: {str(meta.get('corpus_identity'))[:12]}… -> {corpus_identity[:12]}…")
+        diffs.append(
+            f"corpus identity: {str(meta.get('corpus_identity'))[:12]}… -> {corpus_identity[:12]}…"
+        )
     if meta.get("tokenizer") != TOKENIZER:
         diffs.append("tokenizer definition")
     if diffs and not force:
-        hint = "tpulab reshard to move it to another mesh, or " if any(d.startswith("mesh.") for d in diffs) else ""
-        raise TpulabError(f"refusing to resume step {meta.get('step')}: it was trained with a different "
-                          f"{'; '.join(diffs[:3])}{' …' if len(diffs) > 3 else ''} (use {hint}--force to resume anyway)")
+        hint = (
+            "tpulab reshard to move it to another mesh, or "
+            if any(d.startswith("mesh.") for d in diffs)
+            else ""
+        )
+        raise TpulabError(
+            f"refusing to resume step {meta.get('step')}: it was trained with a different "
+            f"{'; '.join(diffs[:3])}{' …' if len(diffs) > 3 else ''} (use {hint}--force to resume anyway)"
+        )
     return diffs
 
 
@@ -86,14 +96,18 @@ def check_topology(meta: dict, here: dict, force: bool) -> None:
     ``tpulab reshard`` or ``--force`` (the math would differ in the last bits), never silently."""
     saved = meta.get("topology")
     if saved is not None and saved != here and not force:
-        raise TpulabError(f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, this job "
-                          f"is {_topo(here)} (use tpulab reshard to move it, or --force)")
+        raise TpulabError(
+            f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, this job "
+            f"is {_topo(here)} (use tpulab reshard to move it, or --force)"
+        )
 
 
 def _topo(t: dict) -> str:
     m = t.get("mesh", {})
-    return (f"{t.get('process_count')} process(es) x {t.get('device_count')} device(s), mesh data={m.get('data')} "
-            f"fsdp={m.get('fsdp')}")
+    return (
+        f"{t.get('process_count')} process(es) x {t.get('device_count')} device(s), mesh data={m.get('data')} "
+        f"fsdp={m.get('fsdp')}"
+    )
 
 
 class _NullLog:
@@ -113,8 +127,14 @@ def _progress(total: int, initial: int, enabled: bool | None):
     from tqdm import tqdm
 
     # disable=None: shown on a terminal, silent in logs and subprocesses.
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr,
-                disable=None if enabled is None else not enabled)
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        disable=None if enabled is None else not enabled,
+    )
 
 
 def evaluate(steps: Steps, params, batches) -> float:
@@ -125,14 +145,25 @@ def evaluate(steps: Steps, params, batches) -> float:
 
 
 def write_run_files(run_dir: Path, config: RunConfig, splits: Splits, n_params: int) -> dict:
-    atomic_write_bytes(run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode())
+    atomic_write_bytes(
+        run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode()
+    )
     atomic_write_json(run_dir / "documents.json", splits.describe())
-    return write_environment(run_dir, extra={"param_count": n_params, "precision": to_dict(config.precision),
-                                             "shapes": {"batch": config.data.batch_size, "seq_len": config.data.seq_len,
-                                                        "d_model": config.model.d_model,
-                                                        "n_layers": config.model.n_layers,
-                                                        "n_heads": config.model.n_heads,
-                                                        "vocab": config.model.vocab_size}})
+    return write_environment(
+        run_dir,
+        extra={
+            "param_count": n_params,
+            "precision": to_dict(config.precision),
+            "shapes": {
+                "batch": config.data.batch_size,
+                "seq_len": config.data.seq_len,
+                "d_model": config.model.d_model,
+                "n_layers": config.model.n_layers,
+                "n_heads": config.model.n_heads,
+                "vocab": config.model.vocab_size,
+            },
+        },
+    )
 
 
 class _NonFinite(Exception):
@@ -151,7 +182,9 @@ class PhaseClock:
 
     def __init__(self):
         self.t0 = time.monotonic()
-        self.seconds = {k: 0.0 for k in ("startup", "first_step", "step", "data", "eval", "checkpoint")}
+        self.seconds = {
+            k: 0.0 for k in ("startup", "first_step", "step", "data", "eval", "checkpoint")
+        }
         self._mark = self.t0
 
     def lap(self, phase: str) -> None:
@@ -163,9 +196,17 @@ class PhaseClock:
         return time.monotonic() - self.t0
 
 
-def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_restore: tuple[str, ...] = (),
-          progress: bool | None = None, compile_cache_dir: str | Path | None = None,
-          hooks: list[Hooks] | tuple[Hooks, ...] = (), preemption: Preemption | None = None) -> dict:
+def train(
+    config: RunConfig,
+    run_dir: str | Path,
+    *,
+    force: bool = False,
+    skip_restore: tuple[str, ...] = (),
+    progress: bool | None = None,
+    compile_cache_dir: str | Path | None = None,
+    hooks: list[Hooks] | tuple[Hooks, ...] = (),
+    preemption: Preemption | None = None,
+) -> dict:
     """Train to ``config.train.steps``; returns a summary (final losses, steps, resume info, phase times).
 
     Nothing on disk changes before the resume is accepted: the checkpoint dir is scanned read-only, the
@@ -173,21 +214,31 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
     """
     bad = sorted(set(skip_restore) - set(SKIPPABLE))
     if bad:
-        raise TpulabError(f"unknown part to skip on restore: {bad[0]} (known: {', '.join(SKIPPABLE)})")
+        raise TpulabError(
+            f"unknown part to skip on restore: {bad[0]} (known: {', '.join(SKIPPABLE)})"
+        )
     clock = PhaseClock()
     hooks = HookList(hooks)
     check_fits_host(config)  # bad input is refused before anything is created
-    mesh = make_mesh(config)  # a mesh that does not fit the devices, or a batch it cannot split: before any write
+    mesh = make_mesh(
+        config
+    )  # a mesh that does not fit the devices, or a batch it cannot split: before any write
     check_batch(config.data.batch_size, mesh)
     splits = build_splits(load_corpus(config.data.path), config.data)
     run_dir = prepare_run_dir(Path(run_dir))
     compile_cache.enable(compile_cache_dir)
-    meta = {"config": to_dict(config), "corpus_identity": splits.corpus.identity, "tokenizer": TOKENIZER}
+    meta = {
+        "config": to_dict(config),
+        "corpus_identity": splits.corpus.identity,
+        "tokenizer": TOKENIZER,
+    }
     found = scan(run_dir / "checkpoints")
     if not found.usable and not force:
         raise CheckpointError(found.refusal())
     if found.latest is not None:
-        check_resume_identity(read_meta(found.directory / str(found.latest)), config, splits.corpus.identity, force)
+        check_resume_identity(
+            read_meta(found.directory / str(found.latest)), config, splits.corpus.identity, force
+        )
 
     steps = make_steps(config, mesh)
     meta["topology"] = topology(steps.mesh)
@@ -199,13 +250,24 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
     store = log = ledger = bar = None
     summary: dict = {}
     try:
-        store = CheckpointStore(run_dir / "checkpoints", keep=config.checkpoint.keep,
-                                async_save=config.checkpoint.async_save, allow_commit=hooks.allow_commit,
-                                on_commit=hooks.on_checkpoint, primary=primary)
-        data_iter = iter(train_dataset(splits.train_windows, config.data, jax.process_index(), jax.process_count()))
+        store = CheckpointStore(
+            run_dir / "checkpoints",
+            keep=config.checkpoint.keep,
+            async_save=config.checkpoint.async_save,
+            allow_commit=hooks.allow_commit,
+            on_commit=hooks.on_checkpoint,
+            primary=primary,
+        )
+        data_iter = iter(
+            train_dataset(
+                splits.train_windows, config.data, jax.process_index(), jax.process_count()
+            )
+        )
         resume = None
         if store.latest is not None:
-            state = store.restore(store.latest, steps.abstract_state(), None if "data" in skip_restore else data_iter)
+            state = store.restore(
+                store.latest, steps.abstract_state(), None if "data" in skip_restore else data_iter
+            )
             if "rng" in skip_restore:
                 state = state._replace(rng=steps.init().rng)
             resume = Resume(store.latest, store.digest(store.latest))
@@ -215,22 +277,46 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
         if start != (resume.step if resume else 0):
             raise CheckpointError(f"checkpoint step {resume.step} holds a state at step {start}")
 
-        env = write_run_files(run_dir, config, splits, param_count(steps.model(state.params))) if primary else {}
-        log = _NullLog() if not primary else MetricsLog(run_dir, resumed_from=resume.step if resume else None,
-                         checkpoint_digest=resume.digest if resume else None, skip_restore=list(skip_restore),
-                         backend=env["backend"], device_kind=env["device_kind"],
-                         process_index=jax.process_index(), process_count=jax.process_count())
+        env = (
+            write_run_files(run_dir, config, splits, param_count(steps.model(state.params)))
+            if primary
+            else {}
+        )
+        log = (
+            _NullLog()
+            if not primary
+            else MetricsLog(
+                run_dir,
+                resumed_from=resume.step if resume else None,
+                checkpoint_digest=resume.digest if resume else None,
+                skip_restore=list(skip_restore),
+                backend=env["backend"],
+                device_kind=env["device_kind"],
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
+            )
+        )
         ledger = WindowLedger(run_dir, jax.process_index())
-        val_batches = eval_batches(splits.val_windows, config.data.batch_size, config.train.eval_batches)
+        val_batches = eval_batches(
+            splits.val_windows, config.data.batch_size, config.train.eval_batches
+        )
         ledger.record_eval(val_batches)
         total = config.train.steps
         tokens_per_step = config.data.batch_size * config.data.seq_len
         bar = _progress(total, start, progress if primary else False)
         summary = {"resumed_from": resume.step if resume else None, "start_step": start}
-        hooks.on_start({"run_dir": str(run_dir), "config": config, "start_step": start, "total_steps": total,
-                        "process_index": jax.process_index(),  # env is process 0's alone (empty elsewhere)
-                        "resumed_from": summary["resumed_from"],
-                        "checkpoint_digest": resume.digest if resume else None, "env": env})
+        hooks.on_start(
+            {
+                "run_dir": str(run_dir),
+                "config": config,
+                "start_step": start,
+                "total_steps": total,
+                "process_index": jax.process_index(),  # env is process 0's alone (empty elsewhere)
+                "resumed_from": summary["resumed_from"],
+                "checkpoint_digest": resume.digest if resume else None,
+                "env": env,
+            }
+        )
         last_loss, last_val = math.nan, None
         pending: tuple[int, dict] | None = None  # (step, device metrics) not yet read
         t_first_step = None
@@ -241,8 +327,13 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
             last_loss = host["loss"]
             if config.train.crash_on_nan and not math.isfinite(last_loss):
                 raise _NonFinite(step, f"loss is {last_loss}")
-            record = {"loss": host["loss"], "lr": host["lr"], "grad_norm": host["grad_norm"],
-                      "tokens": int(host["tokens"]), "wall_s": round(clock.total(), 4)}
+            record = {
+                "loss": host["loss"],
+                "lr": host["lr"],
+                "grad_norm": host["grad_norm"],
+                "tokens": int(host["tokens"]),
+                "wall_s": round(clock.total(), 4),
+            }
             log.log(step, **record)
             hooks.on_metrics(step, record)
 
@@ -274,7 +365,9 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
                 hooks.on_eval(step, last_val)
                 clock.lap("eval")
             if step % config.checkpoint.save_every == 0 or done:
-                if pending is not None:  # a step's numbers are checked before its state may be saved
+                if (
+                    pending is not None
+                ):  # a step's numbers are checked before its state may be saved
                     read(*pending)
                     pending = None
                 clock.lap("step")
@@ -297,21 +390,36 @@ def train(config: RunConfig, run_dir: str | Path, *, force: bool = False, skip_r
         clock.lap("step")
         store.wait()
         clock.lap("checkpoint")
-        summary.update(final_step=step, final_loss=last_loss, final_val_loss=last_val,
-                       latest_checkpoint=store.latest, preempted=preempt.requested,
-                       time_to_first_step_s=t_first_step, wall_s=clock.total(),
-                       phases_s={k: round(v, 4) for k, v in clock.seconds.items()},
-                       corpus_identity=splits.corpus.identity)
+        summary.update(
+            final_step=step,
+            final_loss=last_loss,
+            final_val_loss=last_val,
+            latest_checkpoint=store.latest,
+            preempted=preempt.requested,
+            time_to_first_step_s=t_first_step,
+            wall_s=clock.total(),
+            phases_s={k: round(v, 4) for k, v in clock.seconds.items()},
+            corpus_identity=splits.corpus.identity,
+        )
         log.event("end", step=step, wall_s=round(clock.total(), 4), phases_s=summary["phases_s"])
         hooks.on_end(summary)
     except _NonFinite as e:
         store.wait()  # in-flight saves were checked before they started: let them commit
-        raise TpulabError(f"{e.what} at step {e.step}; last good checkpoint: step {store.latest} in "
-                          f"{store.directory}", exit_code=3) from None
+        raise TpulabError(
+            f"{e.what} at step {e.step}; last good checkpoint: step {store.latest} in "
+            f"{store.directory}",
+            exit_code=3,
+        ) from None
     except OSError as e:  # the run's own logs (metrics, window ledger) on a full or failing disk
-        last = f"step {store.latest} in {store.directory}" if store is not None and store.latest is not None else "none"
-        raise TpulabError(f"writing to {run_dir} failed: {e.strerror or e}; last valid checkpoint: {last}",
-                          exit_code=4) from None
+        last = (
+            f"step {store.latest} in {store.directory}"
+            if store is not None and store.latest is not None
+            else "none"
+        )
+        raise TpulabError(
+            f"writing to {run_dir} failed: {e.strerror or e}; last valid checkpoint: {last}",
+            exit_code=4,
+        ) from None
     finally:
         for closer in (bar, store, log, ledger):
             if closer is not None:

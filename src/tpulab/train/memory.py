@@ -72,5 +72,6 @@ def check_fits_host(config: RunConfig, available: int | None = None) -> int:
             f"the model cannot fit in memory: {param_count(config.model):,} parameters need at least "
             f"{need / GiB:,.1f} GiB for parameters, gradients and two Adam moments in "
             f"{config.precision.param_dtype}, and this host has {available / GiB:,.1f} GiB available "
-            "(reduce model.d_model, model.n_layers or model.mlp_ratio)")
+            "(reduce model.d_model, model.n_layers or model.mlp_ratio)"
+        )
     return need

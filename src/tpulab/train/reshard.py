@@ -38,7 +38,9 @@ from tpulab.train.step import make_steps
 def _gathered(tree):
     from jax.experimental import multihost_utils
 
-    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+    return jax.tree.map(
+        lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree
+    )
 
 
 def data_positions(step_dir: Path) -> list[dict]:
@@ -60,44 +62,73 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
     steps = make_steps(config, mesh)
     positions = data_positions(step_dir)
     if any(p != positions[0] for p in positions):
-        raise CheckpointError(f"{step_dir}: the processes' data positions differ ({positions}); cannot reshard")
+        raise CheckpointError(
+            f"{step_dir}: the processes' data positions differ ({positions}); cannot reshard"
+        )
     step = int(step_dir.name)
 
     abstract = steps.abstract_state()
     state = read_state(step_dir, abstract)
-    replicated = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
-                              abstract)
+    replicated = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+        abstract,
+    )
     whole = read_state(step_dir, replicated)
     n, first = compare_trees(_gathered(state), _gathered(whole))
     if first is not None:
         raise CheckpointError(f"resharded leaf {first} differs from the saved one; nothing written")
     if int(_gathered(state.step)) != step:
-        raise CheckpointError(f"checkpoint step {step} holds a state at step {int(_gathered(state.step))}")
+        raise CheckpointError(
+            f"checkpoint step {step} holds a state at step {int(_gathered(state.step))}"
+        )
 
     splits = build_splits(load_corpus(config.data.path), config.data)
     if meta.get("corpus_identity") != splits.corpus.identity:
-        raise TpulabError(f"the corpus at {config.data.path} is not the one {src_run} was trained on")
-    data_iter = iter(train_dataset(splits.train_windows, config.data, jax.process_index(), jax.process_count()))
+        raise TpulabError(
+            f"the corpus at {config.data.path} is not the one {src_run} was trained on"
+        )
+    data_iter = iter(
+        train_dataset(splits.train_windows, config.data, jax.process_index(), jax.process_count())
+    )
     data_iter.set_state(positions[0])
     here = topology(mesh)
-    new_meta = {"config": to_dict(config), "corpus_identity": splits.corpus.identity, "tokenizer": TOKENIZER,
-                "topology": here, "resharded_from": {"run_dir": str(Path(src_run).absolute()), "step": step,
-                                                      "topology": meta.get("topology")}}
+    new_meta = {
+        "config": to_dict(config),
+        "corpus_identity": splits.corpus.identity,
+        "tokenizer": TOKENIZER,
+        "topology": here,
+        "resharded_from": {
+            "run_dir": str(Path(src_run).absolute()),
+            "step": step,
+            "topology": meta.get("topology"),
+        },
+    }
     primary = jax.process_index() == 0
     if primary:
         dst_run.mkdir(parents=True, exist_ok=True)
-    store = CheckpointStore(dst_run / "checkpoints", keep=config.checkpoint.keep, async_save=False, primary=primary)
+    store = CheckpointStore(
+        dst_run / "checkpoints", keep=config.checkpoint.keep, async_save=False, primary=primary
+    )
     try:
         store.save(step, state, data_iter, new_meta)
         store.wait()
     finally:
         store.close()
-    result = {"step": step, "from": _describe(meta.get("topology")), "to": _describe(here), "leaves": n,
-              "bitwise_equal": True, "out": str(dst_run), "source_checkpoint": str(step_dir)}
+    result = {
+        "step": step,
+        "from": _describe(meta.get("topology")),
+        "to": _describe(here),
+        "leaves": n,
+        "bitwise_equal": True,
+        "out": str(dst_run),
+        "source_checkpoint": str(step_dir),
+    }
     if primary:
         import yaml
 
-        atomic_write_bytes(dst_run / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode())
+        atomic_write_bytes(
+            dst_run / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode()
+        )
         atomic_write_json(dst_run / "reshard.json", result)
     return result
 

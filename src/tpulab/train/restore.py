@@ -33,7 +33,9 @@ def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
     run_dir = Path(run_dir)
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
-        raise TpulabError(f"{run_dir} holds no checkpoints (train first: tpulab train --run-dir {run_dir})")
+        raise TpulabError(
+            f"{run_dir} holds no checkpoints (train first: tpulab train --run-dir {run_dir})"
+        )
     found = scan(ckpt_dir)
     step = found.latest if step is None else step
     if step is None:
@@ -46,6 +48,15 @@ def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
 def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
     step_dir = checkpoint_dir(run_dir, step)
     config = from_dict(RunConfig, read_meta(step_dir)["config"])
-    steps = make_steps(config, make_mesh())  # replicated on the devices here, whatever mesh trained it
+    steps = make_steps(
+        config, make_mesh()
+    )  # replicated on the devices here, whatever mesh trained it
     state = read_state(step_dir, steps.abstract_state())
-    return Restored(steps.model(state.params), config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)
+    return Restored(
+        steps.model(state.params),
+        config,
+        int(step_dir.name),
+        step_dir,
+        manifest_digest(step_dir),
+        state,
+    )

@@ -19,7 +19,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tpulab.errors import ConfigError
 from tpulab.train.config import MeshConfig
@@ -30,11 +31,11 @@ BATCH_SPEC = P((DATA_AXIS, FSDP_AXIS))  # rows of the global batch over every de
 
 # (pattern on the leaf path, PartitionSpec). Matrices split on their first (input / vocab) dimension.
 RULES: tuple[tuple[str, P], ...] = (
-    (r"embed/embedding$", P(FSDP_AXIS, None)),   # [vocab, d_model]: vocabulary rows
-    (r"attn/qkv/kernel$", P(FSDP_AXIS, None)),   # [d_model, 3 d_model]
-    (r"attn/out/kernel$", P(FSDP_AXIS, None)),   # [d_model, d_model]
-    (r"mlp/up/kernel$", P(FSDP_AXIS, None)),     # [d_model, d_ff]
-    (r"mlp/down/kernel$", P(FSDP_AXIS, None)),   # [d_ff, d_model]
+    (r"embed/embedding$", P(FSDP_AXIS, None)),  # [vocab, d_model]: vocabulary rows
+    (r"attn/qkv/kernel$", P(FSDP_AXIS, None)),  # [d_model, 3 d_model]
+    (r"attn/out/kernel$", P(FSDP_AXIS, None)),  # [d_model, d_model]
+    (r"mlp/up/kernel$", P(FSDP_AXIS, None)),  # [d_model, d_ff]
+    (r"mlp/down/kernel$", P(FSDP_AXIS, None)),  # [d_ff, d_model]
     (r".*", P()),  # norm scales, step, Adam count, dropout key: replicated
 )
 
@@ -60,8 +61,10 @@ def resolve(cfg: MeshConfig, n_devices: int) -> tuple[int, int]:
         raise ConfigError(f"mesh.fsdp={cfg.fsdp} does not divide the {n_devices} devices JAX sees")
     data = cfg.data or n_devices // cfg.fsdp
     if data * cfg.fsdp != n_devices:
-        raise ConfigError(f"mesh data={data} x fsdp={cfg.fsdp} = {data * cfg.fsdp} devices, but JAX sees "
-                          f"{n_devices} (the mesh must use every device exactly once)")
+        raise ConfigError(
+            f"mesh data={data} x fsdp={cfg.fsdp} = {data * cfg.fsdp} devices, but JAX sees "
+            f"{n_devices} (the mesh must use every device exactly once)"
+        )
     return data, cfg.fsdp
 
 
@@ -76,8 +79,10 @@ def make_mesh(cfg: MeshConfig | None = None, devices: list | None = None) -> Mes
 def check_batch(batch_size: int, mesh: Mesh) -> None:
     n = mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
     if batch_size % n:
-        raise ConfigError(f"data.batch_size={batch_size} is not divisible by the data-parallel size {n} "
-                          f"(mesh data={mesh.shape[DATA_AXIS]} x fsdp={mesh.shape[FSDP_AXIS]})")
+        raise ConfigError(
+            f"data.batch_size={batch_size} is not divisible by the data-parallel size {n} "
+            f"(mesh data={mesh.shape[DATA_AXIS]} x fsdp={mesh.shape[FSDP_AXIS]})"
+        )
 
 
 def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh) -> tuple[P, str]:
@@ -88,7 +93,11 @@ def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh) -> tuple[P, str]:
                 return P(), pattern + " (rank too small: replicated)"
             for dim, axis in zip(shape, spec):
                 if axis is not None and dim % mesh.shape[axis]:
-                    return P(), pattern + f" ({dim} not divisible by {axis}={mesh.shape[axis]}: replicated)"
+                    return (
+                        P(),
+                        pattern
+                        + f" ({dim} not divisible by {axis}={mesh.shape[axis]}: replicated)",
+                    )
             return spec, pattern
     return P(), "(no rule)"
 
@@ -97,7 +106,9 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     """A NamedSharding for every leaf of ``abstract_state`` (same tree structure)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     return jax.tree_util.tree_unflatten(
-        treedef, [NamedSharding(mesh, spec_for(leaf_path(p), tuple(x.shape), mesh)[0]) for p, x in flat])
+        treedef,
+        [NamedSharding(mesh, spec_for(leaf_path(p), tuple(x.shape), mesh)[0]) for p, x in flat],
+    )
 
 
 def layout_table(abstract_state: Any, mesh: Mesh) -> list[dict]:
@@ -107,12 +118,22 @@ def layout_table(abstract_state: Any, mesh: Mesh) -> list[dict]:
         path = leaf_path(p)
         spec, rule = spec_for(path, tuple(x.shape), mesh)
         local = NamedSharding(mesh, spec).shard_shape(tuple(x.shape))
-        rows.append({"path": path, "shape": list(x.shape), "spec": str(spec), "per_device": list(local),
-                     "rule": rule})
+        rows.append(
+            {
+                "path": path,
+                "shape": list(x.shape),
+                "spec": str(spec),
+                "per_device": list(local),
+                "rule": rule,
+            }
+        )
     return rows
 
 
 def topology(mesh: Mesh) -> dict:
     """What a checkpoint records about where it was written; a resume elsewhere needs ``tpulab reshard``."""
-    return {"mesh": {DATA_AXIS: int(mesh.shape[DATA_AXIS]), FSDP_AXIS: int(mesh.shape[FSDP_AXIS])},
-            "process_count": jax.process_count(), "device_count": int(mesh.devices.size)}
+    return {
+        "mesh": {DATA_AXIS: int(mesh.shape[DATA_AXIS]), FSDP_AXIS: int(mesh.shape[FSDP_AXIS])},
+        "process_count": jax.process_count(),
+        "device_count": int(mesh.devices.size),
+    }

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tpulab.model.transformer import Transformer
 from tpulab.train import sharding
@@ -34,7 +35,9 @@ class TrainState(NamedTuple):
     rng: jax.Array  # uint32[2] dropout key, split once per step
 
 
-def masked_xent(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+def masked_xent(
+    logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """(mean NLL over valid targets, number of valid targets). Padded targets contribute exactly zero."""
     logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
     nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
@@ -44,20 +47,33 @@ def masked_xent(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array
 
 
 def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.schedule_steps,
-                                              end_value=cfg.lr * cfg.min_lr_ratio)
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, cfg.schedule_steps, end_value=cfg.lr * cfg.min_lr_ratio
+    )
 
 
 def optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
-    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                        mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+    adamw = optax.adamw(
+        lr_schedule(cfg),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=decay_mask,
+    )
+    return (
+        optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm > 0 else adamw
+    )
 
 
 def tree_all_finite(tree) -> jax.Array:
     """True when every floating leaf of ``tree`` is finite (integer leaves always are)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
@@ -82,20 +98,28 @@ class Steps:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state without computing it (the restore target)."""
         shapes = jax.eval_shape(self.init)
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                            self.state_sharding)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            shapes,
+            self.state_sharding,
+        )
 
     def model(self, params) -> Transformer:
         return nnx.merge(self.graphdef, params)
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of the global batch (all rows on one process) -> global arrays."""
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+            for k, v in batch.items()
+        }
 
     def put_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """A batch every process holds whole (validation) -> global arrays; each device takes its rows."""
-        return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
-                for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
+            for k, v in batch.items()
+        }
 
 
 def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
@@ -121,10 +145,17 @@ def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
 
     def train_step(state: TrainState, batch):
         rng, dropout_key = jax.random.split(state.rng)
-        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, dropout_key)
+        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, batch, dropout_key
+        )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), "tokens": count}
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": schedule(state.step),
+            "tokens": count,
+        }
         return TrainState(state.step + 1, params, opt_state, rng), metrics
 
     def eval_step(params, batch):
@@ -136,11 +167,24 @@ def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
     state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
     batch_sharding = NamedSharding(mesh, sharding.BATCH_SPEC)
     return Steps(
-        graphdef=graphdef, tx=tx, mesh=mesh,
+        graphdef=graphdef,
+        tx=tx,
+        mesh=mesh,
         init=jax.jit(init, out_shardings=state_sharding),
-        train=jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
-                      out_shardings=(state_sharding, replicated), donate_argnums=0),
-        eval=jax.jit(eval_step, in_shardings=(state_sharding.params, batch_sharding), out_shardings=replicated),
-        state_sharding=state_sharding, batch_sharding=batch_sharding,
-        all_finite=jax.jit(tree_all_finite, in_shardings=(state_sharding,), out_shardings=replicated),
+        train=jax.jit(
+            train_step,
+            in_shardings=(state_sharding, batch_sharding),
+            out_shardings=(state_sharding, replicated),
+            donate_argnums=0,
+        ),
+        eval=jax.jit(
+            eval_step,
+            in_shardings=(state_sharding.params, batch_sharding),
+            out_shardings=replicated,
+        ),
+        state_sharding=state_sharding,
+        batch_sharding=batch_sharding,
+        all_finite=jax.jit(
+            tree_all_finite, in_shardings=(state_sharding,), out_shardings=replicated
+        ),
     )

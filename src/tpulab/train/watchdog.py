@@ -27,21 +27,40 @@ from tpulab.evidence import metrics as M
 from tpulab.train.hooks import Hooks
 
 STALL_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; distinct from errors (1, 2, 3) and signals (128+n)
-MULTIPROCESS_STALL_S = 300  # default in a multi-process job, where a stuck peer hangs the others in a collective
+MULTIPROCESS_STALL_S = (
+    300  # default in a multi-process job, where a stuck peer hangs the others in a collective
+)
 
 
 class Watchdog:
     """Before ``min_beats`` beat intervals were measured (start-up, restore, compile) the timeout is
     ``startup_s``; then ``timeout_s`` when given, else max(``floor_s``, ``factor`` x median recent interval)."""
 
-    def __init__(self, on_stall: Callable[[dict], None], *, timeout_s: float | None = None, floor_s: float = 120.0,
-                 factor: float = 20.0, startup_s: float = 900.0, min_beats: int = 3, poll_s: float | None = None,
-                 progress: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        on_stall: Callable[[dict], None],
+        *,
+        timeout_s: float | None = None,
+        floor_s: float = 120.0,
+        factor: float = 20.0,
+        startup_s: float = 900.0,
+        min_beats: int = 3,
+        poll_s: float | None = None,
+        progress: Callable[[], object] | None = None,
+    ):
         self.on_stall = on_stall
-        self.fixed, self.floor_s, self.factor, self.startup_s, self.min_beats = timeout_s, floor_s, factor, startup_s, min_beats
+        self.fixed, self.floor_s, self.factor, self.startup_s, self.min_beats = (
+            timeout_s,
+            floor_s,
+            factor,
+            startup_s,
+            min_beats,
+        )
         self.progress = progress
         self._last_marker = progress() if progress else None
-        self.poll_s = poll_s if poll_s is not None else max(0.05, min(1.0, (timeout_s or floor_s) / 20))
+        self.poll_s = (
+            poll_s if poll_s is not None else max(0.05, min(1.0, (timeout_s or floor_s) / 20))
+        )
         self._intervals: deque[float] = deque(maxlen=50)
         self._last = time.monotonic()
         self._last_step: object = None
@@ -83,7 +102,11 @@ class Watchdog:
                     self.beat(marker)
             waited, limit = time.monotonic() - self._last, self.timeout()
             if waited > limit:
-                self.fired = {"waited_s": round(waited, 3), "timeout_s": round(limit, 3), "last_step": self._last_step}
+                self.fired = {
+                    "waited_s": round(waited, 3),
+                    "timeout_s": round(limit, 3),
+                    "last_step": self._last_step,
+                }
                 self.on_stall(self.fired)
                 return
 
@@ -98,6 +121,7 @@ def metrics_progress(run_dir: str | Path) -> Callable[[], object]:
             return st.st_size, st.st_mtime_ns
         except OSError:
             return None
+
     return marker
 
 
@@ -114,7 +138,14 @@ class StallWatchdog(Hooks):
     """The training hook (see the module docstring). ``exit_code=None`` only records the stall; ``records=False``
     (processes other than 0 of a multi-process job) leaves metrics.jsonl to process 0 and only dumps stacks."""
 
-    def __init__(self, run_dir: str | Path, *, exit_code: int | None = None, records: bool = True, **watchdog_args):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        exit_code: int | None = None,
+        records: bool = True,
+        **watchdog_args,
+    ):
         self.run_dir = Path(run_dir)
         self.exit_code = exit_code
         self.records = records
@@ -145,18 +176,34 @@ class StallWatchdog(Hooks):
         records = M.read_records(self.run_dir)
         segment = M.starts(records)[-1]["segment"] if M.starts(records) else None
         n = sum(1 for r in records if r.get("event") == "stall")
-        path = dump_stacks(self.run_dir / (f"stall-{n}.txt" if self.records else f"stall-{n}-pid{os.getpid()}.txt"),
-                           f"tpulab stall watchdog: no step completed for {info['waited_s']:.1f} s "
-                           f"(timeout {info['timeout_s']:.1f} s) after step {info['last_step']}; pid {os.getpid()}")
-        event = {"event": "stall", "segment": segment, "pid": os.getpid(), "last_step": info["last_step"],
-                 "waited_s": info["waited_s"], "timeout_s": info["timeout_s"], "stacks": path.name,
-                 "exit_code": self.exit_code}
+        path = dump_stacks(
+            self.run_dir
+            / (f"stall-{n}.txt" if self.records else f"stall-{n}-pid{os.getpid()}.txt"),
+            f"tpulab stall watchdog: no step completed for {info['waited_s']:.1f} s "
+            f"(timeout {info['timeout_s']:.1f} s) after step {info['last_step']}; pid {os.getpid()}",
+        )
+        event = {
+            "event": "stall",
+            "segment": segment,
+            "pid": os.getpid(),
+            "last_step": info["last_step"],
+            "waited_s": info["waited_s"],
+            "timeout_s": info["timeout_s"],
+            "stacks": path.name,
+            "exit_code": self.exit_code,
+        }
         if self.records:
-            with open(self.run_dir / M.METRICS, "a") as f:  # one short O_APPEND line: safe beside the loop's writer
+            with open(
+                self.run_dir / M.METRICS, "a"
+            ) as f:  # one short O_APPEND line: safe beside the loop's writer
                 f.write(json.dumps(event) + "\n")
         self.stalls.append(event)
-        print(f"error: stalled: no step completed for {info['waited_s']:.0f} s after step {info['last_step']}; "
-              f"stacks in {path}" + (f"; exiting with {self.exit_code}" if self.exit_code is not None else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"error: stalled: no step completed for {info['waited_s']:.0f} s after step {info['last_step']}; "
+            f"stacks in {path}"
+            + (f"; exiting with {self.exit_code}" if self.exit_code is not None else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         if self.exit_code is not None:
             os._exit(self.exit_code)  # the main thread is stuck: no cleanup can run through it

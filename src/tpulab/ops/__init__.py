@@ -1,0 +1,1 @@
+"""Model operations: the registry, serving from it, data contracts, the container image, capacity."""
