@@ -293,19 +293,20 @@ class CheckpointStore:
         if self._failure is not None:
             raise CheckpointError(self._failure, exit_code=4)
 
-    def save(self, step: int, state: Any, data_iter: Any, meta: dict) -> None:
-        # Orbax would wait for the previous save inside save() anyway; waiting here lets its marker go first.
+    def save(self, step: int, state: Any, data_iter: Any | None, meta: dict) -> None:
+        """Save ``step`` in the background; ``data_iter`` None writes a model without a data
+        position (``tpulab merge-lora``'s output: not a resumable training state)."""
+        # Orbax would wait for the previous save inside save() anyway; waiting here lets its
+        # marker go first.
         self.wait()
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "meta": ocp.args.JsonSave({**meta, "format": FORMAT, "step": step}),
+        }
+        if data_iter is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iter)
         try:
-            self.manager.save(
-                step,
-                force=True,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    data=grain.checkpoint.CheckpointSave(data_iter),
-                    meta=ocp.args.JsonSave({**meta, "format": FORMAT, "step": step}),
-                ),
-            )
+            self.manager.save(step, force=True, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - any failure to write is reported as one line
             raise self._fail(f"saving checkpoint step {step}", e) from None
         with self._lock:

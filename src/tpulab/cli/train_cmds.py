@@ -279,6 +279,21 @@ def cmd_capstone(args) -> int:
     return 0
 
 
+def cmd_merge_lora(args) -> int:
+    run_dir = checked_path(args.run_dir, "--run-dir")
+    out = checked_path(args.out, "--out")
+    from tpulab.train.merge import merge_lora
+
+    r = merge_lora(run_dir, out)
+    print(
+        f"merged {r['adapted_matrices']} adapted matrices of step {r['step']} in "
+        f"{r['merge_seconds']:.3f} s; merged logits within {r['max_relative_logit_diff']:.2g} "
+        f"(relative) of the adapter model's -> {out} "
+        f"(checkpoint {r['merged_checkpoint_digest'][:12]})"
+    )
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -347,6 +362,13 @@ def register(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     p.set_defaults(handler=cmd_chaos)
+
+    p = sub.add_parser(
+        "merge-lora", help="fold a LoRA run's adapters into its base: a plain model run dir"
+    )
+    p.add_argument("--run-dir", required=True, type=path_arg, help="the LoRA run")
+    p.add_argument("--out", required=True, type=path_arg, help="run dir to write the model to")
+    p.set_defaults(handler=cmd_merge_lora)
 
     p = sub.add_parser(
         "check", help="independent checks (causality, valid-token loss, disjoint data) as a table"

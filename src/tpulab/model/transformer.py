@@ -83,12 +83,19 @@ class Dense(nnx.Linear):
 
     Same parameters and math; but on XLA:CPU the weight gradient of a ``[B, T, D]`` input lowers to a
     transposed copy plus a dot over two contracting axes, while ``[N, D]`` gives one plain GEMM
-    (measured: about 15% of a default-config train step).
+    (measured: about 15% of a default-config train step). ``lora`` is None unless
+    ``tpulab.model.lora.add_adapters`` gave this projection an adapter, whose output it adds.
     """
+
+    lora = None  # a tpulab.model.lora.Adapter once adapted (an instance attribute then)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
-        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*lead, self.out_features)
+        rows = x.reshape(-1, x.shape[-1])
+        y = super().__call__(rows)
+        if self.lora is not None:
+            y = y + self.lora(rows).astype(y.dtype)
+        return y.reshape(*lead, self.out_features)
 
 
 def _linear(

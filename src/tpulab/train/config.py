@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Literal
 
-from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, field, nested
+from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, check_path, field, nested
 from tpulab.data.config import DataConfig
+from tpulab.errors import ConfigError
 from tpulab.model.config import ModelConfig, PrecisionConfig
 
 MIN_NORMAL_FLOAT32 = 2.0**-126  # also bfloat16's: the two share an exponent range
@@ -32,7 +35,8 @@ class OptimConfig:
         check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         check(
             self.schedule_steps > self.warmup_steps,
-            f"optim.schedule_steps={self.schedule_steps} must exceed optim.warmup_steps={self.warmup_steps}",
+            f"optim.schedule_steps={self.schedule_steps} must exceed "
+            f"optim.warmup_steps={self.warmup_steps}",
         )
         check(
             0.0 <= self.min_lr_ratio <= 1.0,
@@ -59,7 +63,7 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """How long to train and what to log. None of these change the math, so they may change on resume."""
+    """How long to train and what to log: none of it changes the math (may change on resume)."""
 
     steps: int = field(300, "train until this step", resume_mutable=True)
     log_every: int = field(
@@ -123,6 +127,79 @@ class MeshConfig:
         check(self.fsdp >= 1, f"mesh.fsdp={self.fsdp} must be >= 1")
 
 
+# The objectives the one loop trains (tpulab.train.objectives); each is a kind here.
+ObjectiveKind = Literal["pretrain", "sft"]
+# The projection paths a LoRA target pattern is searched in: blocks/<i>/attn/qkv, .../mlp/down.
+LORA_DEFAULT_TARGETS = ("attn/qkv", "attn/out", "mlp/up", "mlp/down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the projections the targets name: x W + (alpha / rank) x A B, B = 0."""
+
+    rank: int = field(0, "adapter rank r; 0 = no adapters (full fine-tuning)")
+    alpha: float = field(16.0, "adapter scale numerator: the update is (alpha / rank) * A @ B")
+    targets: tuple[str, ...] = field(
+        LORA_DEFAULT_TARGETS,
+        "regular expressions searched in each projection's path (blocks/0/attn/qkv, ...); "
+        "a pattern that matches no projection is an error",
+    )
+
+    def __post_init__(self):
+        check_int(self.rank, "objective.lora.rank", 0, 2**16)
+        check(self.alpha > 0, f"objective.lora.alpha={self.alpha} must be positive")
+        check(len(self.targets) > 0, "objective.lora.targets must name at least one projection")
+        for t in self.targets:
+            try:
+                re.compile(t)
+            except re.error as e:
+                raise ConfigError(
+                    f"objective.lora.targets: {t!r} is not a regular expression ({e})"
+                ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """What the loop optimises. Paths may move between a run and its resume; what they hold may not:
+    the digests of the checkpoints and datasets they name are the run's identity."""
+
+    kind: ObjectiveKind = field("pretrain", "pretrain (next byte) | sft (response-only loss)")
+    init: str | None = field(
+        None,
+        "run dir whose newest verified checkpoint the model starts from (sft: required)",
+        resume_mutable=True,
+    )
+    data: str | None = field(
+        None,
+        "sft: null = the built-in dialogue set cut from the corpus's plays; or a JSONL file of "
+        '{"prompt": ..., "response": ...} lines',
+        resume_mutable=True,
+    )
+    lora: LoraConfig = nested(LoraConfig)
+
+    def __post_init__(self):
+        if self.init is not None:
+            check_path(self.init, "objective.init")
+        if self.data is not None:
+            check_path(self.data, "objective.data")
+        if self.kind == "pretrain":
+            check(
+                self.init is None,
+                "objective.init applies to sft; pretraining starts from a random init",
+            )
+            check(self.data is None, "objective.data applies to sft; pretraining reads data.path")
+            check(
+                self.lora.rank == 0,
+                "objective.lora applies to sft; pretraining trains every parameter",
+            )
+        else:
+            check(
+                self.init is not None,
+                f"objective.kind={self.kind} needs objective.init: the run dir of the checkpoint "
+                "it starts from",
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything that defines a Transformer training run."""
@@ -135,12 +212,19 @@ class RunConfig:
     train: TrainConfig = nested(TrainConfig)
     checkpoint: CheckpointConfig = nested(CheckpointConfig)
     mesh: MeshConfig = nested(MeshConfig)
+    objective: ObjectiveConfig = nested(ObjectiveConfig)
 
     def __post_init__(self):
-        # With 32-bit JAX, PRNGKey keeps only the low 32 bits: seed 2**32 would silently equal seed 0,
-        # and seeds beyond int64 crash it.
+        # With 32-bit JAX, PRNGKey keeps only the low 32 bits: seed 2**32 would silently equal
+        # seed 0, and seeds beyond int64 crash it.
         check_int(self.seed, "seed", 0, UINT32_MAX, "a uint32: JAX's PRNGKey keeps 32 bits")
         check(
             self.data.seq_len <= self.model.max_seq_len,
             f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
+        rank = self.objective.lora.rank
+        check(
+            rank <= self.model.d_model,
+            f"objective.lora.rank={rank} exceeds the smallest adapted matrix dimension "
+            f"(model.d_model={self.model.d_model})",
         )

@@ -21,26 +21,26 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import yaml
 
 from tpulab import compile_cache
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
-from tpulab.data.corpus import load_corpus
-from tpulab.data.pipeline import Splits, build_splits, eval_batches, train_dataset
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import CheckpointError, TpulabError
 from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
 from tpulab.model.transformer import param_count
-from tpulab.train.config import MeshConfig, RunConfig
+from tpulab.train import objectives
+from tpulab.train.config import MeshConfig, ObjectiveConfig, RunConfig
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
 from tpulab.train.sharding import check_batch, topology
-from tpulab.train.step import Steps, make_mesh, make_steps
+from tpulab.train.step import Steps, make_mesh, tree_digest
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
@@ -65,17 +65,30 @@ def prepare_run_dir(run_dir: Path) -> Path:
 
 
 def check_resume_identity(
-    meta: dict, config: RunConfig, corpus_identity: str, force: bool
+    meta: dict,
+    config: RunConfig,
+    corpus_identity: str,
+    force: bool,
+    identities: dict[str, str] | None = None,
 ) -> list[str]:
-    """Differences that make a resume not the same run; raises unless ``force``."""
+    """Differences that make a resume not the same run; raises unless ``force``.
+
+    The config (all but resume-mutable fields), the data identity, the tokenizer and every identity
+    the objective names (an init checkpoint's digest, a dataset's) must match the checkpoint's.
+    """
     saved = meta.get("config", {})
-    if "mesh" not in saved:  # written before meshes were configurable: it used the default layout
-        saved = {**saved, "mesh": to_dict(MeshConfig())}
+    for section, cls in (("mesh", MeshConfig), ("objective", ObjectiveConfig)):
+        if section not in saved:  # written before the section existed: it used the default
+            saved = {**saved, section: to_dict(cls())}
     diffs = identity_diff(RunConfig, saved, to_dict(config))
     if meta.get("corpus_identity") != corpus_identity:
         diffs.append(
             f"corpus identity: {str(meta.get('corpus_identity'))[:12]}… -> {corpus_identity[:12]}…"
         )
+    saved_ids = meta.get("identities", {})
+    for name, digest in sorted((identities or {}).items()):
+        if saved_ids.get(name) != digest:
+            diffs.append(f"{name}: {str(saved_ids.get(name))[:12]}… -> {digest[:12]}…")
     if meta.get("tokenizer") != TOKENIZER:
         diffs.append("tokenizer definition")
     if diffs and not force:
@@ -137,21 +150,38 @@ def _progress(total: int, initial: int, enabled: bool | None):
     )
 
 
-def evaluate(steps: Steps, params, batches) -> float:
-    sums = [steps.eval(params, steps.put_global(b)) for b in batches]
-    total = sum(float(s) for s, _ in sums)
-    count = sum(float(c) for _, c in sums)
-    return total / max(count, 1.0)
+def evaluate(steps: Steps, params, batches) -> dict[str, float]:
+    """name -> sum / weight over the batches, for every (sum, weight) the objective's eval returns."""
+    outs = [steps.eval(params, steps.put_global(b)) for b in batches]
+    return {
+        name: sum(float(o[name][0]) for o in outs) / max(sum(float(o[name][1]) for o in outs), 1.0)
+        for name in outs[0]
+    }
 
 
-def write_run_files(run_dir: Path, config: RunConfig, splits: Splits, n_params: int) -> dict:
+def host_metrics(metrics: dict) -> dict:
+    """Device scalars -> host numbers: integer dtypes (counts) as int, the rest as float; ``loss``
+    first. Every key an objective returns is kept."""
+    host = jax.device_get(metrics)
+    out = {"loss": float(host["loss"])}
+    for k in sorted(host):
+        if k != "loss":
+            v = host[k]
+            out[k] = int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
+    return out
+
+
+def write_run_files(
+    run_dir: Path, config: RunConfig, description: dict, n_params: int, extra: dict
+) -> dict:
     atomic_write_bytes(
         run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode()
     )
-    atomic_write_json(run_dir / "documents.json", splits.describe())
+    atomic_write_json(run_dir / "documents.json", description)
     return write_environment(
         run_dir,
         extra={
+            **extra,
             "param_count": n_params,
             "precision": to_dict(config.precision),
             "shapes": {
@@ -206,11 +236,14 @@ def train(
     compile_cache_dir: str | Path | None = None,
     hooks: list[Hooks] | tuple[Hooks, ...] = (),
     preemption: Preemption | None = None,
+    objective: objectives.Objective | None = None,
 ) -> dict:
-    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume info, phase times).
+    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume, phase times).
 
-    Nothing on disk changes before the resume is accepted: the checkpoint dir is scanned read-only, the
-    newest verified step's identity is checked, and only then are refused steps moved aside.
+    ``objective`` defaults to the one ``config.objective.kind`` names. Nothing on disk changes
+    before the resume is accepted: the objective verifies what it reads, the checkpoint dir is
+    scanned read-only, the newest verified step's identity is checked, and only then are refused
+    steps moved aside.
     """
     bad = sorted(set(skip_restore) - set(SKIPPABLE))
     if bad:
@@ -220,27 +253,41 @@ def train(
     clock = PhaseClock()
     hooks = HookList(hooks)
     check_fits_host(config)  # bad input is refused before anything is created
-    mesh = make_mesh(
-        config
-    )  # a mesh that does not fit the devices, or a batch it cannot split: before any write
+    # A mesh that does not fit the devices, or a batch it cannot split: refused before any write.
+    mesh = make_mesh(config)
     check_batch(config.data.batch_size, mesh)
-    splits = build_splits(load_corpus(config.data.path), config.data)
+    objective = objective or objectives.build(config)
+    data = objective.data()
+    identities = objective.identities()
     run_dir = prepare_run_dir(Path(run_dir))
     compile_cache.enable(compile_cache_dir)
     meta = {
         "config": to_dict(config),
-        "corpus_identity": splits.corpus.identity,
+        "corpus_identity": data.identity,
         "tokenizer": TOKENIZER,
+        "identities": identities,
     }
     found = scan(run_dir / "checkpoints")
     if not found.usable and not force:
         raise CheckpointError(found.refusal())
+    if found.latest is not None and read_meta(found.directory / str(found.latest)).get(
+        "model_only"
+    ):
+        raise TpulabError(
+            f"{run_dir} holds a merged model, not a training state (no optimizer state or data "
+            f"position); start a new run from it with objective.init={run_dir}"
+        )
     if found.latest is not None:
         check_resume_identity(
-            read_meta(found.directory / str(found.latest)), config, splits.corpus.identity, force
+            read_meta(found.directory / str(found.latest)),
+            config,
+            data.identity,
+            force,
+            identities,
         )
 
-    steps = make_steps(config, mesh)
+    steps = objective.steps(mesh)
+    frozen_digest = tree_digest(steps.frozen) if steps.frozen is not None else None
     meta["topology"] = topology(steps.mesh)
     if found.latest is not None:
         check_topology(read_meta(found.directory / str(found.latest)), meta["topology"], force)
@@ -258,11 +305,7 @@ def train(
             on_commit=hooks.on_checkpoint,
             primary=primary,
         )
-        data_iter = iter(
-            train_dataset(
-                splits.train_windows, config.data, jax.process_index(), jax.process_count()
-            )
-        )
+        data_iter = data.train(jax.process_index(), jax.process_count())
         resume = None
         if store.latest is not None:
             state = store.restore(
@@ -277,8 +320,20 @@ def train(
         if start != (resume.step if resume else 0):
             raise CheckpointError(f"checkpoint step {resume.step} holds a state at step {start}")
 
+        described = {
+            "objective": config.objective.kind,
+            "trained_param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
+            "optimizer_state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state.opt_state))),
+            **objective.describe(steps, state),
+        }
         env = (
-            write_run_files(run_dir, config, splits, param_count(steps.model(state.params)))
+            write_run_files(
+                run_dir,
+                config,
+                data.description,
+                param_count(steps.model(state.params)),
+                described,
+            )
             if primary
             else {}
         )
@@ -297,9 +352,7 @@ def train(
             )
         )
         ledger = WindowLedger(run_dir, jax.process_index())
-        val_batches = eval_batches(
-            splits.val_windows, config.data.batch_size, config.train.eval_batches
-        )
+        val_batches = data.eval_batches
         ledger.record_eval(val_batches)
         total = config.train.steps
         tokens_per_step = config.data.batch_size * config.data.seq_len
@@ -315,6 +368,7 @@ def train(
                 "resumed_from": summary["resumed_from"],
                 "checkpoint_digest": resume.digest if resume else None,
                 "env": env,
+                "identities": {"data": data.identity, **identities},
             }
         )
         last_loss, last_val = math.nan, None
@@ -323,17 +377,11 @@ def train(
 
         def read(step: int, m: dict) -> None:
             nonlocal last_loss
-            host = {k: float(v) for k, v in jax.device_get(m).items()}
-            last_loss = host["loss"]
+            record = host_metrics(m)
+            last_loss = record["loss"]
             if config.train.crash_on_nan and not math.isfinite(last_loss):
                 raise _NonFinite(step, f"loss is {last_loss}")
-            record = {
-                "loss": host["loss"],
-                "lr": host["lr"],
-                "grad_norm": host["grad_norm"],
-                "tokens": int(host["tokens"]),
-                "wall_s": round(clock.total(), 4),
-            }
+            record["wall_s"] = round(clock.total(), 4)
             log.log(step, **record)
             hooks.on_metrics(step, record)
 
@@ -341,6 +389,7 @@ def train(
         clock.lap("startup")
         while step < total:
             host_batch = next(data_iter)
+            data.check(host_batch)
             ledger.record_train(step + 1, host_batch)
             batch = steps.put_batch(host_batch)
             clock.lap("data")
@@ -360,9 +409,10 @@ def train(
             if step % config.train.eval_every == 0 or done:
                 read(*pending)
                 pending = None
-                last_val = evaluate(steps, state.params, val_batches)
-                log.event("eval", step=step, val_loss=last_val)
-                hooks.on_eval(step, last_val)
+                evals = evaluate(steps, state.params, val_batches)
+                last_val = evals.get("val_loss")
+                log.event("eval", step=step, **evals)
+                hooks.on_eval(step, evals)
                 clock.lap("eval")
             if step % config.checkpoint.save_every == 0 or done:
                 if (
@@ -388,6 +438,13 @@ def train(
         if pending is not None:
             read(*pending)
         clock.lap("step")
+        if frozen_digest is not None and tree_digest(steps.frozen) != frozen_digest:
+            raise TpulabError(
+                f"the frozen weights changed during the run ({frozen_digest[:12]}… -> "
+                f"{tree_digest(steps.frozen)[:12]}…): the run is not what it claims; the "
+                f"checkpoints in {store.directory} were trained against other weights",
+                exit_code=3,
+            )
         store.wait()
         clock.lap("checkpoint")
         summary.update(
@@ -399,7 +456,9 @@ def train(
             time_to_first_step_s=t_first_step,
             wall_s=clock.total(),
             phases_s={k: round(v, 4) for k, v in clock.seconds.items()},
-            corpus_identity=splits.corpus.identity,
+            corpus_identity=data.identity,
+            identities=identities,
+            frozen_sha256=frozen_digest,
         )
         log.event("end", step=step, wall_s=round(clock.total(), 4), phases_s=summary["phases_s"])
         hooks.on_end(summary)

@@ -1,7 +1,9 @@
 """Load a trained model or whole state from a run dir's newest valid checkpoint, read-only.
 
-For checks, inference, export and the proofs' whole-state verdicts: nothing in the run dir is moved or
-written (a refused step stays where it is; only training moves refused steps aside).
+For checks, inference, export, the proofs' whole-state verdicts and the objectives that start from
+another run: nothing in the run dir is moved or written (a refused step stays where it is; only
+training moves refused steps aside). A LoRA run's checkpoint holds its adapters; its base is read
+from the run it started from and must be the checkpoint its digest names.
 """
 
 from __future__ import annotations
@@ -9,11 +11,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from flax import nnx
+
 from tpulab.checkpoint.files import manifest_digest
 from tpulab.checkpoint.store import read_meta, read_state, scan
 from tpulab.config import from_dict
 from tpulab.errors import CheckpointError, TpulabError
+from tpulab.model import lora
 from tpulab.model.transformer import Transformer
+from tpulab.train.adapters import lora_graph
 from tpulab.train.config import RunConfig
 from tpulab.train.step import TrainState, make_mesh, make_steps
 
@@ -26,6 +32,14 @@ class Restored:
     checkpoint_dir: Path
     checkpoint_digest: str  # sha256 of the checkpoint's manifest: names these exact weights
     state: TrainState
+    base: Restored | None = None  # a LoRA run's frozen base (the run it started from)
+
+    def plain_params(self) -> nnx.State:
+        """The parameters of a plain Transformer computing what ``model`` computes (a LoRA run's
+        adapters merged into its base)."""
+        if self.base is None:
+            return self.state.params
+        return lora.merged_params(self.model)
 
 
 def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
@@ -46,12 +60,17 @@ def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
 
 
 def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
+    """The run's newest verified (or the given) step, replicated on the devices here."""
     step_dir = checkpoint_dir(run_dir, step)
-    config = from_dict(RunConfig, read_meta(step_dir)["config"])
-    steps = make_steps(
-        config, make_mesh()
-    )  # replicated on the devices here, whatever mesh trained it
-    state = read_state(step_dir, steps.abstract_state())
+    meta = read_meta(step_dir)
+    config = from_dict(RunConfig, meta["config"])
+    if config.objective.lora.rank:
+        return _load_lora(step_dir, meta, config)
+    steps = make_steps(config, make_mesh())  # replicated here, whatever mesh trained it
+    abstract = steps.abstract_state()
+    if meta.get("model_only"):  # a merged model (tpulab merge-lora): no optimizer state
+        abstract = abstract._replace(opt_state=())
+    state = read_state(step_dir, abstract)
     return Restored(
         steps.model(state.params),
         config,
@@ -59,4 +78,20 @@ def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
         step_dir,
         manifest_digest(step_dir),
         state,
+    )
+
+
+def _load_lora(step_dir: Path, meta: dict, config: RunConfig) -> Restored:
+    base = load_model(config.objective.init)
+    want = meta.get("identities", {}).get("base")
+    if base.checkpoint_digest != want:
+        raise CheckpointError(
+            f"{step_dir} adapts base {str(want)[:12]}…, but {config.objective.init} now holds "
+            f"{base.checkpoint_digest[:12]}…; the adapters are refused on another base"
+        )
+    graph = lora_graph(config)
+    state = read_state(step_dir, graph.abstract_state(make_mesh()))
+    model = nnx.merge(graph.graphdef, state.params, base.plain_params())
+    return Restored(
+        model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state, base
     )

@@ -1,17 +1,22 @@
-"""The pure training and evaluation steps.
+"""The pure training and evaluation steps, built once per run for any objective.
 
-``TrainState`` is the whole training state as one pytree: step, parameters, optimizer state
-(both Adam moments and the count) and the dropout RNG key, which is split every step and
+``TrainState`` is the whole training state as one pytree: step, the trained parameters, optimizer
+state (both Adam moments and the count) and the dropout RNG key, which is split every step and
 carried, like a torch generator, so it must come back on resume for the masks to match.
-Steps are built once per run (``make_steps``) and jitted with explicit shardings from the one table in
-``tpulab.train.sharding`` (parameters and Adam moments over ``fsdp``, the batch over ``data`` x ``fsdp``),
-so the same code runs on one CPU, several devices or several processes. The train step donates the
-incoming state.
+``gradient_steps`` builds the steps of every objective that takes one gradient step on a loss per
+batch (pretraining, SFT, LoRA, ...): the objective gives the loss, the evaluation sums, what trains
+(the state's params) and what stays frozen (passed to every step as an argument, never donated and
+never part of the optimizer state). ``make_steps`` is pretraining's. Everything is jitted once with
+explicit shardings from the one table in ``tpulab.train.sharding`` (parameters and Adam moments over
+``fsdp``, the batch over ``data`` x ``fsdp``), so the same code runs on one CPU, several devices or
+several processes. The train step donates the incoming state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 from tpulab.model.transformer import Transformer
 from tpulab.train import sharding
 from tpulab.train.config import OptimConfig, RunConfig
-from tpulab.train.sharding import DATA_AXIS  # noqa: F401 - re-exported for older callers
 
 
 class TrainState(NamedTuple):
@@ -38,7 +42,11 @@ class TrainState(NamedTuple):
 def masked_xent(
     logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """(mean NLL over valid targets, number of valid targets). Padded targets contribute exactly zero."""
+    """(mean NLL over valid targets, number of valid targets); masked targets contribute exactly 0.
+
+    Under jit with a sharded batch both sums run over the global batch (every device and process),
+    so the mean is over all valid targets of the step, never averaged per row or per device.
+    """
     logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
     nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
     count = jnp.sum(mask_bt)
@@ -77,6 +85,16 @@ def tree_all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
+def tree_digest(tree) -> str:
+    """sha256 over every leaf's dtype, shape and bytes in tree order: one name for exact weights."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(tree)):
+        a = np.asarray(leaf)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
 def make_mesh(config: RunConfig | None = None) -> Mesh:
     return sharding.make_mesh(config.mesh if config is not None else None)
 
@@ -89,11 +107,13 @@ class Steps:
     tx: optax.GradientTransformation
     mesh: Mesh
     init: Any  # () -> TrainState
-    train: Any  # (state, batch) -> (state, metrics); donates state
-    eval: Any  # (params, batch) -> (nll_sum, count)
+    train: Bound  # (state, batch) -> (state, metrics); donates state
+    eval: Bound  # (params, batch) -> {name: (sum, weight)}: the loop reports sum / weight per name
     state_sharding: Any
     batch_sharding: NamedSharding
     all_finite: Any  # (state) -> bool scalar: every leaf finite (checked before a state is saved)
+    model: Callable[[Any], nnx.Module]  # trained params -> the model they run in (frozen included)
+    frozen: Any = None  # arrays every step reads and none changes (a LoRA base); None for most
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state without computing it (the restore target)."""
@@ -104,9 +124,6 @@ class Steps:
             self.state_sharding,
         )
 
-    def model(self, params) -> Transformer:
-        return nnx.merge(self.graphdef, params)
-
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of the global batch (all rows on one process) -> global arrays."""
         return {
@@ -115,76 +132,174 @@ class Steps:
         }
 
     def put_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """A batch every process holds whole (validation) -> global arrays; each device takes its rows."""
+        """A batch every process holds whole (validation) -> global arrays; devices take rows."""
         return {
             k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
             for k, v in batch.items()
         }
 
 
-def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
-    mesh = mesh or make_mesh(config)
-    sharding.check_batch(config.data.batch_size, mesh)
-    tx = optimizer(config.optim)
-    schedule = lr_schedule(config.optim)
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A jitted ``fn(first, frozen, *rest)`` called as ``(first, *rest)``: the frozen arrays are an
+    argument of the program, not constants baked into it, and stay inspectable (``lower``)."""
 
-    def build_model(seed: int) -> Transformer:
-        return Transformer(config.model, config.precision, rngs=nnx.Rngs(params=seed))
+    fn: Any
+    frozen: Any
 
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(config.seed)))
+    def __call__(self, first, *rest):
+        return self.fn(first, self.frozen, *rest)
 
-    def init() -> TrainState:
-        _, params = nnx.split(build_model(config.seed))
-        rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+    def lower(self, first, *rest):
+        return self.fn.lower(first, self.frozen, *rest)
+
+    def _cache_size(self) -> int:
+        return self.fn._cache_size()
+
+
+Loss = Callable[[Any, Any, dict, jax.Array], tuple[jax.Array, dict]]
+Eval = Callable[[Any, Any, dict], dict[str, tuple[jax.Array, jax.Array]]]
+
+
+def gradient_steps(
+    *,
+    mesh: Mesh,
+    optim: OptimConfig,
+    seed: int,
+    graphdef: Any,
+    init_params: Callable[[], Any],
+    loss: Loss,
+    evaluate: Eval,
+    merge: Callable[[Any, Any], nnx.Module],
+    load_params: Callable[[], Any] | None = None,
+    frozen: Any = None,
+) -> Steps:
+    """The steps of an objective that takes one optimizer step on ``loss`` per batch.
+
+    ``init_params()`` builds the trained parameters inside the init program (a random init); it
+    also defines their structure. ``load_params()``, when given, supplies their starting values
+    instead (a checkpoint's arrays, read on the host each time the state is initialised, so no
+    caller's buffer is ever donated). ``loss(params, frozen, batch, key) -> (loss, metrics)``: the
+    metrics (device scalars) join ``loss``, ``grad_norm`` and ``lr`` in every step's record.
+    ``evaluate(params, frozen, batch) -> {name: (sum, weight)}``. ``merge(params, frozen)`` is the
+    model those parameters run in. ``frozen`` is placed with the same sharding rules as the state
+    and passed to every step; its bytes never change (checked by the loop at the end of a run).
+    """
+    tx = optimizer(optim)
+    schedule = lr_schedule(optim)
+    rng = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
+
+    def start(params) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng)
 
-    def loss_fn(params, batch, dropout_key):
-        model = nnx.merge(graphdef, params)
-        logits = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
-        return masked_xent(logits, batch["targets"], batch["mask"])
-
-    def train_step(state: TrainState, batch):
+    def train_step(state: TrainState, frozen, batch):
         rng, dropout_key = jax.random.split(state.rng)
-        (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, batch, dropout_key
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(
+            state.params, frozen, batch, dropout_key
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
-            "loss": loss,
+            "loss": value,
             "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
-            "tokens": count,
+            **aux,
         }
         return TrainState(state.step + 1, params, opt_state, rng), metrics
 
-    def eval_step(params, batch):
-        logits = nnx.merge(graphdef, params)(batch["inputs"], deterministic=True)
-        mean, count = masked_xent(logits, batch["targets"], batch["mask"])
-        return mean * count, count
-
     replicated = NamedSharding(mesh, P())
-    state_sharding = sharding.state_shardings(jax.eval_shape(init), mesh)
+    state_sharding = sharding.state_shardings(jax.eval_shape(lambda: start(init_params())), mesh)
     batch_sharding = NamedSharding(mesh, sharding.BATCH_SPEC)
+    frozen_sharding = sharding.state_shardings(frozen, mesh) if frozen is not None else None
+    if frozen is not None:
+        frozen = jax.device_put(frozen, frozen_sharding)
+    if load_params is None:
+        init = jax.jit(lambda: start(init_params()), out_shardings=state_sharding)
+    else:
+        started = jax.jit(
+            start, in_shardings=(state_sharding.params,), out_shardings=state_sharding
+        )
+        init = lambda: started(load_params())  # noqa: E731
+    train = jax.jit(
+        train_step,
+        in_shardings=(state_sharding, frozen_sharding, batch_sharding),
+        out_shardings=(state_sharding, replicated),
+        donate_argnums=0,
+    )
+    evaluation = jax.jit(
+        evaluate,
+        in_shardings=(state_sharding.params, frozen_sharding, batch_sharding),
+        out_shardings=replicated,
+    )
     return Steps(
         graphdef=graphdef,
         tx=tx,
         mesh=mesh,
-        init=jax.jit(init, out_shardings=state_sharding),
-        train=jax.jit(
-            train_step,
-            in_shardings=(state_sharding, batch_sharding),
-            out_shardings=(state_sharding, replicated),
-            donate_argnums=0,
-        ),
-        eval=jax.jit(
-            eval_step,
-            in_shardings=(state_sharding.params, batch_sharding),
-            out_shardings=replicated,
-        ),
+        init=init,
+        train=Bound(train, frozen),
+        eval=Bound(evaluation, frozen),
         state_sharding=state_sharding,
         batch_sharding=batch_sharding,
         all_finite=jax.jit(
             tree_all_finite, in_shardings=(state_sharding,), out_shardings=replicated
         ),
+        model=lambda params: merge(params, frozen),
+        frozen=frozen,
+    )
+
+
+def lm_loss(graphdef) -> Loss:
+    """Masked next-token cross-entropy of the Transformer ``graphdef`` (params and frozen merged):
+    pretraining's loss, and SFT's, whose masks cover the response bytes only."""
+
+    def loss(params, frozen, batch, dropout_key):
+        model = merge_model(graphdef, params, frozen)
+        logits = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
+        value, count = masked_xent(logits, batch["targets"], batch["mask"])
+        return value, {"tokens": count.astype(jnp.int32)}  # targets in the loss: a count
+
+    return loss
+
+
+def lm_eval(graphdef) -> Eval:
+    """``val_loss``: the masked NLL summed over the batch, with its target count as the weight."""
+
+    def evaluate(params, frozen, batch):
+        logits = merge_model(graphdef, params, frozen)(batch["inputs"], deterministic=True)
+        mean, count = masked_xent(logits, batch["targets"], batch["mask"])
+        return {"val_loss": (mean * count, count)}
+
+    return evaluate
+
+
+def merge_model(graphdef, params, frozen=None) -> nnx.Module:
+    """The module of ``graphdef`` with its trained and (when any) frozen variables."""
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
+def transformer_graph(config: RunConfig) -> tuple[Any, Callable[[], Any]]:
+    """(graphdef, init_params) of the run's Transformer: its structure, and a random init from the
+    run's seed (traced inside the init program)."""
+
+    def build_model() -> Transformer:
+        return Transformer(config.model, config.precision, rngs=nnx.Rngs(params=config.seed))
+
+    graphdef, _ = nnx.split(nnx.eval_shape(build_model))
+    return graphdef, lambda: nnx.split(build_model())[1]
+
+
+def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
+    """Pretraining's steps: the Transformer from a random init, every parameter trained."""
+    mesh = mesh or make_mesh(config)
+    sharding.check_batch(config.data.batch_size, mesh)
+    graphdef, init_params = transformer_graph(config)
+    return gradient_steps(
+        mesh=mesh,
+        optim=config.optim,
+        seed=config.seed,
+        graphdef=graphdef,
+        init_params=init_params,
+        loss=lm_loss(graphdef),
+        evaluate=lm_eval(graphdef),
+        merge=lambda params, frozen: merge_model(graphdef, params, frozen),
     )

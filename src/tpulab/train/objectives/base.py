@@ -1,0 +1,79 @@
+"""The objective API: what a training objective gives the one loop (``tpulab.train.loop.train``).
+
+The loop owns everything that is the same for every objective: the run dir, the checkpoint store
+and its whole-state saves, resume and its identity checks, metrics.jsonl, hooks (tracking, proofs,
+watchdog), preemption, evaluation cadence, the non-finite guard and the window ledger (the sha256
+of every batch row it feeds). An objective owns what differs, in two parts:
+
+- ``data()`` -> ``DataSource``: the training batches (an iterator whose position the checkpoint
+  stores, so a resumed run draws exactly the batches the uninterrupted one would), the fixed
+  evaluation batches, the dataset's identity and description, and a host-side check of every batch;
+- ``steps(mesh)`` -> ``tpulab.train.step.Steps``: the state, its shardings and the jitted steps.
+  Its state's ``params`` are what trains (the optimizer state covers them alone); what stays frozen
+  is ``Steps.frozen``, passed to each step as an argument and checked unchanged at the end.
+
+Every metric a step returns reaches metrics.jsonl, the hooks (MLflow) and the report: there is no
+key list to edit. ``identities()`` names, by digest, every model and dataset the run depends on; the
+loop records them in every checkpoint and refuses a resume when any of them changed.
+
+Built for the objectives still to come as well: masked and contrastive losses on the byte model
+(another ``Loss`` through ``gradient_steps``), small image models on a bundled dataset (another
+model and ``DataSource``), and RL, whose batches come from environment state carried in the
+checkpointed state (a ``Steps`` whose state holds it, with a ``DataSource`` that counts steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from tpulab.train.config import RunConfig
+from tpulab.train.step import Steps
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """Where an objective's batches come from, as the loop sees them."""
+
+    # (process_index, process_count) -> an iterator of this process's rows of each global batch;
+    # with get_state/set_state (a Grain DatasetIterator): the checkpoint stores its position.
+    train: Callable[[int, int], Iterator[Batch]]
+    eval_batches: list[Batch]  # fixed batches every process holds whole (validation)
+    identity: str  # digest naming exactly what the batches are built from
+    description: dict  # written to the run dir's documents.json
+    check: Callable[[Batch], None] = lambda batch: (
+        None
+    )  # raises TpulabError on a batch unfit to train
+
+
+class Objective:
+    """One training objective. ``config.objective.kind`` selects it (``tpulab.train.objectives``).
+
+    Constructing one reads and verifies everything it depends on (an init checkpoint, a dataset)
+    and raises a one-line error on bad input, before the loop writes anything.
+    """
+
+    kind = "?"
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+
+    def data(self) -> DataSource:
+        raise NotImplementedError
+
+    def steps(self, mesh: Mesh) -> Steps:
+        raise NotImplementedError
+
+    def identities(self) -> dict[str, str]:
+        """name -> digest of every model and dataset this run depends on (beyond its config)."""
+        return {}
+
+    def describe(self, steps: Steps, state: Any) -> dict:
+        """Facts about the model for env.json and the tracker (parameter counts, bytes)."""
+        return {}

@@ -1,0 +1,32 @@
+"""Pretraining: next-byte prediction over fixed windows of the corpus, from a random init."""
+
+from __future__ import annotations
+
+from tpulab.data.corpus import load_corpus
+from tpulab.data.pipeline import Splits, build_splits, eval_batches, train_dataset
+from tpulab.train.objectives.base import DataSource, Objective
+from tpulab.train.step import make_steps
+
+
+class Pretrain(Objective):
+    kind = "pretrain"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.splits: Splits = build_splits(load_corpus(config.data.path), config.data)
+
+    def data(self) -> DataSource:
+        cfg, splits = self.config, self.splits
+        return DataSource(
+            train=lambda index, count: iter(
+                train_dataset(splits.train_windows, cfg.data, index, count)
+            ),
+            eval_batches=eval_batches(
+                splits.val_windows, cfg.data.batch_size, cfg.train.eval_batches
+            ),
+            identity=splits.corpus.identity,
+            description=splits.describe(),
+        )
+
+    def steps(self, mesh):
+        return make_steps(self.config, mesh)

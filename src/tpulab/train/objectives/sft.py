@@ -1,0 +1,128 @@
+"""Supervised fine-tuning with a response-only loss, full or through LoRA adapters.
+
+Starts from the newest verified checkpoint of ``objective.init`` (its manifest digest is the run's
+``base`` identity: a resume onto another base is refused). The loss is the masked next-byte NLL of
+pretraining, with masks that cover each response and its stop byte only
+(``tpulab.data.dialogue``); its mean is over every response byte of the global batch. With
+``objective.lora.rank > 0`` the state's params are the adapters alone and the base is frozen
+(``Steps.frozen``): no optimizer state for it, and the loop checks its bytes unchanged at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+
+from tpulab.data import dialogue
+from tpulab.data.corpus import load_corpus
+from tpulab.errors import TpulabError
+from tpulab.train.adapters import lora_graph
+from tpulab.train.objectives.base import DataSource, Objective
+from tpulab.train.restore import Restored, load_model
+from tpulab.train.step import gradient_steps, lm_eval, lm_loss, merge_model, transformer_graph
+
+
+def load_base(config) -> Restored:
+    """The init run's model, which must have this run's shape and precision."""
+    init = config.objective.init
+    base = load_model(init)
+    for section in ("model", "precision"):
+        have, want = getattr(base.config, section), getattr(config, section)
+        if have != want:
+            diff = [
+                f"{section}.{k}: {getattr(have, k)!r} there, {getattr(want, k)!r} here"
+                for k in have.__dataclass_fields__
+                if getattr(have, k) != getattr(want, k)
+            ]
+            raise TpulabError(
+                f"objective.init {init} holds a model of another shape ({'; '.join(diff[:3])})"
+            )
+    return base
+
+
+class SFT(Objective):
+    kind = "sft"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.base = load_base(config)
+        obj, data = config.objective, config.data
+        if obj.data is None:
+            self.dialogue = dialogue.from_plays(load_corpus(data.path), data)
+        else:
+            self.dialogue = dialogue.from_jsonl(obj.data, data)
+        self.train_rows = dialogue.encode(self.dialogue.train, data.seq_len)
+        self.eval_rows = dialogue.encode(self.dialogue.eval, data.seq_len)
+        self.lora = lora_graph(config) if obj.lora.rank else None
+        if self.lora is not None:
+            print(self.lora.adapted.line(), file=sys.stderr, flush=True)
+
+    def identities(self) -> dict[str, str]:
+        return {"base": self.base.checkpoint_digest, "dataset": self.dialogue.identity}
+
+    def data(self) -> DataSource:
+        cfg = self.config
+        return DataSource(
+            train=lambda index, count: iter(
+                dialogue.train_dataset(self.train_rows, cfg.data, index, count)
+            ),
+            eval_batches=dialogue.eval_batches(
+                self.eval_rows, cfg.data.batch_size, cfg.train.eval_batches
+            ),
+            identity=self.dialogue.identity,
+            description={**self.dialogue.describe(), "base": self._base_record()},
+            check=dialogue.check_batch,
+        )
+
+    def _base_record(self) -> dict:
+        b = self.base
+        return {
+            "run_dir": str(self.config.objective.init),
+            "step": b.step,
+            "checkpoint_digest": b.checkpoint_digest,
+        }
+
+    def _base_params(self):
+        """A fresh host read of the base's parameters (merged, if it was itself adapted)."""
+        return jax.device_get(load_base(self.config).plain_params())
+
+    def steps(self, mesh):
+        cfg = self.config
+        if self.lora is None:  # the same model and state as pretraining's, from the base
+            graphdef, init_params = transformer_graph(cfg)
+            return gradient_steps(
+                mesh=mesh,
+                optim=cfg.optim,
+                seed=cfg.seed,
+                graphdef=graphdef,
+                init_params=init_params,
+                load_params=self._base_params,
+                loss=lm_loss(graphdef),
+                evaluate=lm_eval(graphdef),
+                merge=lambda params, frozen: merge_model(graphdef, params, frozen),
+            )
+        graph = self.lora
+        return gradient_steps(
+            mesh=mesh,
+            optim=cfg.optim,
+            seed=cfg.seed,
+            graphdef=graph.graphdef,
+            init_params=graph.init_adapters,
+            loss=lm_loss(graph.graphdef),
+            evaluate=lm_eval(graph.graphdef),
+            merge=lambda params, frozen: merge_model(graph.graphdef, params, frozen),
+            frozen=self._base_params(),
+        )
+
+    def describe(self, steps, state) -> dict:
+        if self.lora is None:
+            return {"lora": None}
+        a = self.lora.adapted
+        return {
+            "lora": {
+                "matrices": list(a.paths),
+                "adapter_params": a.adapter_params,
+                "base_params": a.base_params,
+            }
+        }

@@ -1,0 +1,92 @@
+"""Pretraining is the ``pretrain`` objective of the one loop, and stays bitwise what it was.
+
+The goldens in tests/goldens/ were recorded with the code before objectives existed (commit
+09bc655): every per-step loss, every validation loss, a sha256 of every leaf of the final
+TrainState and of the Grain data position. The run here must reproduce all of them exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, tiny_config
+from tpulab.config import load
+from tpulab.evidence import metrics as M
+from tpulab.proofs.state import data_position
+from tpulab.train.config import RunConfig
+from tpulab.train.loop import train
+from tpulab.train.restore import load_model
+
+GOLDENS = Path(__file__).parent / "goldens"
+
+
+def leaf_digests(state) -> dict[str, str]:
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]:
+        a = np.asarray(x)
+        h = hashlib.sha256(a.dtype.str.encode() + str(a.shape).encode() + a.tobytes())
+        out[jax.tree_util.keystr(path)] = h.hexdigest()
+    return out
+
+
+def run_record(run_dir: Path) -> dict:
+    recs = M.read_records(run_dir)
+    restored = load_model(run_dir)
+    return {
+        "losses": {str(k): v for k, v in sorted(M.curve(recs).items())},
+        "val_losses": {str(r["step"]): r["val_loss"] for r in recs if r.get("event") == "eval"},
+        "final_step": restored.step,
+        "state_leaf_sha256": leaf_digests(restored.state),
+        "data_position_sha256": data_position(restored.checkpoint_dir),
+    }
+
+
+def assert_matches_golden(got: dict, golden: dict) -> None:
+    where = f"(golden recorded at {golden['commit'][:7]} on {golden['cpu']}, jax {golden['jax']})"
+    diff = [s for s in golden["losses"] if got["losses"].get(s) != golden["losses"][s]]
+    assert not diff, f"loss differs from step {diff[0]} {where}"
+    assert got["losses"].keys() == golden["losses"].keys()
+    assert got["val_losses"] == golden["val_losses"], where
+    assert got["final_step"] == golden["final_step"]
+    assert got["state_leaf_sha256"].keys() == golden["state_leaf_sha256"].keys()
+    leaves = [k for k, v in golden["state_leaf_sha256"].items() if got["state_leaf_sha256"][k] != v]
+    assert not leaves, f"final state differs at {leaves[0]} {where}"
+    assert got["data_position_sha256"] == golden["data_position_sha256"], where
+
+
+def test_tiny_pretraining_is_bitwise_the_golden_run(tmp_path):
+    train(tiny_config(), tmp_path / "run", progress=False)
+    assert_matches_golden(
+        run_record(tmp_path / "run"), json.loads((GOLDENS / "pretrain_tiny.json").read_text())
+    )
+
+
+def test_the_golden_check_sees_a_one_ulp_change():
+    """Negative control: the comparison is exact, so one flipped bit anywhere fails it."""
+    golden = json.loads((GOLDENS / "pretrain_tiny.json").read_text())
+    for mutate in ("loss", "leaf", "data"):
+        got = json.loads(json.dumps(golden))
+        if mutate == "loss":
+            got["losses"]["7"] = float(np.nextafter(np.float32(got["losses"]["7"]), np.float32(9)))
+        elif mutate == "leaf":
+            key = sorted(got["state_leaf_sha256"])[3]
+            got["state_leaf_sha256"][key] = "0" * 64
+        else:
+            got["data_position_sha256"] = {}
+        with pytest.raises(AssertionError):
+            assert_matches_golden(got, golden)
+
+
+@pytest.mark.slow
+def test_default_pretraining_is_bitwise_the_golden_run(tmp_path):
+    """The default config's full 300-step run (what `make demo` trains), bitwise as recorded."""
+    cfg = load(RunConfig, REPO / "configs" / "default.yaml", [])
+    train(cfg, tmp_path / "run", progress=False)
+    golden = json.loads((GOLDENS / "pretrain_default.json").read_text())
+    assert_matches_golden(run_record(tmp_path / "run"), golden)
