@@ -439,10 +439,11 @@ class MlflowTracker(Hooks):
                 if k not in (*METRIC_KEYS, "wall_s", "tokens") and isinstance(v, (int, float)):
                     self._buffer.append((k, float(v), step, ts))
 
-    def on_eval(self, step: int, val_loss: float) -> None:
+    def on_eval(self, step: int, metrics: dict) -> None:
         if self._enabled:
             with self._lock:
-                self._buffer.append(("val_loss", float(val_loss), step, _now_ms()))
+                for name, value in metrics.items():
+                    self._buffer.append((name, float(value), step, _now_ms()))
 
     def on_checkpoint(self, step: int) -> None:
         """Called from the loop or the checkpoint thread: everything up to ``step`` may now be sent."""

@@ -40,9 +40,10 @@ class LogLines(Hooks):
                 f"({rate:.2f} step/s, eta {eta:.0f} s)"
             )
 
-    def on_eval(self, step, val_loss):
+    def on_eval(self, step, metrics):
         if self.enabled:
-            self._print(f"step {step}: val loss {val_loss:.4f}")
+            shown = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items())
+            self._print(f"step {step}: {shown}")
 
     def _print(self, text: str) -> None:
         print(f"[progress] {text}", file=self.stream, flush=True)

@@ -26,8 +26,9 @@ class Hooks:
     def on_metrics(self, step: int, record: dict) -> None:
         """After step ``step``'s numbers were read to the host and written to metrics.jsonl."""
 
-    def on_eval(self, step: int, val_loss: float) -> None:
-        """After a validation pass."""
+    def on_eval(self, step: int, metrics: dict) -> None:
+        """After an evaluation pass: name -> mean (``val_loss`` and whatever else the objective
+        evaluates)."""
 
     def allow_commit(self, step: int) -> bool:
         """Whether checkpoint ``step`` may get its completion marker once Orbax finished writing it."""
@@ -59,9 +60,9 @@ class HookList(Hooks):
         for h in self.hooks:
             h.on_metrics(step, record)
 
-    def on_eval(self, step, val_loss):
+    def on_eval(self, step, metrics):
         for h in self.hooks:
-            h.on_eval(step, val_loss)
+            h.on_eval(step, metrics)
 
     def allow_commit(self, step):
         return all(h.allow_commit(step) for h in self.hooks)

@@ -114,10 +114,12 @@ class Steps:
     all_finite: Any  # (state) -> bool scalar: every leaf finite (checked before a state is saved)
     model: Callable[[Any], nnx.Module]  # trained params -> the model they run in (frozen included)
     frozen: Any = None  # arrays every step reads and none changes (a LoRA base); None for most
+    state_shapes: Any = None  # jax.eval_shape of the state, when init reads a checkpoint
 
     def abstract_state(self) -> TrainState:
-        """Shapes, dtypes and shardings of the state without computing it (the restore target)."""
-        shapes = jax.eval_shape(self.init)
+        """Shapes, dtypes and shardings of the state without computing (or reading) it: the
+        restore target."""
+        shapes = self.state_shapes if self.state_shapes is not None else jax.eval_shape(self.init)
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             shapes,
@@ -208,7 +210,8 @@ def gradient_steps(
         return TrainState(state.step + 1, params, opt_state, rng), metrics
 
     replicated = NamedSharding(mesh, P())
-    state_sharding = sharding.state_shardings(jax.eval_shape(lambda: start(init_params())), mesh)
+    shapes = jax.eval_shape(lambda: start(init_params()))
+    state_sharding = sharding.state_shardings(shapes, mesh)
     batch_sharding = NamedSharding(mesh, sharding.BATCH_SPEC)
     frozen_sharding = sharding.state_shardings(frozen, mesh) if frozen is not None else None
     if frozen is not None:
@@ -245,6 +248,7 @@ def gradient_steps(
         ),
         model=lambda params: merge(params, frozen),
         frozen=frozen,
+        state_shapes=shapes,
     )
 
 

@@ -159,7 +159,7 @@ class StallWatchdog(Hooks):
     def on_metrics(self, step, record):
         self.dog.beat(step)
 
-    def on_eval(self, step, val_loss):
+    def on_eval(self, step, metrics):
         self.dog.beat(step)
 
     def on_checkpoint(self, step):
