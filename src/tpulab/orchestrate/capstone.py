@@ -215,7 +215,7 @@ def run_capstone(
     # One MLflow store for every run the capstone starts (training, proof, chaos): the children inherit it.
     own_uri = "MLFLOW_TRACKING_URI" not in os.environ
     if own_uri:
-        from tpulab.tracking.mlflow_hook import STORE_NAME, sqlite_uri
+        from tpulab.tracking.store import STORE_NAME, sqlite_uri
 
         os.environ["MLFLOW_TRACKING_URI"] = sqlite_uri(out.absolute() / STORE_NAME)
     try:
@@ -257,7 +257,7 @@ def run_capstone(
         out, "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n", "tpulab capstone report"
     )
     if (run_dir / "mlflow_run.json").exists():
-        from tpulab.tracking.mlflow_hook import log_files_to_run
+        from tpulab.tracking.store import log_files_to_run
 
         log_files_to_run(run_dir, [path, page, out / "plots" / "curves.png"], "report")
     if failures:

@@ -1,5 +1,6 @@
-"""Progress as plain lines for logs: the training loop draws a tqdm bar only on a terminal, so a job whose
-output goes to a file (a proof child, a cloud VM's log) would otherwise say nothing until it ends."""
+"""Progress as plain lines for logs: the training loop draws a tqdm bar only on a terminal, so a
+job whose output goes to a file (a proof child, a cloud VM's log) would otherwise say nothing until
+it ends."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from tpulab.train.hooks import Hooks
 
 
 class LogLines(Hooks):
-    """One line per ``every_s`` seconds (and at the end) with step, loss and rate, when not on a terminal."""
+    """One line per ``every_s`` seconds (and at the end) with step, loss and rate, when not on a
+    terminal."""
 
     def __init__(self, every_s: float = 10.0, stream=None, force: bool = False):
         self.every_s, self.stream = every_s, stream or sys.stdout
@@ -40,7 +42,9 @@ class LogLines(Hooks):
                 f"({rate:.2f} step/s, eta {eta:.0f} s)"
             )
 
-    def on_eval(self, step, val_loss):
+    def on_eval(self, step, metrics):
+        """``metrics``: the evaluation's numbers (``val_loss``, ...); a float is ``val_loss``."""
+        val_loss = metrics["val_loss"] if isinstance(metrics, dict) else metrics
         if self.enabled:
             self._print(f"step {step}: val loss {val_loss:.4f}")
 
