@@ -489,3 +489,51 @@ def test_deleted_store_warning_names_the_cause(tmp_path, capfd):
     err = capfd.readouterr().err
     assert tracker.failed == "OperationalError: attempt to write a readonly database", err
     assert err.count("warning: MLflow tracking off") == 1 and "autoflush" not in err
+
+
+def _logged_run(d, steps, uri=None, send=None):
+    """A run dir with ``steps`` in metrics.jsonl; with ``uri``, tracked there, with the tracker
+    seeing only the first ``send`` of them (all by default)."""
+    from tpulab.evidence.metrics import MetricsLog
+    from tpulab.tracking.hook import MlflowTracker
+
+    d.mkdir(parents=True)
+    log = MetricsLog(d)
+    for s in range(1, steps + 1):
+        log.log(s, loss=1.0 / s, lr=0.1)
+    log.event("eval", step=steps, val_loss=2.0)
+    log.close()
+    if uri is not None:
+        t = MlflowTracker(d, uri)
+        t.begin(params={})
+        for s in range(1, (send or steps) + 1):
+            t.on_metrics(s, {"loss": 1.0 / s, "lr": 0.1})
+        t.on_eval(steps, 2.0)
+        t.on_end({"final_step": steps})
+        assert t.failed is None
+
+
+def test_capstone_lists_runs_missing_from_the_store(tmp_path):
+    """The capstone's tracking section: a run dir with no MLflow run, or with steps the store lacks,
+    is a failure naming it; a complete one passes; the dossier's in-process runs are left out."""
+    import shutil
+
+    from tpulab.orchestrate.capstone import tracking_section
+
+    out = tmp_path / "cap"
+    uri = f"sqlite:///{out / 'mlruns.db'}"
+    _logged_run(out / "run", 3, uri)
+    _logged_run(out / "chaos" / "victim", 4, uri, send=3)  # lost its last step
+    _logged_run(out / "proof" / "interrupted", 3)  # never tracked
+    _logged_run(out / "dossier" / "run", 3)  # in-process, untracked by design
+    text, failures = tracking_section(out, uri)
+    assert len(failures) == 1 and failures[0].startswith("tracking: runs missing from the MLflow")
+    assert "proof/interrupted (no mlflow_run.json" in failures[0]
+    assert "chaos/victim (missing loss at 1 of 4 steps, lr at 1 of 4 steps)" in failures[0]
+    assert "`run`" in text and "**1 of 3** runs complete" in text and "dossier/run" not in text
+    shutil.rmtree(out / "chaos")
+    shutil.rmtree(out / "proof")
+    text, failures = tracking_section(out, uri)  # control: complete runs only
+    assert failures == [] and "**1 of 1** runs complete" in text
+    shutil.rmtree(out / "run")
+    assert tracking_section(out, uri)[1][0].startswith("tracking: no training run")
