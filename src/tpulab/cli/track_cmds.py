@@ -7,13 +7,13 @@ from pathlib import Path
 
 def cmd_runs(args) -> int:
     from tpulab.errors import TpulabError
-    from tpulab.tracking.mlflow_hook import STORE_NAME, default_uri, list_runs
+    from tpulab.tracking.store import STORE_NAME, default_uri, list_runs
 
     uri = args.tracking_uri or default_uri(Path.cwd() / "x")
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).exists():
         raise TpulabError(
-            f"no tracking store at {uri[len('sqlite:///') :]} (runs log to {STORE_NAME} next to their "
-            "run dir; pass --tracking-uri sqlite:///PATH/TO/" + STORE_NAME + ")"
+            f"no tracking store at {uri[len('sqlite:///') :]} (runs log to {STORE_NAME} next to "
+            "their run dir; pass --tracking-uri sqlite:///PATH/TO/" + STORE_NAME + ")"
         )
     rows = list_runs(uri)
     if not rows:
@@ -57,7 +57,7 @@ def cmd_report(args) -> int:
     md, page = write_reports(args.run_dir, build_report(args.run_dir))
     run_dir = find_run_dir(args.run_dir)
     if run_dir is not None and not args.no_track:
-        from tpulab.tracking.mlflow_hook import log_files_to_run
+        from tpulab.tracking.store import log_files_to_run
 
         log_files_to_run(run_dir, [md, page, args.run_dir / "plots" / "curves.png"], "report")
     print(f"report: {md} and {page}")

@@ -1,7 +1,9 @@
-"""`tpulab capstone`: the main job. Train, prove the resume, run the checks, add the later stages, report.
+"""`tpulab capstone`: the main job. Train, prove the resume, run the checks, add the later stages,
+report.
 
 Stages run in order and each leaves its evidence under ``out``; report.md is written even when a
-stage fails (the failure is in it), and the command then exits non-zero.
+stage fails (the failure is in it), and the command then exits non-zero. The last stage checks that
+every training run the stages started is in the MLflow store with its metrics.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def chaos_config(config: RunConfig) -> RunConfig:
 
 
 def scaleout_config(config: RunConfig) -> RunConfig:
-    """The demo's 2-process kill/resume: the tiny shapes of ``chaos_config``, 20 steps, mesh {data: 2, fsdp: 2}."""
+    """The demo's 2-process kill/resume: the tiny shapes of ``chaos_config``, 20 steps, mesh
+    {data: 2, fsdp: 2}."""
     import dataclasses
 
     from tpulab.train.config import MeshConfig
@@ -72,17 +75,55 @@ def scaleout_section(v: dict, rel: str) -> str:
         [
             "## Multi-process kill/resume (2 processes x 2 host devices, mesh data=2 fsdp=2)",
             "",
-            f"Two trainer processes on JAX's distributed runtime (tpulab launch, gloo over loopback). Process "
-            f"{e['victim_process']} was killed with **{e['signal']}** after step {e['last_logged_step']}; the launcher "
-            f"tore the job down in **{e['job_end_s']:.1f} s** (exit {e['launcher_exit_code']}, bound: poll + "
-            f"{v['grace_s']:g} s grace; survivors: {len(e['survivors_after'])}). A fresh 2-process launch resumed from "
-            f"step {v['resumed_from_step']}: {verdict_text(v)}.",
+            "Two trainer processes on JAX's distributed runtime (tpulab launch, gloo over "
+            f"loopback). Process {e['victim_process']} was killed with **{e['signal']}** after "
+            f"step {e['last_logged_step']}; the launcher tore the job down in "
+            f"**{e['job_end_s']:.1f} s** (exit {e['launcher_exit_code']}, bound: poll + "
+            f"{v['grace_s']:g} s grace; survivors: {len(e['survivors_after'])}). A fresh 2-process "
+            f"launch resumed from step {v['resumed_from_step']}: {verdict_text(v)}.",
             "",
             f"![overlay]({rel}/overlay.png)",
             "",
             f"Evidence: `{rel}/verdict.json`.",
         ]
     )
+
+
+def tracking_section(out: Path, uri: str) -> tuple[str, list[str]]:
+    """The report's MLflow section and the failures it found: each run dir under ``out`` must be
+    a run in ``uri`` holding every metric its metrics.jsonl logged. The dossier's runs are left
+    out: it trains in-process, for its measurements, with no tracker."""
+    from tpulab.tracking.audit import audit_runs, run_dirs
+
+    rows = audit_runs(run_dirs(out, exclude=(out / "dossier",)), uri)
+    rel = lambda p: p.relative_to(out).as_posix()  # noqa: E731
+    bad = [r for r in rows if r.problem]
+    lines = [
+        "## MLflow tracking",
+        "",
+        f"Every training run above must be an MLflow run in `{uri}` holding every metric its "
+        "metrics.jsonl logged (a failing store only warns while training goes on; this is where "
+        f"it would show): **{len(rows) - len(bad)} of {len(rows)}** runs complete.",
+        "",
+        "| run dir | MLflow run | steps | in the store |",
+        "|---|---|---|---|",
+        *(
+            f"| `{rel(r.run_dir)}` | {r.run_id[:12] if r.run_id else '-'} | {r.steps} | "
+            + ("yes" if r.problem is None else f"**NO**: {r.problem}")
+            + " |"
+            for r in rows
+        ),
+    ]
+    if (out / "dossier").is_dir():
+        lines += ["", "Not tracked: the dossier's runs (`dossier/`), trained in-process."]
+    if not rows:
+        failures = [f"tracking: no training run under {out} to look up in {uri}"]
+    elif bad:
+        missing = "; ".join(f"{rel(r.run_dir)} ({r.problem})" for r in bad)
+        failures = [f"tracking: runs missing from the MLflow store {uri}: {missing}"]
+    else:
+        failures = []
+    return "\n".join(lines), failures
 
 
 def run_capstone(
@@ -110,9 +151,10 @@ def run_capstone(
             [
                 "## Runtime receipt",
                 "",
-                f"What JAX reported and proved on this machine: **{hardware_line(receipt)}** (a collective "
-                "with a known answer across all devices, a timed matmul checked against NumPy, a "
-                "device-to-host round trip). Every chip named in this report comes from it.",
+                "What JAX reported and proved on this machine: "
+                f"**{hardware_line(receipt)}** (a collective with a known answer across all "
+                "devices, a timed matmul checked against NumPy, a device-to-host round trip). "
+                "Every chip named in this report comes from it.",
                 "",
                 table(receipt),
                 "",
@@ -200,24 +242,32 @@ def run_capstone(
     def dossier_stage() -> str:
         from tpulab.orchestrate.dossier import DossierPlan, build_dossier
 
-        # Sized for `make demo`: fewer training steps, two batch sizes in the sweep (the hypothesis needs >= 23 steps).
+        # Sized for `make demo`: fewer training steps, two batch sizes in the sweep (the
+        # hypothesis needs >= 23 steps).
         build_dossier(
             config,
             out / "dossier",
             DossierPlan(train_steps=50, batch_sweep="data.batch_size=8,16", hypothesis_steps=30),
         )  # raises, naming what failed
         return (
-            "## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU targets, precision "
-            "policy and one tested hypothesis, each with its evidence: [dossier/dossier.md](dossier/dossier.md) "
-            "([html](dossier/dossier.html))."
+            "## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU "
+            "targets, precision policy and one tested hypothesis, each with its evidence: "
+            "[dossier/dossier.md](dossier/dossier.md) ([html](dossier/dossier.html))."
         )
 
-    # One MLflow store for every run the capstone starts (training, proof, chaos): the children inherit it.
+    def tracking_stage() -> str:
+        text, missing = tracking_section(out, uri)
+        failures.extend(missing)
+        return text
+
+    # One MLflow store for every run the capstone starts (training, proof, chaos, ...): the
+    # children inherit it.
     own_uri = "MLFLOW_TRACKING_URI" not in os.environ
     if own_uri:
-        from tpulab.tracking.mlflow_hook import STORE_NAME, sqlite_uri
+        from tpulab.tracking.store import STORE_NAME, sqlite_uri
 
         os.environ["MLFLOW_TRACKING_URI"] = sqlite_uri(out.absolute() / STORE_NAME)
+    uri = os.environ["MLFLOW_TRACKING_URI"]
     try:
         stage("receipt", receipt_stage)
         stage("train", train_stage)
@@ -238,6 +288,7 @@ def run_capstone(
             from tpulab.bridge import capstone_stage as bridge_stage
 
             stage("bridge", lambda: bridge_stage(out))
+        stage("tracking", tracking_stage)
     finally:
         if own_uri:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -245,8 +296,8 @@ def run_capstone(
     header = [
         "# tpulab capstone report",
         "",
-        "Every number below was measured by this run and carries its provenance; the raw evidence sits "
-        "beside this file.",
+        "Every number below was measured by this run and carries its provenance; the raw evidence "
+        "sits beside this file.",
         "",
         f"Status: **{'PASS' if not failures else 'FAIL'}**"
         + ("" if not failures else " — " + "; ".join(failures)),
@@ -257,7 +308,7 @@ def run_capstone(
         out, "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n", "tpulab capstone report"
     )
     if (run_dir / "mlflow_run.json").exists():
-        from tpulab.tracking.mlflow_hook import log_files_to_run
+        from tpulab.tracking.store import log_files_to_run
 
         log_files_to_run(run_dir, [path, page, out / "plots" / "curves.png"], "report")
     if failures:

@@ -1,5 +1,6 @@
-"""Progress as plain lines for logs: the training loop draws a tqdm bar only on a terminal, so a job whose
-output goes to a file (a proof child, a cloud VM's log) would otherwise say nothing until it ends."""
+"""Progress as plain lines for logs: the training loop draws a tqdm bar only on a terminal, so a
+job whose output goes to a file (a proof child, a cloud VM's log) would otherwise say nothing until
+it ends."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from tpulab.train.hooks import Hooks
 
 
 class LogLines(Hooks):
-    """One line per ``every_s`` seconds (and at the end) with step, loss and rate, when not on a terminal."""
+    """One line per ``every_s`` seconds (and at the end) with step, loss and rate, when not on a
+    terminal."""
 
     def __init__(self, every_s: float = 10.0, stream=None, force: bool = False):
         self.every_s, self.stream = every_s, stream or sys.stdout
@@ -41,6 +43,9 @@ class LogLines(Hooks):
             )
 
     def on_eval(self, step, metrics):
+        """``metrics``: the evaluation's means (``val_loss``, ...); a float is ``val_loss``."""
+        if not isinstance(metrics, dict):
+            metrics = {"val_loss": metrics}
         if self.enabled:
             shown = ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items())
             self._print(f"step {step}: {shown}")

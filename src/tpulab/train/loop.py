@@ -322,6 +322,7 @@ def train(
 
         described = {
             "objective": config.objective.kind,
+            "identities": {"data": data.identity, **identities},
             "trained_param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
             "optimizer_state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state.opt_state))),
             **objective.describe(steps, state),
