@@ -18,7 +18,7 @@ LAYERS = [
     {"evidence"},
     {"train"},
     {"proofs"},
-    {"inference", "bridge", "cloud", "tracking"},
+    {"inference", "bridge", "cloud", "tracking", "posttrain"},
     {"perf", "ops"},
     {"orchestrate"},
     {"cli"},

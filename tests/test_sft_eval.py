@@ -1,0 +1,185 @@
+"""SFT evaluation (tpulab.posttrain): response loss, stop position, stop rate, merged generations.
+
+A model that has learnt to stop is the positive control of the stop measurements: a tiny SFT run
+on a JSONL set of four short exchanges (held-out: the last four lines) learns to answer and emit
+ETX within 60 steps, while the pretrained base, which never saw ETX, never does. Sizes are the
+tiny test config's; the base is the session's ``trained_run``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import run_cli, tiny_config
+from tpulab.data import dialogue as D
+from tpulab.errors import TpulabError
+from tpulab.evidence.metrics import read_records
+from tpulab.posttrain import evaluate, evaluate_sft, log_to_run
+from tpulab.train.loop import train
+from tpulab.train.merge import merge_lora
+
+QA = [
+    ("A.\nGo.\n\nB.\n", "Ay."),
+    ("C.\nCome.\n\nD.\n", "No."),
+    ("E.\nSay.\n\nF.\n", "Well."),
+    ("G.\nWho?\n\nH.\n", "I."),
+]
+
+
+def qa_config(base, data, steps: int, *extra: str):
+    return tiny_config(
+        "objective.kind=sft",
+        f"objective.init={base}",
+        f"objective.data={data}",
+        f"train.steps={steps}",
+        f"train.eval_every={steps}",
+        f"checkpoint.save_every={steps}",
+        f"optim.schedule_steps={steps}",
+        f"optim.warmup_steps={min(5, steps - 1)}",
+        *extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def qa_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qa") / "qa.jsonl"
+    lines = [json.dumps({"prompt": p, "response": r}) for _ in range(10) for p, r in QA]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def qa_run(trained_run, qa_data, tmp_path_factory):
+    """Full SFT on the exchanges, tracked in an MLflow store beside it."""
+    from tpulab.tracking.hook import MlflowTracker
+    from tpulab.tracking.store import sqlite_uri
+
+    root = tmp_path_factory.mktemp("qa-run")
+    run = root / "run"
+    tracker = MlflowTracker(run, sqlite_uri(root / "mlruns.db"))
+    try:
+        train(
+            qa_config(trained_run, qa_data, 60, "optim.lr=1e-2"),
+            run,
+            hooks=[tracker],
+            progress=False,
+        )
+    finally:
+        tracker.close()
+    return run
+
+
+@pytest.fixture(scope="module")
+def qa_eval(qa_run):
+    return evaluate_sft(qa_run)
+
+
+def test_the_stop_rate_is_measured_on_a_model_that_stops_and_the_base_that_cannot(qa_eval):
+    stop, base, sft = qa_eval["stop"], qa_eval["models"]["base"], qa_eval["models"]["sft"]
+    assert stop["max_new"] == 8 and stop["room"] == 16  # a quarter of the 32 positions, twice
+    assert stop["prompts"] == 4 and stop["skipped_prompts"] == 0 and stop["reference_rate"] == 1.0
+    # the base never saw ETX: it neither predicts it at the stop nor emits it
+    assert base["stop_rate"] == 0.0 and base["stop_rate_in_room"] == 0.0
+    assert base["stop_accuracy"] == 0.0 and base["stop_probability"] < 0.01
+    assert sft["stop_rate"] == 1.0 and sft["stop_accuracy"] >= 0.75
+    for s in qa_eval["samples"]:
+        assert s["base_stop_bytes"] is None and s["sft_stop_bytes"] <= stop["max_new"]
+
+
+def test_the_losses_are_the_objectives_and_tell_the_models_apart(qa_run, qa_eval):
+    base, sft = qa_eval["models"]["base"], qa_eval["models"]["sft"]
+    logged = [r for r in read_records(qa_run) if r.get("event") == "eval"][-1]["val_loss"]
+    assert sft["val_loss"] == logged  # the objective's eval step: the run's own number, bitwise
+    # the explicit response loss agrees with the objective's eval step on the same four pairs
+    assert qa_eval["dataset"]["loss_pairs"] == qa_eval["dataset"]["val_pairs"] == 4
+    for m in (base, sft):
+        assert abs(m["response_loss"] - m["val_loss"]) <= 1e-6 * m["val_loss"]
+    # control: the measurement separates a model that learnt the answers from one that did not
+    assert base["response_loss"] > 2 * sft["response_loss"]
+
+
+def test_prompts_leave_the_room_by_cutting_the_cue_from_the_left():
+    long = D.Pair(b"KING.\n" + b"word " * 10 + b"\n\nHAM.\n", b"Ay.", "x")
+    short = D.Pair(b"A.\nGo.\n\nB.\n", b"Ay.", "y")
+    chosen, skipped = evaluate.stop_prompts([long, short], 32, 8, 2, cut=True)
+    assert skipped == 0 and all(len(p.ids) + 8 <= 32 for p in chosen)
+    cut = bytes(chosen[0].ids[2:-1].astype(np.uint8))
+    assert cut.startswith(b"KING.\n") and cut.endswith(b"word \n\nHAM.\n") and len(cut) < 60
+    assert chosen[0].ids[0] == 256 and chosen[0].ids[1] == D.PROMPT_START
+    assert chosen[0].ids[-1] == D.RESPONSE_START
+    # control: a JSONL prompt is never cut, so the long one is left out
+    chosen, skipped = evaluate.stop_prompts([long, short], 32, 8, 2, cut=False)
+    assert skipped == 1 and [p.pair for p in chosen] == [short]
+
+
+def test_a_merged_lora_model_is_measured_and_generates_what_the_adapters_do(
+    trained_run, qa_data, tmp_path
+):
+    run, merged = tmp_path / "lora", tmp_path / "merged"
+    train(qa_config(trained_run, qa_data, 12, "objective.lora.rank=4"), run, progress=False)
+    merge_lora(run, merged)
+    r = evaluate_sft(run, merged=merged, with_base=False)
+    assert set(r["models"]) == {"sft", "merged"}
+    m = r["merged"]
+    assert m["generations"] == 4 and m["identical_generations"] == 4
+    a, b = r["models"]["sft"]["response_loss"], r["models"]["merged"]["response_loss"]
+    assert abs(a - b) <= 1e-5 * a
+    # negative control: a merged model that names another source checkpoint is refused
+    record = json.loads((merged / "merge.json").read_text())
+    (merged / "merge.json").write_text(json.dumps({**record, "source_checkpoint_digest": "0" * 64}))
+    with pytest.raises(TpulabError, match="was merged from checkpoint 000000000000"):
+        evaluate_sft(run, merged=merged)
+
+
+def test_a_moved_base_or_a_pretraining_run_is_refused(trained_run, qa_data, tmp_path):
+    with pytest.raises(TpulabError, match="is a pretrain run, not sft"):
+        evaluate_sft(trained_run)
+    base = tmp_path / "base"
+    shutil.copytree(trained_run, base)
+    run = tmp_path / "sft"
+    train(qa_config(base, qa_data, 2), run, progress=False)
+    assert evaluate_sft(run, prompts=1)["models"]["base"]["stop_rate"] == 0.0  # control
+    train(tiny_config("train.steps=50"), base, progress=False)  # objective.init moves on
+    with pytest.raises(TpulabError, match="was trained on base .*refusing to compare"):
+        evaluate_sft(run)
+
+
+def test_the_evaluation_is_logged_to_the_runs_mlflow_run(qa_run, qa_eval, tmp_path, capsys):
+    from tpulab.tracking.store import open_store, read_run_link
+
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(qa_eval))
+    assert log_to_run(qa_run, qa_eval, [path])
+    link = read_run_link(qa_run)
+    client, _ = open_store(link["tracking_uri"])
+    for key, value in evaluate.metrics_of(qa_eval).items():
+        history = client.get_metric_history(link["run_id"], key)
+        assert [(h.step, h.value) for h in history] == [(60, value)], key
+    assert "eval.sft.stop_rate" in evaluate.metrics_of(qa_eval)
+    assert [a.path for a in client.list_artifacts(link["run_id"], "posttrain")] == [
+        "posttrain/eval.json"
+    ]
+    # negative control: a run dir with no MLflow run is one warning line, not a silent success
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    assert not log_to_run(lone, qa_eval)
+    assert "has no MLflow run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sft_eval_cli_writes_the_record_and_refuses_bad_input_in_one_line(
+    qa_run, trained_run, tmp_path
+):
+    out = tmp_path / "e.json"
+    ok = run_cli("sft-eval", "--run-dir", str(qa_run), "--out", str(out), "--prompts", "2")
+    assert ok.returncode == 0, ok.stderr
+    assert "held-out response loss" in ok.stdout and "over 2 prompts" in ok.stdout
+    assert json.loads(out.read_text())["stop"]["prompts"] == 2
+    bad = run_cli("sft-eval", "--run-dir", str(trained_run), "--out", str(tmp_path / "x.json"))
+    assert bad.returncode != 0 and not (tmp_path / "x.json").exists()
+    lines = bad.stderr.strip().splitlines()
+    assert lines[-1].startswith("error:") and "not sft" in lines[-1]
