@@ -183,3 +183,44 @@ def test_sft_eval_cli_writes_the_record_and_refuses_bad_input_in_one_line(
     assert bad.returncode != 0 and not (tmp_path / "x.json").exists()
     lines = bad.stderr.strip().splitlines()
     assert lines[-1].startswith("error:") and "not sft" in lines[-1]
+
+
+def test_the_capstone_has_a_skip_posttrain_flag():
+    from tpulab.cli.main import build_parser
+    from tpulab.orchestrate.capstone import CapstoneOptions
+
+    args = build_parser().parse_args(["capstone", "--out", "x", "--skip-posttrain"])
+    assert args.skip_posttrain and not CapstoneOptions().skip_posttrain
+    assert not build_parser().parse_args(["capstone", "--out", "x"]).skip_posttrain
+
+
+@pytest.mark.slow
+def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
+    trained_run, tmp_path, monkeypatch
+):
+    """The stage at the CI size: SFT and LoRA children from the pretrained run, each tracked;
+    the evaluation in both MLflow runs; the section with its evidence."""
+    from tpulab.orchestrate.capstone import posttrain_stage, tracking_section
+    from tpulab.tracking.store import open_store, read_run_link, sqlite_uri
+
+    uri = sqlite_uri(tmp_path / "mlruns.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    section = posttrain_stage(tiny_config(), trained_run, tmp_path)
+    d = tmp_path / "posttrain"
+    assert section.startswith("## Post-training") and (d / "posttrain.md").read_text() == section
+    assert "| full SFT | " in section and "| LoRA r8 | " in section and "LoRA r8 merged" in section
+    assert (d / "curves.png").stat().st_size > 10_000
+    assert json.loads((d / "lora-merged" / "merge.json").read_text())["adapted_matrices"] == 8
+    for name in ("sft", "lora"):
+        record = json.loads((d / f"eval_{name}.json").read_text())
+        assert (
+            record["base"]["digest"]
+            == json.loads((d / name / "summary.json").read_text())["identities"]["base"]
+        )
+        link = read_run_link(d / name)
+        client, _ = open_store(uri)
+        got = client.get_run(link["run_id"]).data.metrics
+        assert got["eval.sft.response_loss"] == record["models"]["sft"]["response_loss"]
+    # the capstone's own audit finds both runs complete in the store
+    text, failures = tracking_section(tmp_path, uri)
+    assert failures == [] and "**2 of 2** runs complete" in text

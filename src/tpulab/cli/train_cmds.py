@@ -244,6 +244,34 @@ def cmd_chaos(args) -> int:
     return 0 if verdict["identical"] else 1
 
 
+def cmd_sft_eval(args) -> int:
+    from tpulab.errors import TpulabError
+
+    run_dir = checked_path(args.run_dir, "--run-dir")
+    out = checked_path(args.out, "--out") if args.out is not None else run_dir / "sft_eval.json"
+    merged = checked_path(args.merged, "--merged") if args.merged is not None else None
+    for flag, value in (("--max-new", args.max_new), ("--prompts", args.prompts)):
+        if value is not None and value < 1:
+            raise TpulabError(f"{flag} {value} must be at least 1")
+    from tpulab.checkpoint.files import atomic_write_json
+    from tpulab.posttrain import evaluate_sft
+
+    r = evaluate_sft(run_dir, merged=merged, max_new=args.max_new, prompts=args.prompts)
+    atomic_write_json(out, r)
+    base, sft, stop = r["models"]["base"], r["models"]["sft"], r["stop"]
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    print(
+        f"held-out response loss {base['response_loss']:.4f} (base) -> {sft['response_loss']:.4f}; "
+        f"stop within {stop['max_new']} bytes {pct(base['stop_rate'])} -> "
+        f"{pct(sft['stop_rate'])} (reference {pct(stop['reference_rate'])}) over "
+        f"{stop['prompts']} prompts -> {out}"
+    )
+    return 0
+
+
 def cmd_check(args) -> int:
     run_dir = None if args.run_dir is None else checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
@@ -269,6 +297,7 @@ def cmd_capstone(args) -> int:
             compile_cache=args.compile_cache,
             skip_scaleout=args.skip_scaleout,
             skip_dossier=args.skip_dossier,
+            skip_posttrain=args.skip_posttrain,
         ),
     )
     print(f"report: {report} and {report.with_suffix('.html')}")
@@ -377,6 +406,22 @@ def register(sub) -> None:
     p.set_defaults(handler=cmd_merge_lora)
 
     p = sub.add_parser(
+        "sft-eval",
+        help="an SFT run against its base on the held-out plays: response loss, stop rate, samples",
+    )
+    p.add_argument("--run-dir", required=True, type=path_arg, help="the SFT (or LoRA) run")
+    p.add_argument("--merged", type=path_arg, help="its merge-lora output, compared too")
+    p.add_argument(
+        "--max-new",
+        type=int,
+        help="N: a generation stops in time if it emits ETX within N bytes (default: a quarter "
+        "of the context)",
+    )
+    p.add_argument("--prompts", type=int, default=64, help="held-out prompts to generate from")
+    p.add_argument("--out", type=path_arg, help="JSON record (default: RUN_DIR/sft_eval.json)")
+    p.set_defaults(handler=cmd_sft_eval)
+
+    p = sub.add_parser(
         "check", help="independent checks (causality, valid-token loss, disjoint data) as a table"
     )
     p.add_argument(
@@ -407,5 +452,10 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--skip-dossier", action="store_true", help="leave out the decision dossier stage"
+    )
+    p.add_argument(
+        "--skip-posttrain",
+        action="store_true",
+        help="leave out the post-training stage (SFT and LoRA, merge, evaluation)",
     )
     p.set_defaults(handler=cmd_capstone)

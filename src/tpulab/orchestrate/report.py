@@ -1,10 +1,11 @@
-"""The evidence report: Markdown sections (provenance, the run, curves, goodput, the proof, chaos, the checks)
-and one self-contained HTML page with the same content.
+"""The evidence report: Markdown sections (provenance, the run, curves, goodput, the proof, chaos,
+the checks, post-training) and one self-contained HTML page with the same content.
 
 report.html is rendered from the very Markdown written to report.md (one source, so the two cannot
-disagree), with every image embedded as a data URI and no script, font or style fetched from anywhere:
-it opens offline, from a mail attachment or an artifact store. ``build_report(dir)`` assembles the
-report from the evidence already on disk (a run dir, a prove-resume dir or a capstone dir).
+disagree), with every image embedded as a data URI and no script, font or style fetched from
+anywhere: it opens offline, from a mail attachment or an artifact store. ``build_report(dir)``
+assembles the report from the evidence already on disk (a run dir, a prove-resume dir or a capstone
+dir).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from tpulab.proofs.driver import verdict_text
 
 
 def steady_tokens_per_s(run_dir: Path, tokens_per_step: int, skip: int = 5) -> float | None:
-    """Median over steps of tokens / wall-clock delta, first ``skip`` steps (compile, warm-up) left out."""
+    """Median over steps of tokens / wall-clock delta, first ``skip`` steps (compile, warm-up) left
+    out."""
     recs = [r for r in M.read_records(run_dir) if "loss" in r and r.get("segment") == 0]
     deltas = [
         b["wall_s"] - a["wall_s"]
@@ -39,7 +41,8 @@ def provenance_section(env: dict) -> str:
         [
             "## What this ran on",
             "",
-            f"- Hardware: **{describe_hardware(env)}** (as JAX reported it: backend `{env.get('backend')}`, "
+            f"- Hardware: **{describe_hardware(env)}** (as JAX reported it: backend "
+            f"`{env.get('backend')}`, "
             f"device kind `{env.get('device_kind')}`, {env.get('device_count')} device(s), "
             f"{env.get('process_count')} process(es))",
             f"- Python {env.get('python')} on {env.get('platform')}",
@@ -67,19 +70,24 @@ def run_section(run_dir: Path) -> str:
             "|---|---|",
             f"| precision policy | params {prec['param_dtype']}, compute {prec['compute_dtype']}, "
             f"accumulation {prec['accum_dtype']} |",
-            f"| shapes | batch {shapes['batch']} × sequence {shapes['seq_len']}; d_model {shapes['d_model']}, "
-            f"{shapes['n_layers']} layers, {shapes['n_heads']} heads, vocab {shapes['vocab']} (bytes + BOS + PAD) |",
+            f"| shapes | batch {shapes['batch']} × sequence {shapes['seq_len']}; d_model "
+            f"{shapes['d_model']}, {shapes['n_layers']} layers, {shapes['n_heads']} heads, vocab "
+            f"{shapes['vocab']} (bytes + BOS + PAD) |",
             f"| parameters | {env['param_count']:,} |",
             f"| steps | {summary['final_step']} |",
             f"| final train loss | {summary['final_loss']:.4f} |",
-            f"| final validation loss | {summary['final_val_loss']:.4f} (held-out whole documents) |",
-            f"| steady-state throughput | {tps:,.0f} tokens/s (median over steps, compile and warm-up excluded) |"
+            f"| final validation loss | {summary['final_val_loss']:.4f} (held-out whole documents) "
+            "|",
+            f"| steady-state throughput | {tps:,.0f} tokens/s (median over steps, compile and "
+            "warm-up excluded) |"
             if tps
             else "| steady-state throughput | n/a |",
             f"| time to first step (incl. compile) | {summary['time_to_first_step_s']:.1f} s |",
             f"| corpus | {docs['source']}: {len(docs['train_documents'])} train / "
-            f"{len(docs['validation_documents'])} validation documents, identity `{docs['identity'][:16]}…` |",
-            f"| final checkpoint | step {summary['latest_checkpoint']}, manifest sha256 `{sha256_file(manifest)[:16]}…` |"
+            f"{len(docs['validation_documents'])} validation documents, identity "
+            f"`{docs['identity'][:16]}…` |",
+            f"| final checkpoint | step {summary['latest_checkpoint']}, manifest sha256 "
+            f"`{sha256_file(manifest)[:16]}…` |"
             if manifest.exists()
             else "| final checkpoint | missing |",
         ]
@@ -97,12 +105,14 @@ def proof_section(proof_dir: Path, rel: str) -> str:
         [
             "## Kill/resume proof",
             "",
-            f"A second run with the same config was killed with **{v['signal']}** right after step {v['kill_step']} "
-            f"(a real process; no handler ran). A fresh process resumed from the newest valid checkpoint, step "
-            f"{v['resumed_from_step']}, redid {v['steps_redone']} steps and trained to step {v['steps']}.",
+            f"A second run with the same config was killed with **{v['signal']}** right after "
+            f"step {v['kill_step']} (a real process; no handler ran). A fresh process resumed "
+            f"from the newest valid checkpoint, step {v['resumed_from_step']}, redid "
+            f"{v['steps_redone']} steps and trained to step {v['steps']}.",
             "",
             f"Verdict: {verdict} against the uninterrupted run: {verdict_text(v)}; "
-            f"max |diff| = {v['max_abs_diff']:g}. Checkpoint dir at the kill: {', '.join(v.get('checkpoints_at_kill', [])) or 'n/a'}.",
+            f"max |diff| = {v['max_abs_diff']:g}. Checkpoint dir at the kill: "
+            f"{', '.join(v.get('checkpoints_at_kill', [])) or 'n/a'}.",
             "",
             f"![overlay]({rel}/overlay.png)",
             "",
@@ -117,16 +127,18 @@ def chaos_section(chaos_dir: Path, rel: str) -> str:
         [
             "## Chaos: SIGKILL at random moments",
             "",
-            f"The run was SIGKILLed **{v['kills']}** times at random wall-clock moments (seed {v['seed']}; no hold, "
-            f"no withheld marker), {v['kills_during_save']} of them while a checkpoint save was in flight, and "
-            f"resumed each time in a fresh process ({v['segments']} process lifetimes; resumed from steps "
+            f"The run was SIGKILLed **{v['kills']}** times at random wall-clock moments (seed "
+            f"{v['seed']}; no hold, no withheld marker), {v['kills_during_save']} of them while a "
+            f"checkpoint save was in flight, and resumed each time in a fresh process "
+            f"({v['segments']} process lifetimes; resumed from steps "
             f"{', '.join(str(s) for s in v['resumed_from_steps'])}).",
             "",
             f"Verdict: **{'identical' if v['identical'] else 'NOT identical'}**: {v['summary']}.",
             "",
             f"![chaos]({rel}/segments.png)",
             "",
-            f"Evidence: `{rel}/verdict.json`, the victim's `metrics.jsonl` (one segment per process lifetime).",
+            f"Evidence: `{rel}/verdict.json`, the victim's `metrics.jsonl` (one segment per "
+            "process lifetime).",
         ]
     )
 
@@ -136,7 +148,8 @@ def checks_section(results: list[dict]) -> str:
 
 
 def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
-    """Training loss (every process lifetime) and validation loss over steps, plotted to ``out_png``."""
+    """Training loss (every process lifetime) and validation loss over steps, plotted to
+    ``out_png``."""
     recs = M.read_records(run_dir)
     loss = M.curve(recs, "loss")
     val = {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval"}
@@ -219,6 +232,8 @@ def build_report(d: str | Path) -> str:
         sections.append(checks_section(json.loads((d / "checks.json").read_text())["rows"]))
     if (d / "inference" / "inference.md").exists():
         sections.append((d / "inference" / "inference.md").read_text())
+    if (d / "posttrain" / "posttrain.md").exists():
+        sections.append((d / "posttrain" / "posttrain.md").read_text())
     return (
         "# tpulab evidence report\n\nBuilt from the evidence in this directory.\n\n"
         + "\n\n".join(sections)
@@ -245,3 +260,161 @@ def write_reports(out_dir: Path, text: str, title: str = "tpulab report") -> tup
     atomic_write_bytes(md, text.encode())
     atomic_write_bytes(page, render_html(text, out_dir, title).encode())
     return md, page
+
+
+def _checkpoint_bytes(run_dir: Path) -> int:
+    """Bytes on disk of a run's newest checkpoint (a LoRA run's holds its adapters alone)."""
+    from tpulab.train.restore import checkpoint_dir
+
+    return sum(p.stat().st_size for p in checkpoint_dir(run_dir).rglob("*") if p.is_file())
+
+
+def posttrain_curves(runs: dict[str, Path], evals: dict[str, dict], out_png: Path) -> None:
+    """Training loss (per step) and validation response loss of each post-training run, the
+    validation curve starting at step 0 with the base's loss on the same batches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # both runs validate on the same batches (same data config): one step-0 point, the base's
+    base_val = next(
+        e["models"]["base"]["val_loss"] for e in evals.values() if "base" in e["models"]
+    )
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for (name, run_dir), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+        recs = M.read_records(run_dir)
+        loss = M.curve(recs, "loss")
+        xs = sorted(loss)
+        ax.plot(xs, [loss[s] for s in xs], lw=0.8, alpha=0.5, color=color, label=f"{name}: train")
+        val = {0: base_val}
+        val |= {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval"}
+        vs = sorted(val)
+        ax.plot(vs, [val[s] for s in vs], "o-", color=color, label=f"{name}: held-out response")
+    ax.set_xlabel("step (0: the pretrained base)")
+    ax.set_ylabel("response loss (nats per byte)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, rel: str) -> str:
+    """The capstone's post-training section: the runs, their evaluation against the base, the
+    merge, curves and sample generations (links relative to ``d.parent``)."""
+    from tpulab.evidence.provenance import describe_hardware
+
+    sft, lora = evals["sft"], evals["lora"]
+    stop, ds, prov = sft["stop"], sft["dataset"], sft["provenance"]
+    posttrain_curves(runs, evals, d / "curves.png")
+    names = {"sft": "full SFT", "lora": f"LoRA r{lora['lora']['rank']}"}
+    train_rows = []
+    for name, run_dir in runs.items():
+        env = json.loads((run_dir / "env.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
+        link = (
+            json.loads((run_dir / "mlflow_run.json").read_text())
+            if (run_dir / "mlflow_run.json").exists()
+            else {}
+        )
+        sh = env["shapes"]
+        tps = steady_tokens_per_s(run_dir, sh["batch"] * sh["seq_len"])
+        train_rows.append(
+            f"| {names[name]} | {env['trained_param_count']:,} of {env['param_count']:,} | "
+            f"{env['optimizer_state_bytes'] / 2**20:.2f} MiB | "
+            f"{_checkpoint_bytes(run_dir) / 2**20:.2f} MiB | {summary['final_step']} | "
+            f"{summary['final_loss']:.4f} | {f'{tps:,.0f}' if tps else 'n/a'} | "
+            f"{str(link.get('run_id', '-'))[:12]} |"
+        )
+
+    def pct(x):
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    def eval_row(label, m):
+        stop_at, val = m["median_stop_bytes"], m.get("val_loss")
+        return (
+            f"| {label} | {m['response_loss']:.4f} | {'-' if val is None else f'{val:.4f}'} | "
+            f"{pct(m['stop_accuracy'])} | {m['stop_probability']:.3f} | {pct(m['stop_rate'])} | "
+            f"{pct(m['stop_rate_in_room'])} | {'-' if stop_at is None else f'{stop_at:.0f}'} |"
+        )
+
+    mg = lora["merged"]
+    samples = []
+    for i, s in enumerate(sft["samples"]):
+        lo = lora["samples"][i]
+        samples += [
+            "```",
+            f"[{s['source']}] prompt:",
+            s["prompt"].rstrip("\n"),
+            f"--- reference: {s['reference']}",
+            f"--- base:      {s['base']!r} (stop: {s['base_stop_bytes'] or 'none'})",
+            f"--- full SFT:  {s['sft']!r} (stop: {s['sft_stop_bytes'] or 'none'})",
+            f"--- LoRA:      {lo['sft']!r} (stop: {lo['sft_stop_bytes'] or 'none'})",
+            "```",
+            "",
+        ]
+    return "\n".join(
+        [
+            "## Post-training: SFT and LoRA from the pretrained run",
+            "",
+            f"Both runs start from step {sft['base']['step']} of `run/` (manifest "
+            f"`{sft['base']['digest'][:16]}`, recorded in every checkpoint of theirs) and train "
+            f"on the dialogue pairs cut from the training plays (dataset `{ds['identity'][:16]}`); "
+            f"everything below is measured on the {ds['eval_pairs']:,} pairs of the held-out "
+            f"plays ({', '.join(ds['eval_sources'][:4])}"
+            f"{' …' if len(ds['eval_sources']) > 4 else ''}), "
+            f"which the pretraining run held out too. On {describe_hardware(prov)}; "
+            f"params/compute/accumulation {prov['dtypes']['param_dtype']}/"
+            f"{prov['dtypes']['compute_dtype']}/{prov['dtypes']['accum_dtype']}; jax "
+            f"{prov['packages']['jax']}; commit `{prov['git_commit']}`.",
+            "",
+            "| run | trained params | optimizer state | newest checkpoint on disk | steps | "
+            "final train loss | steady tokens/s | MLflow run |",
+            "|---|---|---|---|---|---|---|---|",
+            *train_rows,
+            "",
+            f"Response loss: mean NLL per response byte, the stop byte included (the SFT "
+            f"objective's masked loss on the deterministic forward), over {ds['loss_pairs']:,} "
+            f"held-out pairs spread over the set ({ds['response_tokens']:,} response bytes); "
+            f"validation loss: the objective's own eval step on the {ds['val_pairs']} pairs of "
+            "the runs' validation batches (what their curves log; the run's equals its last "
+            "logged value). At the stop: teacher-forced on the held-out pairs, at the target "
+            "after the reference response, how often ETX is the most likely next byte and its "
+            f"mean probability. Stop rate: greedy generations from {stop['prompts']} held-out "
+            f"prompts (the compiled batched loop, {stop['cache_policy']} cache), each with room "
+            f"for {stop['room']} new bytes, that emit the stop byte ETX within "
+            f"**N = {stop['max_new']}** bytes; and within the whole room (a model trained on "
+            "pairs that all end inside the context learns to stop as it runs out). "
+            f"{stop['skipped_prompts']} prompts left out (no room for {stop['room']} bytes).",
+            "",
+            "| model | response loss | validation loss | ETX top-1 at the stop | P(ETX) at the "
+            "stop | stop rate (N) | stop within the room | median bytes to stop |",
+            "|---|---|---|---|---|---|---|---|",
+            eval_row("base (pretrained, step 0)", sft["models"]["base"]),
+            eval_row(names["sft"], sft["models"]["sft"]),
+            eval_row(names["lora"], lora["models"]["sft"]),
+            eval_row(f"{names['lora']} merged", lora["models"]["merged"]),
+            f"| the reference responses | - | - | - | - | {pct(stop['reference_rate'])} | - | - |",
+            "",
+            f"Merge (`tpulab merge-lora`, W = W0 + (alpha/r)·A·B in float32, "
+            f"{merge['adapted_matrices']} matrices, {merge['merge_seconds']:.3f} s): merged "
+            f"against adapter logits within **{merge['max_relative_logit_diff']:.2g}** relative "
+            f"(bound {merge['bound']:g}); "
+            + (
+                f"greedy generations identical on **{mg['identical_generations']} of "
+                f"{mg['generations']}** held-out prompts."
+                if mg["generations"]
+                else "no held-out prompt leaves room to compare generations at this size."
+            ),
+            "",
+            f"![post-training curves]({rel}/curves.png)",
+            "",
+            "Sample generations (greedy; the response is what follows the prompt):",
+            "",
+            *samples,
+            f"Evidence: `{rel}/eval_sft.json`, `{rel}/eval_lora.json` (also in each run's MLflow "
+            f"run, with its numbers as `eval.*` metrics), `{rel}/lora-merged/merge.json`, the runs "
+            f"`{rel}/sft/` and `{rel}/lora/`.",
+        ]
+    )
