@@ -119,8 +119,20 @@ def test_prompts_leave_the_room_by_cutting_the_cue_from_the_left():
 def test_a_merged_lora_model_is_measured_and_generates_what_the_adapters_do(
     trained_run, qa_data, tmp_path
 ):
+    import jax
+
+    from tpulab.model import lora
+    from tpulab.train.merge import folded
+    from tpulab.train.restore import load_model
+    from tpulab.train.step import tree_digest
+
     run, merged = tmp_path / "lora", tmp_path / "merged"
     train(qa_config(trained_run, qa_data, 12, "objective.lora.rank=4"), run, progress=False)
+    # merge-lora's jitted fold is bitwise the eager W + (alpha / r) A B (control: not the base's)
+    adapted = load_model(run)
+    eager = jax.device_get(lora.merged_params(adapted.model))
+    assert tree_digest(folded(adapted.model)) == tree_digest(eager)
+    assert tree_digest(eager) != tree_digest(adapted.base.state.params)
     merge_lora(run, merged)
     r = evaluate_sft(run, merged=merged, with_base=False)
     assert set(r["models"]) == {"sft", "merged"}
