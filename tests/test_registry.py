@@ -96,6 +96,26 @@ def store(flow, tmp_path):
     return dst
 
 
+def _tampered_copy(art, tmp_path):
+    bad = tmp_path / "tampered"
+    shutil.copytree(art, bad)
+    data = bytearray((bad / "weights.npz").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (bad / "weights.npz").write_bytes(bytes(data))
+    return bad
+
+
+def test_register_refuses_tampered_artifacts_and_leaves_no_store(exports, tmp_path):
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    bad = _tampered_copy(exports[20], tmp_path)
+    refused(
+        registry(_uri(fresh), "register", "--artifacts", str(bad), "--name", NAME),
+        "sha256 mismatch in weights.npz",
+    )
+    assert list(fresh.iterdir()) == []  # no store, no ledger, no lock file left behind
+
+
 def test_versions_carry_the_contract_tags_and_the_ledger_chains(flow, exports, trained_run):
     from tpulab.checkpoint.files import sha256_file
     from tpulab.inference.decode import Decoder
@@ -296,6 +316,22 @@ def test_moves_made_outside_tpulab_are_reported(store):
     assert rc == 1 and "alias champion is on no version in the store" in err
 
 
+def test_a_change_made_while_a_command_verified_refuses_its_commit(store):
+    from tpulab.ops.registry import consistent_ledger, open_registry, unchanged_since
+
+    reg = open_registry(_uri(store))
+    entries, _, model = consistent_ledger(reg, NAME)
+    mv = reg.client.get_model_version(NAME, "1")
+    unchanged_since(reg, NAME, entries, model, mv)  # nothing happened: no refusal
+    reg.client.set_model_version_tag(NAME, "1", T.RETIRED, "true")  # e.g. retired meanwhile
+    with pytest.raises(Exception, match="changed while this command verified it"):
+        unchanged_since(reg, NAME, entries, model, mv)
+    reg.client.delete_model_version_tag(NAME, "1", T.RETIRED)
+    reg.client.set_registered_model_alias(NAME, "canary", "1")
+    with pytest.raises(Exception, match="changed while this command verified it"):
+        unchanged_since(reg, NAME, entries, model)
+
+
 def test_bad_stores_are_refused_in_one_line(store, tmp_path):
     uri = _uri(store)
     refused(registry(_uri(tmp_path / "none"), "status", NAME), "no registry store at")
@@ -330,24 +366,10 @@ def test_bad_stores_are_refused_in_one_line(store, tmp_path):
     assert (corrupt / "mlruns.db").read_bytes() == data
 
 
-def test_tampered_artifacts_are_refused(store, exports, tmp_path):
-    bad = tmp_path / "art20"
-    shutil.copytree(exports[20], bad)
-    weights = bad / "weights.npz"
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    weights.write_bytes(bytes(data))
-
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    refused(
-        registry(_uri(fresh), "register", "--artifacts", str(bad), "--name", NAME),
-        "sha256 mismatch in weights.npz",
-    )
-    assert list(fresh.iterdir()) == []  # no store, no ledger left behind
-
-    # A registered version whose files were changed afterwards (here: its source re-pointed at
-    # the tampered copy; manifest.json is untouched, so its digest tag still matches).
+def test_promote_refuses_artifacts_changed_after_registration(store, exports, tmp_path):
+    # The version's source re-pointed at a copy with one weight byte flipped; manifest.json is
+    # untouched, so the digest tag still matches and only the rehash of every file can tell.
+    bad = _tampered_copy(exports[20], tmp_path)
     db = sqlite3.connect(store / "mlruns.db")
     with db:
         db.execute("UPDATE model_versions SET source = ? WHERE version = 1", (str(bad),))
@@ -359,6 +381,17 @@ def test_tampered_artifacts_are_refused(store, exports, tmp_path):
         "sha256 mismatch in weights.npz",
     )
     assert fingerprint(store) == before
+
+
+def test_the_cli_process_prints_one_line_and_no_mlflow_chatter(store, tmp_path):
+    from conftest import run_cli
+
+    ok = run_cli("registry", "status", NAME, "--tracking-uri", _uri(store), timeout=120)
+    assert ok.returncode == 0 and ok.stderr == "" and "champion -> v2" in ok.stdout, ok.stderr
+    (tmp_path / "mlruns.db").write_bytes(b"\0" * 4096)
+    bad = run_cli("registry", "status", NAME, "--tracking-uri", _uri(tmp_path), timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [bad.stderr.strip()], bad.stderr
 
 
 def test_prompts_are_versioned_by_content_hash(tmp_path):

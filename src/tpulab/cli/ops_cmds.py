@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import TpulabError
@@ -220,5 +219,5 @@ def register(sub) -> None:
     q = action("prompt", "register a prompt template (by content hash), or list versions", _prompt)
     q.add_argument("name")
     q.add_argument("--template", help="the template text ({{ variable }} placeholders)")
-    q.add_argument("--template-file", type=Path, help="read the template from this UTF-8 file")
+    q.add_argument("--template-file", type=path_arg, help="read the template from this UTF-8 file")
     q.add_argument("--message", help="commit message stored with a new version")

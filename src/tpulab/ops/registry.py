@@ -154,8 +154,10 @@ def open_registry(uri: str, *, create: bool = False, wait_s: float = LOCK_WAIT_S
 
 
 @contextlib.contextmanager
-def locked(reg: Registry, wait_s: float = LOCK_WAIT_S):
-    """One mutating registry command at a time per store (flock on a file beside it)."""
+def locked(reg: Registry, wait_s: float = LOCK_WAIT_S, *, shared: bool = False):
+    """One registry change at a time per store (flock on a file beside it); ``shared`` for readers,
+    so they never see a change half made. Held only while state is read again and committed, not
+    while artifacts are verified (seconds): a reader waits well under a second."""
     path = reg.db.parent / LOCK_NAME
     try:
         f = open(path, "a")
@@ -165,7 +167,7 @@ def locked(reg: Registry, wait_s: float = LOCK_WAIT_S):
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
@@ -236,6 +238,22 @@ def consistent_ledger(reg: Registry, name: str) -> tuple[list[dict], list[dict],
             "(entries removed, or the ledger replaced)"
         )
     return entries, mine, model
+
+
+def unchanged_since(reg: Registry, name: str, entries: list[dict], model, mv=None) -> None:
+    """Under the lock, before a commit: the ledger, the model's aliases and the version's tags are
+    what the command checked before its verification ran unlocked; else refuse."""
+    now, _, model_now = consistent_ledger(reg, name)
+    same = [e["sha256"] for e in now] == [e["sha256"] for e in entries]
+    same = same and _aliases(model_now) == _aliases(model)
+    if mv is not None:
+        mv_now = _version(reg, name, mv.version, required=False)
+        same = same and mv_now is not None and mv_now.tags == mv.tags
+    if not same:
+        raise TpulabError(
+            f"the registry entry of {name} changed while this command verified it (another command "
+            "ran meanwhile); nothing was changed: run it again"
+        )
 
 
 def drift(mine: list[dict], model) -> list[str]:
@@ -615,45 +633,44 @@ def promote(
     check_alias(alias)
     version = str(version)
     c = reg.client
+    entries, mine, model = consistent_ledger(reg, name)
+    if model is None:
+        raise TpulabError(f"no model {name} in {reg.db}")
+    mv = _version(reg, name, version)
+    if _retired(mv):
+        raise TpulabError(f"{name} v{version} is retired; it cannot be promoted")
+    holder = _aliases(model).get(alias)
+    if holder == version:
+        raise TpulabError(f"{name} v{version} already holds {alias}; nothing to do")
+    seen = _warn(drift(mine, model))
+    art, evidence = verify_version(mv)
+    out(
+        f"verified {name} v{version}: manifest {evidence['export_manifest_sha256'][:12]}, "
+        f"checkpoint {evidence['checkpoint_digest'][:12]} step {evidence['checkpoint_step']}, "
+        f"weights bitwise, {art.verification['endpoints_passed']} endpoints"
+    )
+    result = behaviour.evaluate(art.engine(EVAL_POLICY))
+    base = _baseline(reg, name, holder, mine)
+    out(score_table(result["scores"], base))
+    failures = behaviour.gate(result["scores"], base and base["scores"])
+    if failures:
+        against = f" against {alias} v{holder}" if holder else ""
+        raise TpulabError(
+            f"promotion of {name} v{version} to {alias} refused by the behaviour "
+            f"gate{against}: " + "; ".join(failures),
+            exit_code=1,
+        )
+    evidence["behaviour"] = {
+        **_eval_record(result),
+        "baseline": base,
+        "margins": behaviour.MARGINS,
+        "loss_floor": behaviour.LOSS_FLOOR,
+    }
+    default = f"verified against checkpoint {evidence['checkpoint_digest'][:12]}; behaviour " + (
+        f"within margins of v{holder}" if holder else "above the floor (first holder)"
+    )
     with locked(reg):
-        entries, mine, model = consistent_ledger(reg, name)
-        if model is None:
-            raise TpulabError(f"no model {name} in {reg.db}")
-        mv = _version(reg, name, version)
-        if _retired(mv):
-            raise TpulabError(f"{name} v{version} is retired; it cannot be promoted")
-        aliases = _aliases(model)
-        holder = aliases.get(alias)
-        if holder == version:
-            raise TpulabError(f"{name} v{version} already holds {alias}; nothing to do")
-        seen = _warn(drift(mine, model))
-        art, evidence = verify_version(mv)
-        out(
-            f"verified {name} v{version}: manifest {evidence['export_manifest_sha256'][:12]}, "
-            f"checkpoint {evidence['checkpoint_digest'][:12]} step {evidence['checkpoint_step']}, "
-            f"weights bitwise, {art.verification['endpoints_passed']} endpoints"
-        )
-        result = behaviour.evaluate(art.engine(EVAL_POLICY))
-        base = _baseline(reg, name, holder, mine)
-        out(score_table(result["scores"], base))
-        failures = behaviour.gate(result["scores"], base and base["scores"])
-        if failures:
-            against = f" against {alias} v{holder}" if holder else ""
-            raise TpulabError(
-                f"promotion of {name} v{version} to {alias} refused by the behaviour "
-                f"gate{against}: " + "; ".join(failures),
-                exit_code=1,
-            )
-        evidence["behaviour"] = {
-            **_eval_record(result),
-            "baseline": base,
-            "margins": behaviour.MARGINS,
-            "loss_floor": behaviour.LOSS_FLOOR,
-        }
-        default = (
-            f"verified against checkpoint {evidence['checkpoint_digest'][:12]}; behaviour "
-            + (f"within margins of v{holder}" if holder else "above the floor (first holder)")
-        )
+        unchanged_since(reg, name, entries, model, mv)
         entry = ledger.make_entry(
             entries,
             "promote",
@@ -697,34 +714,34 @@ def rollback(
     check_name(name)
     check_alias(alias)
     c = reg.client
-    with locked(reg):
-        entries, mine, model = consistent_ledger(reg, name)
-        if model is None:
-            raise TpulabError(f"no model {name} in {reg.db}")
-        current = _aliases(model).get(alias)
-        seen = _warn(drift(mine, model))
-        stack = ledger.alias_stacks(mine).get(alias, [])
-        skipped, target = [], None
-        for v in reversed(stack[:-1]):
-            if v == current:
-                continue
-            mv = _version(reg, name, v, required=False)
-            if mv is None or _retired(mv):
-                skipped.append(f"v{v} ({'deleted' if mv is None else 'retired'})")
-                continue
-            target = v
-            break
-        if target is None:
-            also = f"; skipped {', '.join(skipped)}" if skipped else ""
-            raise TpulabError(
-                f"no earlier promoted version of {name} to roll {alias} back to{also}; "
-                "nothing changed"
-            )
-        art, evidence = verify_version(mv)
-        out(
-            f"verified {name} v{target}: manifest {evidence['export_manifest_sha256'][:12]}, "
-            f"checkpoint {evidence['checkpoint_digest'][:12]} step {evidence['checkpoint_step']}"
+    entries, mine, model = consistent_ledger(reg, name)
+    if model is None:
+        raise TpulabError(f"no model {name} in {reg.db}")
+    current = _aliases(model).get(alias)
+    seen = _warn(drift(mine, model))
+    stack = ledger.alias_stacks(mine).get(alias, [])
+    skipped, target = [], None
+    for v in reversed(stack[:-1]):
+        if v == current:
+            continue
+        mv = _version(reg, name, v, required=False)
+        if mv is None or _retired(mv):
+            skipped.append(f"v{v} ({'deleted' if mv is None else 'retired'})")
+            continue
+        target = v
+        break
+    if target is None:
+        also = f"; skipped {', '.join(skipped)}" if skipped else ""
+        raise TpulabError(
+            f"no earlier promoted version of {name} to roll {alias} back to{also}; nothing changed"
         )
+    art, evidence = verify_version(mv)
+    out(
+        f"verified {name} v{target}: manifest {evidence['export_manifest_sha256'][:12]}, "
+        f"checkpoint {evidence['checkpoint_digest'][:12]} step {evidence['checkpoint_step']}"
+    )
+    with locked(reg):
+        unchanged_since(reg, name, entries, model, mv)
         entry = ledger.make_entry(
             entries,
             "rollback",
@@ -816,11 +833,12 @@ def status(reg: Registry, name: str) -> dict:
     """Aliases, versions (tags, and whether the manifest on disk still matches), the ledger's
     history of ``name`` and any drift between the store and the ledger. Changes nothing."""
     check_name(name)
-    entries, mine, model = consistent_ledger(reg, name)
-    if model is None:
-        raise TpulabError(f"no model {name} in {reg.db}")
-    with store_call(reg, f"listing the versions of {name}"):
-        versions = reg.client.search_model_versions(f"name = '{name}'")
+    with locked(reg, shared=True):
+        entries, mine, model = consistent_ledger(reg, name)
+        if model is None:
+            raise TpulabError(f"no model {name} in {reg.db}")
+        with store_call(reg, f"listing the versions of {name}"):
+            versions = reg.client.search_model_versions(f"name = '{name}'")
     rows = []
     for mv in sorted(versions, key=lambda v: int(v.version)):
         try:
