@@ -13,9 +13,11 @@ store's ``LEDGER_HEAD`` tag says, refuses every command before anything changes.
 dropped outside tpulab (the store and the ledger disagree) is reported by every command and by
 ``status``' exit code, and recorded in the next entry.
 
-Mutating commands hold ``registry_ledger.lock`` (flock) beside the store for their whole run; a
-store sqlite cannot write within ``LOCK_WAIT_S`` is refused up front (MLflow itself waits 20 s on
-a locked sqlite store, then prints a traceback: measured with mlflow-skinny 3.17.2).
+Changes are committed under ``registry_ledger.lock`` (flock) beside the store, after checking
+that nothing changed while the artifacts were verified unlocked (``unchanged_since``); readers
+take it shared. A store sqlite cannot write within ``LOCK_WAIT_S`` is refused up front (MLflow
+itself waits 20 s on a locked sqlite store, then prints a traceback: measured with mlflow-skinny
+3.17.2).
 """
 
 from __future__ import annotations
