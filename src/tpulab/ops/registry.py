@@ -161,8 +161,11 @@ def locked(reg: Registry, wait_s: float = LOCK_WAIT_S, *, shared: bool = False):
     so they never see a change half made. Held only while state is read again and committed, not
     while artifacts are verified (seconds): a reader waits well under a second."""
     path = reg.db.parent / LOCK_NAME
+    if shared and not path.exists():  # no change was ever made here (a writer creates it first)
+        yield
+        return
     try:
-        f = open(path, "a")
+        f = open(path, "r" if shared else "a")
     except OSError as e:
         raise TpulabError(f"cannot open the registry lock {path} ({e.strerror})") from None
     with f:
@@ -847,7 +850,7 @@ def status(reg: Registry, name: str) -> dict:
             _, disk = _read_manifest(Path(mv.source))
             on_disk = "ok" if disk == mv.tags.get(T.EXPORT_MANIFEST) else "differs from tag"
         except TpulabError:
-            on_disk = "missing"
+            on_disk = "missing or unreadable"
         rows.append(
             {
                 "version": str(mv.version),
