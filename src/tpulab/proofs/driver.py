@@ -90,7 +90,8 @@ def run_to_completion(
 def run_and_kill(
     argv: list[str], run_dir: Path, log_path: Path, env: dict, kill_at: int, timeout_s: float
 ) -> int:
-    """Start a run held after ``kill_at``; SIGKILL it once that step is logged. Returns the last logged step."""
+    """Start a run held after ``kill_at``; SIGKILL it once that step is logged.
+    Returns the last logged step."""
     with Proc([*argv, HOLD_FLAG, str(kill_at)], log_path, env) as proc:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -137,8 +138,9 @@ def prove_resume(
     ``command(run_dir)`` returns the argv of a trainer that trains ``steps`` steps in ``run_dir``,
     resuming from its newest valid checkpoint when there is one. ``reference_dir`` reuses an
     uninterrupted run that already finished (the capstone's main run) instead of training one.
-    ``compare_state(reference_dir, run_dir)`` adds the whole-state verdict (``final_state_identical``);
-    then ``identical`` needs both the curves and the final state to match.
+    ``compare_state(reference_dir, run_dir)`` adds the whole-state verdict
+    (``final_state_identical``); then ``identical`` needs both the curves and the final state to
+    match.
     """
     proof_dir = Path(proof_dir)
     if not 0 < kill_at < steps:
@@ -190,6 +192,8 @@ def prove_resume(
 
 
 def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> dict:
+    """Each segment against the reference on its own: a killed run that already drifted from the
+    reference (run-to-run nondeterminism) is reported before the kill, not blamed on the resume."""
     ref = M.curve(M.read_records(reference_dir))
     recs = M.read_records(run_dir)
     segs = M.starts(recs)
@@ -207,11 +211,16 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
     whole = compare_curves(ref, {**killed, **resumed})
     missing = [s for s in range(1, steps + 1) if s not in ref or s not in {**killed, **resumed}]
     identical = before["identical"] and after["identical"] and not missing
+    firsts = [
+        s for s in (before["first_differing_step"], after["first_differing_step"]) if s is not None
+    ]
     return {
         "identical": identical,
         "curves_identical": identical,
         "max_abs_diff": max(before["max_abs_diff"], after["max_abs_diff"]),
-        "first_differing_step": after["first_differing_step"] or before["first_differing_step"],
+        "first_differing_step": min(firsts, default=None),
+        "first_differing_step_before_kill": before["first_differing_step"],
+        "first_differing_step_after_resume": after["first_differing_step"],
         "steps_compared": whole["steps_compared"],
         "steps_compared_after_resume": after["steps_compared"],
         "steps_redone": max(0, kill_step - resumed_from),
@@ -223,12 +232,31 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
     }
 
 
+def where_curves_differ(verdict: dict) -> str:
+    """Which segment differs first: before the kill (the runs diverged on their own) or after it."""
+    before = verdict.get("first_differing_step_before_kill")
+    after = verdict.get("first_differing_step_after_resume")
+    parts = []
+    if before is not None:
+        parts.append(
+            f"the killed run already differs from the reference at step {before}, before the kill "
+            "(run-to-run, not the resume)"
+        )
+    if after is not None:
+        parts.append(f"the resumed run differs from step {after}")
+    if verdict.get("missing_steps"):
+        parts.append(f"steps missing: {verdict['missing_steps']}")
+    return "; ".join(parts)
+
+
 def verdict_text(verdict: dict) -> str:
     """One sentence that says what was compared and how it came out."""
     curves = (
         f"per-step losses bitwise identical over {verdict['steps_compared']} steps"
         if verdict.get("curves_identical", verdict["identical"])
-        else f"per-step losses NOT identical (max |diff| {verdict['max_abs_diff']:.3g})"
+        else f"per-step losses NOT identical (max |diff| {verdict['max_abs_diff']:.3g}"
+        + (f": {where}" if (where := where_curves_differ(verdict)) else "")
+        + ")"
     )
     if "final_state_identical" not in verdict:
         return curves + " (final state not compared)"
@@ -263,8 +291,9 @@ def plot_overlay(
     labels: tuple[str, str, str] | None = None,
     marks: tuple[str, str] = ("checkpoint", "kill"),
 ) -> None:
-    """Two panels: the three curves overlaid (checkpoint and kill marked), and |resumed - reference|.
-    ``labels`` (reference, first segment, second segment) and ``marks`` rename them for other proofs."""
+    """Two panels: the three curves overlaid (checkpoint and kill marked) and
+    |resumed - reference|. ``labels`` (reference, first segment, second segment) and ``marks``
+    rename them for other proofs."""
     import matplotlib
 
     matplotlib.use("Agg")
