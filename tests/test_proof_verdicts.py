@@ -96,3 +96,48 @@ def test_judge_nan_is_a_difference(tmp_path, where):
         else ("first_differing_step_after_resume")
     )
     assert v["identical"] is False and v[key] == (4 if where == "killed" else 9)
+
+
+def _copy_run(trained_run, dst):
+    import shutil
+
+    shutil.copytree(trained_run, dst)
+    step_dir = max((dst / "checkpoints").iterdir(), key=lambda p: int(p.name))
+    return dst, step_dir
+
+
+def test_whole_state_verdict_names_an_edited_data_position(trained_run, tmp_path):
+    """Control of the data-position part: only the saved Grain position of the final checkpoint
+    is changed (one byte, manifest rewritten so the checkpoint still verifies); model and optimizer
+    state are untouched, so the position must be named as the first differing leaf."""
+    from tpulab.checkpoint.files import write_manifest
+    from tpulab.proofs.state import final_state_verdict
+
+    run, step_dir = _copy_run(trained_run, tmp_path / "run")
+    same = final_state_verdict(trained_run, run)
+    assert same["final_state_identical"] is True and same["data_position_files"] == 1
+    pos = step_dir / "data" / "process_0-of-1.json"
+    raw = pos.read_bytes()
+    i = raw.index(b"40")  # the position after 40 steps: {"next_index": 40}
+    pos.write_bytes(raw[: i + 1] + b"1" + raw[i + 2 :])  # 40 -> 41, one byte
+    write_manifest(step_dir, {"step": int(step_dir.name)})
+    v = final_state_verdict(trained_run, run)
+    assert v["final_state_identical"] is False
+    assert v["first_differing_leaf"] == "data position (Grain iterator state): process_0-of-1.json"
+
+
+@pytest.mark.parametrize("how", ["removed", "emptied"])
+def test_a_checkpoint_without_a_data_position_is_refused(trained_run, tmp_path, how):
+    """Two checkpoints without Grain state would hash to nothing on both sides and compare equal."""
+    from tpulab.checkpoint.files import write_manifest
+    from tpulab.errors import TpulabError
+    from tpulab.proofs.state import final_state_verdict
+
+    ref, ref_step = _copy_run(trained_run, tmp_path / "ref")
+    run, run_step = _copy_run(trained_run, tmp_path / "run")
+    for step_dir in (ref_step, run_step):  # both sides alike: the old verdict said identical
+        pos = step_dir / "data" / "process_0-of-1.json"
+        pos.unlink() if how == "removed" else pos.write_bytes(b"")
+        write_manifest(step_dir, {"step": int(step_dir.name)})
+    with pytest.raises(TpulabError, match=f"checkpoint {ref_step}.* Grain data position"):
+        final_state_verdict(ref, run)
