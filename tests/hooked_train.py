@@ -87,9 +87,14 @@ def main() -> int:
     p.add_argument("--nan-at", type=int)
     p.add_argument("--hold-after-step", type=int)
     p.add_argument("--hang-at", type=int)
+    p.add_argument("--cache-stats", type=Path)  # the proof driver's, as `tpulab train`
     p.add_argument("--stall-timeout", type=float)
     p.add_argument("--stall-exit", action="store_true")
     args = p.parse_args()
+    if args.cache_stats:
+        from tpulab.proofs.cache import record_cache_events
+
+        record_cache_events(args.cache_stats)
     hooks = []
     if args.withhold_commit:
         hooks.append(WithholdCommit(args.withhold_commit))

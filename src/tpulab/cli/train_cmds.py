@@ -25,7 +25,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def path_arg(value: str) -> Path | str:
-    """argparse type: ``Path(value)``, but an empty value stays ``""`` (``Path("")`` would mean ``.``)."""
+    """argparse type: ``Path(value)``, but an empty value stays ``""`` (``Path("")`` would mean
+    ``.``)."""
     return Path(value) if value else value
 
 
@@ -69,6 +70,11 @@ def cmd_train(args) -> int:
     from tpulab.train.distributed import initialize_from_env
     from tpulab.train.hooks import HoldAfter
     from tpulab.train.loop import train
+
+    if args.cache_stats:  # a proof's child: its compilation-cache hits and misses, from now on
+        from tpulab.proofs.cache import record_cache_events
+
+        record_cache_events(args.cache_stats)
 
     joined = initialize_from_env(
         args.init_timeout
@@ -124,7 +130,8 @@ def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
     g.add_argument(
         "--require-tracking",
         action="store_true",
-        help="fail before training when the tracking store cannot be opened (default: warn, train on)",
+        help="fail before training when the tracking store cannot be opened "
+        "(default: warn, train on)",
     )
     if not stall:
         return
@@ -138,12 +145,23 @@ def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
     g.add_argument(
         "--stall-exit",
         action="store_true",
-        help="on a stall, exit with code 75 after dumping stacks (so a supervisor restarts the run)",
+        help="on a stall, exit with code 75 after dumping stacks "
+        "(so a supervisor restarts the run)",
+    )
+
+
+def add_warm_resume_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--warm-resume-cache",
+        action="store_true",
+        help="let each resumed process share the compilation cache of the runs before it (faster); "
+        "by default it gets a fresh, empty one, as after a preemption onto a new machine",
     )
 
 
 def tracker_for(args, run_dir: Path, **kwargs):
-    """The MLflow tracker a command's flags ask for, or None. --require-tracking opens the store now."""
+    """The MLflow tracker a command's flags ask for, or None. --require-tracking opens the store
+    now."""
     if args.no_track:
         if args.require_tracking:
             from tpulab.errors import TpulabError
@@ -159,8 +177,9 @@ def tracker_for(args, run_dir: Path, **kwargs):
 
 
 def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
-    """The stall watchdog and plain progress lines. In a multi-process job a stall always ends the process
-    (exit 75), with a 300 s default: a peer stuck inside a collective never errors by itself."""
+    """The stall watchdog and plain progress lines. In a multi-process job a stall always ends the
+    process (exit 75), with a 300 s default: a peer stuck inside a collective never errors by
+    itself."""
     import jax
 
     from tpulab.tracking.progress import LogLines
@@ -195,9 +214,10 @@ def cmd_prove_resume(args) -> int:
         )
         ok = v["identical"] and v["teardown_ok"]
         print(
-            f"{'IDENTICAL' if v['identical'] else 'NOT IDENTICAL'}: process {v['event']['victim_process']} of "
-            f"{args.processes} got {v['signal']} after step {v['event']['last_logged_step']}; the job ended in "
-            f"{v['event']['job_end_s']:.1f}s with exit {v['event']['launcher_exit_code']} (expected "
+            f"{'IDENTICAL' if v['identical'] else 'NOT IDENTICAL'}: process "
+            f"{v['event']['victim_process']} of {args.processes} got {v['signal']} after step "
+            f"{v['event']['last_logged_step']}; the job ended in {v['event']['job_end_s']:.1f}s "
+            f"with exit {v['event']['launcher_exit_code']} (expected "
             f"{v['expected_exit_code']}); resumed from step {v['resumed_from_step']}; curves "
             f"{'bitwise identical' if v['curves_identical'] else 'differ'}, final state "
             f"{'bitwise identical' if v['final_state_identical'] else 'differs'} -> "
@@ -213,10 +233,12 @@ def cmd_prove_resume(args) -> int:
         kill_at=args.kill_at,
         skip_restore=tuple(args.skip_restore),
         compile_cache=args.compile_cache,
+        warm_resume_cache=args.warm_resume_cache,
     )
     print(
-        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; killed (SIGKILL) "
-        f"after step {verdict['kill_step']}, resumed from step {verdict['resumed_from_step']} -> "
+        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; "
+        f"killed (SIGKILL) after step {verdict['kill_step']}, resumed from step "
+        f"{verdict['resumed_from_step']} -> "
         f"{run_dir / 'proof'}"
     )
     return 0 if verdict["identical"] else 1
@@ -228,11 +250,17 @@ def cmd_chaos(args) -> int:
     from tpulab.proofs.chaos import run_chaos
 
     verdict = run_chaos(
-        config, run_dir, kills=args.kills, seed=args.seed, compile_cache=args.compile_cache
+        config,
+        run_dir,
+        kills=args.kills,
+        seed=args.seed,
+        compile_cache=args.compile_cache,
+        warm_resume_cache=args.warm_resume_cache,
     )
     print(
-        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random SIGKILLs "
-        f"({verdict['kills_during_save']} while a save was in flight), {verdict['segments']} process lifetimes; "
+        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random "
+        f"SIGKILLs ({verdict['kills_during_save']} while a save was in flight), "
+        f"{verdict['segments']} process lifetimes; "
         f"{verdict['summary']} -> {run_dir / 'chaos'}"
     )
     return 0 if verdict["identical"] else 1
@@ -273,7 +301,8 @@ def cmd_capstone(args) -> int:
         g = goodput(proof_run)
         print(
             f"goodput of the resume proof's killed-and-resumed run: {100 * g['goodput']:.1f}% of "
-            f"{g['total_s']:.1f} s over {len(g['lifetimes'])} process lifetimes ({g['restart_s']:.1f} s lost to "
+            f"{g['total_s']:.1f} s over {len(g['lifetimes'])} process lifetimes "
+            f"({g['restart_s']:.1f} s lost to "
             f"the restart; details in the report)"
         )
     return 0
@@ -296,6 +325,7 @@ def register(sub) -> None:
     p.add_argument(
         "--hold-after-step", type=int, help=argparse.SUPPRESS
     )  # the proof driver's fixed kill point
+    p.add_argument("--cache-stats", type=Path, help=argparse.SUPPRESS)  # the proof driver's
     add_tracking_args(p)
     p.add_argument(
         "--init-timeout",
@@ -335,6 +365,7 @@ def register(sub) -> None:
     p.add_argument(
         "--stall-timeout", type=float, default=10.0, help="with --processes: watchdog timeout (s)"
     )
+    add_warm_resume_cache_arg(p)
     p.set_defaults(handler=cmd_prove_resume)
 
     p = sub.add_parser(
@@ -346,6 +377,7 @@ def register(sub) -> None:
         "--kills", type=int, default=5, help="random SIGKILLs before the run may finish (default 5)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    add_warm_resume_cache_arg(p)
     p.set_defaults(handler=cmd_chaos)
 
     p = sub.add_parser(

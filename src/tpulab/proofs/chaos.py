@@ -13,7 +13,9 @@ do not count).
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from tpulab.checkpoint.files import MANIFEST, atomic_write_json
 from tpulab.checkpoint.store import TMP_MARK, scan
 from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
+from tpulab.proofs import cache
 from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
 from tpulab.proofs.state import final_state_verdict
 from tpulab.proofs.transformer import train_child_argv, write_child_config
@@ -59,8 +62,13 @@ def run_chaos(
     seed: int = 0,
     compile_cache: Path | None = None,
     timeout_s: float = 900,
+    warm_resume_cache: bool = False,
 ) -> dict:
-    """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict."""
+    """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict.
+
+    The reference and the first victim lifetime use ``compile_cache`` (or the default); every later
+    lifetime is a resume and gets a fresh, empty compilation cache, unless ``warm_resume_cache``.
+    Each process's cache hits and misses are recorded (``proofs.cache``)."""
     if kills < 1:
         raise TpulabError(f"--kills {kills} must be at least 1")
     chaos_dir = Path(out_dir) / "chaos"
@@ -68,13 +76,26 @@ def run_chaos(
         raise TpulabError(f"{chaos_dir} already holds a chaos run; use a fresh --run-dir")
     steps = config.train.steps
     config_path = write_child_config(config, chaos_dir / "config.yaml")
-    argv = lambda d: train_child_argv(config_path, d, compile_cache=compile_cache)  # noqa: E731
-    env = None
+    stats_dir = chaos_dir / "compile-cache"
+    stats_dir.mkdir()
+
+    def argv(run_dir: Path, role: str) -> list[str]:
+        return [
+            *train_child_argv(config_path, run_dir),
+            cache.FLAG,
+            str(stats_dir / f"{role}.json"),
+        ]
+
+    env = {**os.environ, **(cache.cache_env(compile_cache) if compile_cache else {})}
+    processes: dict[str, dict] = {}
 
     reference, victim = chaos_dir / "reference", chaos_dir / "victim"
     t0 = time.monotonic()
-    run_to_completion(argv(reference), chaos_dir / "reference.log", env, timeout_s, "reference run")
+    run_to_completion(
+        argv(reference, "reference"), chaos_dir / "reference.log", env, timeout_s, "reference run"
+    )
     t_ref = time.monotonic() - t0
+    processes["reference"] = cache.read_stats(stats_dir / "reference.json")
     walls = [r["wall_s"] for r in M.read_records(reference) if "loss" in r]
     step_s = max(1e-3, (walls[-1] - walls[0]) / max(1, len(walls) - 1)) if len(walls) > 1 else 0.05
 
@@ -90,7 +111,11 @@ def run_chaos(
         saves_before = saves_in_flight(victim / "checkpoints")  # leftovers of earlier lifetimes
         # a kill landed after the final save
         finished = (scan(victim / "checkpoints").latest or 0) >= steps
-        with Proc(argv(victim), log_path, env) as proc:
+        role = f"lifetime-{lifetime}"
+        cold = lifetime > 0 and not warm_resume_cache  # every lifetime after a kill is a resume
+        fresh = cache.fresh_cache(stats_dir, role) if cold else None
+        lifetime_env = {**env, **cache.cache_env(fresh)} if fresh else env
+        with Proc(argv(victim, role), log_path, lifetime_env) as proc:
             if lifetime < kills and not finished:
                 # Wall-clock moments are drawn within the start-up a victim lifetime was *seen* to
                 # take (the reference's, with a cold compile cache or a loaded machine, can exceed
@@ -105,6 +130,7 @@ def run_chaos(
                         f"drawn kill moment ({plan}): {proc.tail(1)} (log: {log_path})"
                     )
                 proc.kill(signal.SIGKILL)
+                processes[role] = _lifetime_cache(stats_dir / f"{role}.json", fresh, lifetime)
                 if "first_step_s" in plan:
                     observed_startup.append(plan.pop("first_step_s"))
                 logged = M.curve(M.read_records(victim)[n_before:])
@@ -115,6 +141,7 @@ def run_chaos(
                         "in_flight": saves_started_since(saves_before, victim / "checkpoints"),
                         "leftovers": sorted(saves_before),
                         "last_logged_step": max(logged) if logged else None,
+                        "compile_cache": processes[role],
                     }
                 )  # by this lifetime
                 continue
@@ -128,6 +155,7 @@ def run_chaos(
                 raise TpulabError(
                     f"victim process {lifetime} exited with {rc}: {proc.tail(1)} (log: {log_path})"
                 )
+            processes[role] = _lifetime_cache(stats_dir / f"{role}.json", fresh, lifetime)
             break
     t_victim = time.monotonic() - t_victim
 
@@ -143,11 +171,25 @@ def run_chaos(
         signal="SIGKILL",
         steps=steps,
         timings={"reference_s": round(t_ref, 2), "victim_s": round(t_victim, 2)},
+        compile_cache={
+            "resumed_cache": "warm (one shared cache)"
+            if warm_resume_cache
+            else "cold (fresh, empty) for every lifetime after a kill",
+            "processes": processes,
+        },
         summary=_summary(verdict),
     )
     atomic_write_json(chaos_dir / "verdict.json", verdict)
     plot_segments(reference, victim, verdict, chaos_dir / "segments.png")
     return verdict
+
+
+def _lifetime_cache(stats: Path, fresh: Path | None, lifetime: int) -> dict:
+    """A lifetime's cache counts; its fresh cache dir (if any) is removed once counted."""
+    out = cache.read_stats(stats, fresh, cold=fresh is not None if lifetime else None)
+    if fresh is not None:
+        shutil.rmtree(fresh)
+    return out
 
 
 def _draw_moment(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
+from tpulab.proofs import cache
 
 HOLD_FLAG = "--hold-after-step"  # every trainer the driver starts accepts it (hidden from --help)
 
@@ -132,6 +134,7 @@ def prove_resume(
     title: str = "kill/resume proof",
     extra: dict | None = None,
     compare_state: Callable[[Path, Path], dict] | None = None,
+    warm_resume_cache: bool = False,
 ) -> dict:
     """Run the whole proof and write proof_dir/verdict.json and proof_dir/overlay.png.
 
@@ -140,7 +143,9 @@ def prove_resume(
     uninterrupted run that already finished (the capstone's main run) instead of training one.
     ``compare_state(reference_dir, run_dir)`` adds the whole-state verdict
     (``final_state_identical``); then ``identical`` needs both the curves and the final state to
-    match.
+    match. The reference and killed runs use the cache ``env`` names (or the default); the resumed
+    process gets a fresh, empty compilation cache, as on a new machine, unless ``warm_resume_cache``
+    (then it shares theirs). Every child records its cache hits and misses (``proofs.cache``).
     """
     proof_dir = Path(proof_dir)
     if not 0 < kill_at < steps:
@@ -148,6 +153,14 @@ def prove_resume(
     proof_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **(env or {})}
     timings = {}
+    stats_dir = proof_dir / "compile-cache"
+    stats_dir.mkdir(exist_ok=True)
+    counted = lambda argv, role: [*argv, cache.FLAG, str(stats_dir / f"{role}.json")]  # noqa: E731
+    if warm_resume_cache:
+        resume_cache, resume_env = None, env
+    else:
+        resume_cache = cache.fresh_cache(stats_dir, "resumed")
+        resume_env = {**env, **cache.cache_env(resume_cache)}
 
     if reference_dir is None:
         reference_dir = proof_dir / "reference"
@@ -156,7 +169,11 @@ def prove_resume(
         reference_dir.mkdir(parents=True)
         t0 = time.monotonic()
         run_to_completion(
-            command(reference_dir), proof_dir / "reference.log", env, timeout_s, "reference run"
+            counted(command(reference_dir), "reference"),
+            proof_dir / "reference.log",
+            env,
+            timeout_s,
+            "reference run",
         )
         timings["reference_s"] = time.monotonic() - t0
     reference_dir = Path(reference_dir)
@@ -167,13 +184,39 @@ def prove_resume(
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     kill_step = run_and_kill(
-        command(run_dir), run_dir, proof_dir / "killed.log", env, kill_at, timeout_s
+        counted(command(run_dir), "killed"),
+        run_dir,
+        proof_dir / "killed.log",
+        env,
+        kill_at,
+        timeout_s,
     )
     at_kill = checkpoint_listing(run_dir)
     timings["killed_run_s"] = time.monotonic() - t0
     t0 = time.monotonic()
-    run_to_completion(command(run_dir), proof_dir / "resumed.log", env, timeout_s, "resumed run")
+    run_to_completion(
+        counted(command(run_dir), "resumed"),
+        proof_dir / "resumed.log",
+        resume_env,
+        timeout_s,
+        "resumed run",
+    )
     timings["resumed_run_s"] = time.monotonic() - t0
+    caches = {
+        "resumed_cache": "warm (shared with the reference and killed runs)"
+        if warm_resume_cache
+        else "cold (fresh, empty)",
+        "processes": {
+            role: cache.read_stats(stats_dir / f"{role}.json")
+            for role in ("reference", "killed")
+            if (stats_dir / f"{role}.json").exists()
+        },
+    }
+    caches["processes"]["resumed"] = cache.read_stats(
+        stats_dir / "resumed.json", resume_cache, cold=not warm_resume_cache
+    )
+    if resume_cache is not None:
+        shutil.rmtree(resume_cache)  # a cache, not evidence: its entry count is recorded
 
     verdict = judge(reference_dir, run_dir, steps=steps, kill_step=kill_step)
     if compare_state is not None:
@@ -181,6 +224,7 @@ def prove_resume(
         verdict["identical"] = verdict["curves_identical"] and verdict["final_state_identical"]
     verdict.update(
         timings=timings,
+        compile_cache=caches,
         reference_dir=str(reference_dir),
         run_dir=str(run_dir),
         checkpoints_at_kill=at_kill,
