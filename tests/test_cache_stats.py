@@ -1,5 +1,6 @@
 """The proofs' record of compilation-cache hits and misses reads JAX's own events in a real child:
-a fresh cache shows misses and no hit, the same cache the second time shows hits."""
+a fresh cache shows misses and no hit (and was empty at the first lookup), the same cache the second
+time shows hits."""
 
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ def test_a_fresh_cache_misses_and_the_same_cache_then_hits(tmp_path):
     assert cache_entries(cache_dir) == 0
     cold = _child(tmp_path / "cold.json", cache_dir)
     assert cold["hits"] == 0 and cold["misses"] > 0 and cold["requests"] >= cold["misses"]
+    assert cold["entries_at_first_lookup"] == 0
     assert cold["cache_dir"] == str(cache_dir) and cache_entries(cache_dir) == cold["misses"]
     warm = _child(tmp_path / "warm.json", cache_dir)  # the control: the same dir again
     assert warm["hits"] > 0 and warm["misses"] == 0
+    assert warm["entries_at_first_lookup"] == cold["misses"]
     assert read_stats(tmp_path / "cold.json", cache_dir, cold=True)["cold_confirmed"] is True
     assert read_stats(tmp_path / "warm.json", cache_dir, cold=True)["cold_confirmed"] is False
 

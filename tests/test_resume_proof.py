@@ -46,6 +46,7 @@ def test_prove_resume_is_bitwise_identical(tmp_path):
     resumed = caches["processes"]["resumed"]
     assert caches["resumed_cache"].startswith("cold") and resumed["cold"] is True
     assert resumed["hits"] == 0 and resumed["misses"] > 0 and resumed["cold_confirmed"] is True
+    assert resumed["entries_at_first_lookup"] == 0
     assert resumed["entries_after"] == resumed["misses"]
     assert caches["processes"]["killed"]["requests"] > 0
     assert resumed["cache_dir"] != caches["processes"]["killed"]["cache_dir"]
@@ -86,6 +87,7 @@ def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
     # the warm path (control of the cold one): the resumed process loaded the killed run's programs
     resumed = verdict["compile_cache"]["processes"]["resumed"]
     assert resumed["hits"] > 0 and resumed["cold"] is False and "cold_confirmed" not in resumed
+    assert resumed["entries_at_first_lookup"] > 0
     assert verdict["final_state_identical"] is False and verdict["identical"] is False
     assert "rng" in verdict["first_differing_leaf"]
 
