@@ -1,11 +1,12 @@
 """`tpulab bridge prove-resume`: the shared kill/resume proof (tpulab.proofs.driver) on a bridge
-trainer."""
+trainer, with the whole final state compared bitwise (``checkpoint.final_state_verdict``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+from tpulab.bridge import checkpoint as C
 from tpulab.bridge.config import BridgeConfig, check_backend_method, cli_flag
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
@@ -70,6 +71,7 @@ def prove(
         timeout_s=timeout_s,
         env=env,
         title=f"bridge {label}",
+        compare_state=C.final_state_verdict,
         extra={
             "backend": backend,
             "method": method,
