@@ -1,14 +1,15 @@
 """The kill/resume proof, shared by both capstones.
 
 A reference run trains N steps in its own process. A second run with the same config is started
-in a subprocess, held right after step K (its trainer's hidden ``--hold-after-step K`` flag installs
-the ``HoldAfter`` hook, so the kill lands between checkpoints at a known step) and killed with
-SIGKILL: no handler runs, nothing is flushed or saved. A fresh process then resumes from the newest
-valid checkpoint and trains to N. The per-step losses of both segments are compared with the
-reference exactly (``==`` on the float32 values), and the overlay is plotted. Trainers only need to
-(1) log per-step ``loss`` to metrics.jsonl through ``MetricsLog`` with ``resumed_from`` in its start
-record and (2) accept ``--hold-after-step``. ``tpulab chaos`` (proofs.chaos) kills at random moments
-instead, with no hold.
+in a subprocess, held right after step K (its trainer's hidden ``--hold-after-step K`` flag
+installs the ``HoldAfter`` hook, so the kill lands between checkpoints at a known step) and killed
+with SIGKILL: no handler runs, nothing is flushed or saved. A fresh process, with a fresh, empty
+compilation cache (``proofs.cache``), then resumes from the newest valid checkpoint and trains to N.
+The per-step losses of each segment are compared with the reference exactly (``==`` on the float32
+values), each on its own, and the overlay is plotted. Trainers only need to (1) log per-step
+``loss`` to metrics.jsonl through ``MetricsLog`` with ``resumed_from`` in its start record and (2)
+accept ``--hold-after-step`` and ``--cache-stats``. ``tpulab chaos`` (proofs.chaos) kills at random
+moments instead, with no hold.
 """
 
 from __future__ import annotations
