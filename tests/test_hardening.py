@@ -1,5 +1,6 @@
 """Hardening of the spine: non-finite states never saved, refusals change nothing, strict markers,
-temporary dirs of killed saves, fail-fast proofs, disk full, shapes that do not fit, SIGTERM at the end."""
+temporary dirs of killed saves, fail-fast proofs, disk full, shapes that do not fit, SIGTERM at the
+end."""
 
 import hashlib
 import json
@@ -27,7 +28,7 @@ from tpulab.train.restore import load_model
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    """Every file and dir under root with a content hash: 'nothing changed on disk' made checkable."""
+    """Every file and dir under root with a content hash: 'nothing changed on disk', checkable."""
     out = {}
     for p in sorted(root.rglob("*")):
         rel = str(p.relative_to(root))
@@ -43,7 +44,7 @@ def _copy(trained_run, tmp_path) -> Path:
 
 def test_a_nan_at_a_save_step_is_never_committed_and_the_named_checkpoint_resumes(tmp_path):
     run = tmp_path / "run"
-    # step 30 is a save step (save_every 10) and not an eval step (eval_every 20): the old bug's window
+    # step 30 is a save step (save_every 10), not an eval step (eval_every 20): the old bug's window
     with pytest.raises(
         TpulabError, match=r"loss is nan at step 30; last good checkpoint: step 20 in"
     ) as info:
@@ -193,8 +194,9 @@ def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tm
         pytest.fail(f"cannot mount a tmpfs as root: {mounted.stderr.decode().strip()}")
     try:
         run = mnt / "run"  # room for two checkpoints (~0.5 MB each) and the logs, not a third
-        # --no-track: an MLflow store on the same small disk would take a varying share of it (the tracker's own
-        # behaviour on a store it cannot write, one warning line, is tested in test_tracking)
+        # --no-track: an MLflow store on the same small disk would take a varying share of it (the
+        # tracker's own behaviour on a store it cannot write, one warning line, is tested in
+        # test_tracking)
         result = run_cli(
             "train",
             "--run-dir",
@@ -211,7 +213,7 @@ def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tm
         assert result.returncode == 4, result.stderr
         errors = re.findall(r"error: [^\n]*", result.stderr)
         assert len(errors) == 1 and "No space left on device" in errors[0], result.stderr
-        # nothing else: no Orbax/tensorstore tracebacks (Orbax's closed-loop echoes are dropped by the store)
+        # nothing else: no Orbax/tensorstore tracebacks (the store drops Orbax's closed-loop echoes)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert (
             "last valid checkpoint: step 20" in errors[0]
@@ -229,8 +231,9 @@ def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tm
 
 
 def test_only_closed_loop_echoes_of_a_failed_save_are_dropped(monkeypatch):
-    """The store drops the unraisable tracebacks a failed Orbax save leaves behind (writes completing after their
-    event loop closed) and nothing else: the same error raised anywhere but call_soon_threadsafe still prints."""
+    """The store drops the unraisable tracebacks a failed Orbax save leaves behind (writes
+    completing after their event loop closed) and nothing else: the same error raised anywhere but
+    call_soon_threadsafe still prints."""
     import asyncio
     import gc
 
@@ -241,7 +244,7 @@ def test_only_closed_loop_echoes_of_a_failed_save_are_dropped(monkeypatch):
     loop = asyncio.new_event_loop()
     loop.close()
 
-    class Echo:  # a late write's callback posting to the closed loop, from outside any Python caller
+    class Echo:  # a late write's callback posting to the closed loop, outside any Python caller
         def __del__(self):
             loop.call_soon_threadsafe(print)
 
@@ -263,7 +266,8 @@ def test_only_closed_loop_echoes_of_a_failed_save_are_dropped(monkeypatch):
 
 
 def test_a_sigterm_during_shutdown_of_a_finished_run_still_exits_0(tmp_path):
-    """SIGTERMs are sent every few ms from the moment the run logs its end until the process is gone."""
+    """SIGTERMs are sent every few ms from the moment the run logs its end until the process is
+    gone."""
     run = tmp_path / "run"
     argv = [
         sys.executable,
@@ -321,12 +325,19 @@ def test_chaos_five_random_kills_end_identical(tmp_path):
     )
     assert v["segments"] == 6 and len(v["kill_log"]) == 5 and v["signal"] == "SIGKILL"
     assert v["steps_compared"] >= 60 and not v["missing_steps"]
+    # every lifetime after a kill is a resume and compiled from a fresh, empty cache (JAX's events)
+    caches = v["compile_cache"]["processes"]
+    assert set(caches) == {"reference", *(f"lifetime-{i}" for i in range(6))}
+    resumed = [caches[f"lifetime-{i}"] for i in range(1, 6)]
+    assert all(c["cold"] is True and c["hits"] in (0, None) for c in resumed), resumed
+    assert any(c.get("cold_confirmed") for c in resumed), resumed  # None: killed before it recorded
     assert (tmp_path / "chaos" / "segments.png").stat().st_size > 10_000
     assert not list((tmp_path / "chaos" / "victim" / "checkpoints").glob("*orbax-checkpoint-tmp*"))
 
 
 def test_chaos_judge_fails_on_a_tampered_lifetime(tmp_path):
-    """Negative control of the chaos curve verdict: one logged loss of one lifetime changed by one ulp."""
+    """Negative control of the chaos curve verdict: one logged loss of one lifetime changed by one
+    ulp."""
     from tpulab.proofs.chaos import judge_segments
 
     ref, vic = tmp_path / "ref", tmp_path / "vic"
