@@ -68,8 +68,8 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
             and all({"path", "shape", "dtype"} <= set(x) for x in a["inputs"])
         )
     assert m["weights"]["passed_as"] == "arguments"
+    from tpulab.inference.artifact_format import tensor_sha256
     from tpulab.inference.decode import ModelFns
-    from tpulab.inference.export import tensor_sha256
 
     params = ModelFns(restored.model).params
     assert set(m["weights"]["tensors"]) == set(params)
@@ -80,8 +80,8 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
 
 
 def test_exported_engine_generates_like_the_jitted_model(artifacts, trained_run):
+    from tpulab.inference.artifacts import open_artifacts
     from tpulab.inference.decode import Decoder
-    from tpulab.inference.export import open_artifacts
     from tpulab.inference.generate import SamplingConfig, generate_ids
     from tpulab.train.restore import load_model
 
@@ -99,7 +99,7 @@ def test_exported_engine_generates_like_the_jitted_model(artifacts, trained_run)
 
 
 def test_wrong_input_shape_or_dtype_is_rejected(artifacts):
-    from tpulab.inference.export import open_artifacts
+    from tpulab.inference.artifacts import open_artifacts
 
     engine = open_artifacts(artifacts).engine("fp32")
     s = engine.max_len
@@ -195,8 +195,9 @@ def _rehash(art, *files):
 
 
 def _forge_weights(art, rehash_tensor=True):
-    """Change one weight tensor slightly, keep its checkpoint digest, rehash the manifest to match."""
-    from tpulab.inference.export import tensor_sha256
+    """Change one weight tensor slightly, keep its checkpoint digest, rehash the manifest to
+    match."""
+    from tpulab.inference.artifact_format import tensor_sha256
 
     with np.load(art / "weights.npz") as z:
         params = {k: z[k] for k in z.files}
@@ -213,7 +214,8 @@ def _forge_weights(art, rehash_tensor=True):
 
 
 def _forge_record(art):
-    """Rewrite verification.json to match whatever the directory now holds (what an attacker can do)."""
+    """Rewrite verification.json to match whatever the directory now holds (what an attacker can
+    do)."""
     from tpulab.checkpoint.files import sha256_file
 
     rec = json.loads((art / "verification.json").read_text())
@@ -229,7 +231,7 @@ def _forge_record(art):
 @pytest.fixture(scope="module")
 def verified(artifacts, tmp_path_factory):
     """A copy of the artifacts verified in-process, the record signed with a key."""
-    from tpulab.inference.export import verify_export
+    from tpulab.inference.trust import verify_export
 
     dst = tmp_path_factory.mktemp("verified") / "art"
     shutil.copytree(artifacts, dst)
@@ -327,7 +329,8 @@ def test_generate_loads_only_verified_artifacts(art_copy, verified_copy, capsys)
 
 
 def test_forged_weights_with_forged_record(verified_copy, trained_run, capsys, tmp_path):
-    """The threat model: without a key a rewritten record is accepted; the key or the checkpoint refuse it."""
+    """The threat model: without a key a rewritten record is accepted; the key or the checkpoint
+    refuse it."""
     art, key = verified_copy
     name = _forge_weights(art)
     rc, _, err = _generate(capsys, art)  # the record no longer matches the manifest
@@ -364,7 +367,7 @@ def test_forged_weights_with_forged_record(verified_copy, trained_run, capsys, t
 
 
 def test_run_dir_reverification_and_model_identity(verified_copy, trained_run):
-    from tpulab.inference.export import load_verified
+    from tpulab.inference.trust import load_verified
 
     art, key = verified_copy
     (art / "verification.json").unlink()  # not needed when the checkpoint itself is the reference

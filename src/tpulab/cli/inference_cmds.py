@@ -36,7 +36,8 @@ def _kvcache(args) -> int:
 
 
 def _export(args) -> int:
-    from tpulab.inference.export import MANIFEST, export_artifacts
+    from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
+    from tpulab.inference.export import export_artifacts
     from tpulab.train.restore import load_model
 
     manifest = export_artifacts(
@@ -44,12 +45,14 @@ def _export(args) -> int:
     )
     for a in manifest["artifacts"]:
         print(f"{a['file']}  {a['sha256'][:16]}  platforms={','.join(a['platforms'])}")
-    print(f"wrote {args.out / MANIFEST} (checkpoint step {manifest['source']['checkpoint_step']})")
+    step = manifest["source"]["checkpoint_step"]
+    print(f"wrote {args.out / ARTIFACT_MANIFEST} (checkpoint step {step})")
     return 0
 
 
 def _verify(args) -> int:
-    from tpulab.inference.export import read_key, verification_table, verify_export
+    from tpulab.inference.checkpoint_match import verification_table
+    from tpulab.inference.trust import read_key, verify_export
 
     result = verify_export(args.artifacts, args.run_dir, read_key(args.key_file))
     print(verification_table(result))
@@ -69,7 +72,7 @@ def _generate(args) -> int:
         max_new=args.max_new, temperature=args.temperature, top_k=args.top_k, seed=args.seed
     )
     if args.artifacts is not None:
-        from tpulab.inference.export import load_verified, read_key
+        from tpulab.inference.trust import load_verified, read_key
 
         art = load_verified(args.artifacts, args.run_dir, read_key(args.key_file))
         print(f"artifacts {art.root}: verified ({art.verification['mode']})", file=sys.stderr)
