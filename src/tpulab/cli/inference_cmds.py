@@ -59,7 +59,11 @@ def _verify(args) -> int:
     if not result["passed"]:
         failed = [r["artifact"] for r in result["rows"] if not r["passed"]]
         raise TpulabError(f"verification failed for {', '.join(failed)}", exit_code=1)
-    print(f"all {len(result['rows'])} endpoints match checkpoint step {result['checkpoint_step']}")
+    src = result["checkpoint_source"]
+    print(
+        f"all {len(result['rows'])} endpoints match checkpoint step {result['checkpoint_step']} "
+        f"of {src['run_dir']} (run dir given by the {src['given_by']})"
+    )
     return 0
 
 
@@ -159,7 +163,8 @@ def register(sub) -> None:
         "--run-dir",
         type=path_arg,
         default=None,
-        help="where the checkpoint lives (default: the run dir recorded in the manifest)",
+        help="the checkpoint to check against (default: the run dir the manifest names); "
+        "required with --key-file",
     )
     p.add_argument(
         "--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key"

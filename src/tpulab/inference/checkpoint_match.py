@@ -105,16 +105,15 @@ def _loop_compare(art: ArtifactSet, fns: ModelFns, policy: str) -> dict:
     }
 
 
-def check_against_checkpoint(
-    art: ArtifactSet, run_dir: str | Path | None
-) -> tuple[list[dict], Restored]:
-    """Restore the checkpoint the manifest names (its manifest verified), compare weights bitwise
-    and every endpoint's outputs. Pairing problems raise; numeric mismatches are failed rows."""
+def check_against_checkpoint(art: ArtifactSet, run_dir: str | Path) -> tuple[list[dict], Restored]:
+    """Restore the manifest's checkpoint step from ``run_dir`` (its manifest verified; its digest
+    must be the one the artifacts were exported from), compare weights bitwise and every
+    endpoint's outputs. Pairing problems raise; numeric mismatches are failed rows."""
     from tpulab.inference.generate import prompt_ids
     from tpulab.train.restore import load_model
 
     src = art.manifest["source"]
-    restored = load_model(run_dir or src["run_dir"], src["checkpoint_step"])
+    restored = load_model(run_dir, src["checkpoint_step"])
     if restored.checkpoint_digest != src["checkpoint_manifest_sha256"]:
         refuse(
             art.root,

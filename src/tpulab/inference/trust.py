@@ -4,8 +4,11 @@ what ``serve`` and ``generate`` load.
 ``verify_export`` opens the set (``artifacts.open_artifacts``: hashes, platform, shapes, pairing),
 restores the checkpoint (verified by its own manifest) and compares weights and outputs with it
 (``checkpoint_match``); it writes ``verification.json`` listing the sha256 of every file it
-checked (HMAC-signed when given a key). ``load_verified`` is what ``serve`` and ``generate`` call:
-the set re-checked against a checkpoint, or matched against a passing record.
+checked and where the checkpoint came from: the run dir, and whether the user named it or it was
+read from the set's own manifest. Signing (an HMAC with a key) needs a run dir the user named: the
+manifest's was written by whoever wrote the artifacts, and a forged set checked against its own
+forged checkpoint passes every comparison. ``load_verified`` is what ``serve`` and ``generate``
+call: the set re-checked against a checkpoint, or matched against a passing record.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from tpulab.errors import TpulabError
 from tpulab.inference.artifact_format import VERIFICATION, current_platform, jax_versions, refuse
 from tpulab.inference.artifacts import ArtifactSet, open_artifacts
 from tpulab.inference.checkpoint_match import check_against_checkpoint
+
+# Where the checkpoint a record was checked against came from (``checkpoint_source.given_by``).
+USER = "user"  # --run-dir: the verifier named it
+MANIFEST_RUN_DIR = "artifact manifest"  # read from the set itself: not independent of it
 
 
 def read_key(key_file: str | Path | None) -> bytes | None:
@@ -50,20 +57,35 @@ def _sign(record: dict, key: bytes) -> str:
 def verify_export(
     root: str | Path, run_dir: str | Path | None = None, key: bytes | None = None
 ) -> dict:
-    """Open (hash/platform/shape/pairing checks), restore the checkpoint, compare weights bitwise
-    and every endpoint's outputs.
+    """Open (hash/platform/shape/pairing checks), restore the checkpoint from ``run_dir`` (default:
+    the run dir the manifest names), compare weights bitwise and every endpoint's outputs.
 
     Returns ``{"rows": [...], "passed": bool, ...}`` and records it in ``root/verification.json``
-    with the sha256 of every file checked (and an HMAC over the record when given ``key``).
+    with the sha256 of every file checked, the checkpoint's source (``checkpoint_source``), and an
+    HMAC over the record when given ``key``, which needs ``run_dir``: refused before anything is
+    read or written otherwise.
     """
+    if key is not None and run_dir is None:
+        refuse(
+            Path(root),
+            "signing needs --run-dir (the checkpoint you trust): the run dir the manifest names "
+            "was chosen by whoever wrote the artifacts",
+        )
     art = open_artifacts(root)
-    rows, restored = check_against_checkpoint(art, run_dir)
+    given_by = USER if run_dir is not None else MANIFEST_RUN_DIR
+    source_dir = Path(run_dir if run_dir is not None else art.manifest["source"]["run_dir"])
+    rows, restored = check_against_checkpoint(art, source_dir)
     result = {
         "manifest_sha256": art.manifest_sha256,
         "files_sha256": art.file_sha256,
         "platform": current_platform(),
         "checkpoint_step": restored.step,
         "checkpoint_manifest_sha256": restored.checkpoint_digest,
+        "checkpoint_source": {
+            "run_dir": str(source_dir.resolve()),
+            "given_by": given_by,
+            "checkpoint_dir": str(Path(restored.checkpoint_dir).resolve()),
+        },
         "weights_compared": "bitwise, every tensor",
         "passed": all(r["passed"] for r in rows),
         "rows": rows,
@@ -104,6 +126,14 @@ def require_verified(art: ArtifactSet, key: bytes | None = None) -> dict:
                 art.root,
                 f"{VERIFICATION} signature does not match the key "
                 "(forged or signed with another key)",
+            )
+        source = record.get("checkpoint_source")
+        if not isinstance(source, dict) or source.get("given_by") != USER:
+            # Signed before signing needed --run-dir: it may vouch for a forged checkpoint.
+            refuse(
+                art.root,
+                f"{VERIFICATION} was signed without a run dir named by the verifier (re-sign: "
+                f"tpulab verify-export {art.root} --run-dir RUN --key-file KEY)",
             )
     if record.get("manifest_sha256") != art.manifest_sha256:
         refuse(
@@ -162,5 +192,6 @@ def load_verified(
             "files_rehashed": len(art.file_sha256),
             "signed": "hmac_sha256" in record,
             "signature_checked": key is not None,
+            "checkpoint_source": record.get("checkpoint_source"),
         }
     return art
