@@ -2,8 +2,10 @@
 temporary dirs of killed saves, fail-fast proofs, disk full, shapes that do not fit, SIGTERM at the
 end."""
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -228,6 +230,104 @@ def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tm
     assert load_model(tmp_path / "moved").step == last  # the named checkpoint stayed valid
     summary = train(tiny_config(), tmp_path / "moved", progress=False)
     assert summary["resumed_from"] == last and summary["final_step"] == 40
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, size: str):
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs as root: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _orbax_error(logger, message: str, exc: BaseException | None = None):
+    """An ERROR record as Orbax's own modules log it (its source path inside the orbax package)."""
+    import orbax.checkpoint as ocp
+
+    info = (type(exc), exc, None) if exc is not None else None
+    record = logger.makeRecord(logger.name, logging.ERROR, ocp.__file__, 1, message, (), info)
+    logger.handle(record)
+    return record
+
+
+def _says_disk_full(record) -> bool:
+    texts, e = [record.getMessage()], record.exc_info[1] if record.exc_info else None
+    while e is not None:
+        texts.append(str(e))
+        e = e.__cause__ or e.__context__
+    return any("No space left on device" in t for t in texts)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+@pytest.mark.parametrize("async_save", [True, False])
+def test_only_orbax_echoes_of_the_reported_failure_are_dropped_and_counted(tmp_path, async_save):
+    """Issue 19 item 16: Orbax's ERROR records of the save failure the store reports in one line are
+    dropped and counted in that line; any other Orbax ERROR record reaches the log."""
+    import grain
+
+    from tpulab.checkpoint.store import CheckpointStore
+    from tpulab.errors import CheckpointError
+
+    absl = logging.getLogger("absl")
+    logged, reached = [], []
+
+    class Tap(logging.Filter):  # added before the store's filter: what Orbax logged
+        def filter(self, record):
+            if record.levelno >= logging.ERROR and not hasattr(record, "_tpulab_released"):
+                logged.append(record)
+            return True
+
+    class Sink(logging.Handler):  # what reached the log
+        def emit(self, record):
+            reached.append(record)
+
+    tap, sink = Tap(), Sink()
+    absl.addFilter(tap)
+    absl.addHandler(sink)
+    data = iter(grain.MapDataset.range(8).to_iter_dataset())
+    store = None
+    try:
+        with _small_disk(tmp_path / "small", "600k") as disk:
+            store = CheckpointStore(disk / "ckpt", keep=3, async_save=async_save)
+            idle = _orbax_error(absl, "unrelated, while no save is in flight")
+            assert idle in reached  # at once
+            store.save(1, {"w": np.zeros(1000, np.float32)}, data, {})
+            during = _orbax_error(absl, "unrelated, while step 1 is saved")
+            store.wait()
+            assert during in reached  # once that save ended
+            with pytest.raises(CheckpointError) as failure:  # 800 kB onto the 600 kB disk
+                store.save(2, {"w": np.arange(200_000, dtype=np.float32)}, data, {})
+                deadline = time.monotonic() + 120
+                while store.manager.is_saving_in_progress() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                # What the loop does every step: Orbax raises the failed async save only at the
+                # next wait, so this call finds step 2 ended without a dir and without an error.
+                store.commit_finished()
+                store.wait()
+            echoes = [r for r in logged if _says_disk_full(r)]
+            assert echoes, "control: Orbax logged the failure itself"
+            assert not [r for r in echoes if r in reached]
+            line = str(failure.value)
+            assert "No space left on device" in line and len(line.splitlines()) == 1, line
+            counted = re.search(r"; (\d+) Orbax error records of this failure suppressed$", line)
+            assert counted and 1 <= int(counted.group(1)) <= len(echoes), line
+            late = _orbax_error(absl, "late write", OSError(28, "No space left on device"))
+            other = _orbax_error(absl, "unrelated, after the failure", ValueError("bad metadata"))
+            assert late not in reached and other in reached
+            with pytest.raises(CheckpointError, match=rf"; {len(echoes) + 1} Orbax error records"):
+                store.close()
+    finally:
+        absl.removeFilter(tap)
+        absl.removeHandler(sink)
+        if store is not None:  # a failed store keeps its filter for the exit; this process goes on
+            for name in store._log_filter.LOGGERS:
+                logging.getLogger(name).removeFilter(store._log_filter)
 
 
 def test_only_closed_loop_echoes_of_a_failed_save_are_dropped(monkeypatch):

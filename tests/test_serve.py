@@ -106,7 +106,7 @@ def test_model_identity(server, verified_artifacts):
 
 
 def test_generate_is_seeded_and_matches_the_library(server, verified_artifacts):
-    from tpulab.inference.export import open_artifacts
+    from tpulab.inference.artifacts import open_artifacts
     from tpulab.inference.generate import SamplingConfig, generate_text
 
     req = {
@@ -167,7 +167,7 @@ def test_bad_requests_get_422_with_reason(server, body, reason):
 
 def test_concurrent_requests_are_batched_and_get_what_they_would_alone(server, verified_artifacts):
     """8 clients at once, different prompts/lengths/max_new/sampling: batches form, outputs = alone."""
-    from tpulab.inference.export import open_artifacts
+    from tpulab.inference.artifacts import open_artifacts
     from tpulab.inference.generate import SamplingConfig, generate_ids
 
     prompts = ["To", "ROMEO: But soft", "a", "KING:", "What light", "O", "Thou art", "Fair"]

@@ -36,7 +36,8 @@ def _kvcache(args) -> int:
 
 
 def _export(args) -> int:
-    from tpulab.inference.export import MANIFEST, export_artifacts
+    from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
+    from tpulab.inference.export import export_artifacts
     from tpulab.train.restore import load_model
 
     manifest = export_artifacts(
@@ -44,19 +45,25 @@ def _export(args) -> int:
     )
     for a in manifest["artifacts"]:
         print(f"{a['file']}  {a['sha256'][:16]}  platforms={','.join(a['platforms'])}")
-    print(f"wrote {args.out / MANIFEST} (checkpoint step {manifest['source']['checkpoint_step']})")
+    step = manifest["source"]["checkpoint_step"]
+    print(f"wrote {args.out / ARTIFACT_MANIFEST} (checkpoint step {step})")
     return 0
 
 
 def _verify(args) -> int:
-    from tpulab.inference.export import read_key, verification_table, verify_export
+    from tpulab.inference.checkpoint_match import verification_table
+    from tpulab.inference.trust import read_key, verify_export
 
     result = verify_export(args.artifacts, args.run_dir, read_key(args.key_file))
     print(verification_table(result))
     if not result["passed"]:
         failed = [r["artifact"] for r in result["rows"] if not r["passed"]]
         raise TpulabError(f"verification failed for {', '.join(failed)}", exit_code=1)
-    print(f"all {len(result['rows'])} endpoints match checkpoint step {result['checkpoint_step']}")
+    src = result["checkpoint_source"]
+    print(
+        f"all {len(result['rows'])} endpoints match checkpoint step {result['checkpoint_step']} "
+        f"of {src['run_dir']} (run dir given by the {src['given_by']})"
+    )
     return 0
 
 
@@ -69,7 +76,7 @@ def _generate(args) -> int:
         max_new=args.max_new, temperature=args.temperature, top_k=args.top_k, seed=args.seed
     )
     if args.artifacts is not None:
-        from tpulab.inference.export import load_verified, read_key
+        from tpulab.inference.trust import load_verified, read_key
 
         art = load_verified(args.artifacts, args.run_dir, read_key(args.key_file))
         print(f"artifacts {art.root}: verified ({art.verification['mode']})", file=sys.stderr)
@@ -156,7 +163,8 @@ def register(sub) -> None:
         "--run-dir",
         type=path_arg,
         default=None,
-        help="where the checkpoint lives (default: the run dir recorded in the manifest)",
+        help="the checkpoint to check against (default: the run dir the manifest names); "
+        "required with --key-file",
     )
     p.add_argument(
         "--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key"

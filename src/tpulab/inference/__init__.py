@@ -19,9 +19,9 @@ _EXPORTS = {
     "KVEvalConfig": "cache_eval",
     "write_kvcache_report": "cache_eval",
     "export_artifacts": "export",
-    "open_artifacts": "export",
-    "verify_export": "export",
-    "load_verified": "export",
+    "open_artifacts": "artifacts",
+    "verify_export": "trust",
+    "load_verified": "trust",
     "decode_speed": "speed",
     "capstone_stage": "capstone",
 }

@@ -40,7 +40,7 @@ from tpulab.config import check, field
 from tpulab.errors import TpulabError
 from tpulab.inference import cache as kv
 from tpulab.inference.decode import MAX_BATCH, batch_bucket
-from tpulab.inference.export import load_verified, read_key
+from tpulab.inference.trust import load_verified, read_key
 from tpulab.inference.generate import Request as GenRequest
 from tpulab.inference.generate import decode_text, generate_batch
 from tpulab.inference.policies import Policy
@@ -276,7 +276,7 @@ class Service:
                 self.on_warmup_failure()
 
     def compiled_variants(self) -> dict[str, int]:
-        return {p: e.compiled_variants() for p, e in self.engines.items()}
+        return {p: e.compiled_variants()["generate"] for p, e in self.engines.items()}
 
     async def generate(self, body: bytes) -> JSONResponse:
         try:

@@ -171,7 +171,7 @@ def _round(base: str, clients: int, cfg: BenchConfig) -> dict:
 def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) -> dict:
     """Run both servers through every client count; write ``serve_bench.json`` and ``serve_bench.md``."""
     from tpulab.evidence.provenance import describe_hardware, environment
-    from tpulab.inference.export import load_verified
+    from tpulab.inference.trust import load_verified
 
     art = load_verified(artifacts)  # refuse unverified artifacts here, before starting servers
     out = Path(out_dir)

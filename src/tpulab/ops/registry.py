@@ -315,17 +315,17 @@ def resume_verdict(run_dir: Path, path: str | Path | None = None) -> str:
 
 
 def _read_manifest(root: Path) -> tuple[dict, str]:
-    from tpulab.inference.export import MANIFEST
+    from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
 
-    path = root / MANIFEST
+    path = root / ARTIFACT_MANIFEST
     try:
         digest = sha256_file(path)
         manifest = json.loads(path.read_text())
         manifest["source"]["run_dir"], manifest["source"]["checkpoint_manifest_sha256"]
     except FileNotFoundError:
-        raise TpulabError(f"artifacts {root}: missing {MANIFEST}") from None
+        raise TpulabError(f"artifacts {root}: missing {ARTIFACT_MANIFEST}") from None
     except (OSError, ValueError, KeyError, TypeError):
-        raise TpulabError(f"artifacts {root}: {MANIFEST} is not a valid manifest") from None
+        raise TpulabError(f"artifacts {root}: {ARTIFACT_MANIFEST} is not a valid manifest") from None
     return manifest, digest
 
 
@@ -380,7 +380,7 @@ def _claims_match_disk(mv) -> tuple[Path, dict, str]:
 def verify_version(mv) -> tuple[object, dict]:
     """Tags against disk, then the artifacts re-verified against their checkpoint: (ArtifactSet,
     the evidence a ledger entry records)."""
-    from tpulab.inference.export import load_verified
+    from tpulab.inference.trust import load_verified
 
     root, manifest, digest = _claims_match_disk(mv)
     art = load_verified(root, manifest["source"]["run_dir"])
@@ -413,7 +413,7 @@ def _eval_record(result: dict) -> dict:
 def _baseline(reg: Registry, name: str, holder: str | None, mine: list[dict]) -> dict | None:
     """The scores to beat: the holder's artifacts (hash-checked, tags against disk) evaluated now;
     if they are unusable, the scores the ledger recorded for it, said so."""
-    from tpulab.inference.export import open_artifacts
+    from tpulab.inference.artifacts import open_artifacts
 
     if holder is None:
         return None
@@ -523,7 +523,7 @@ def register(
     """A new version of ``name`` in the store ``uri`` from ``artifacts``, verified against their
     checkpoint and evaluated. The only command that may create the store, and only once the
     artifacts passed: bad artifacts leave no new file behind."""
-    from tpulab.inference.export import load_verified
+    from tpulab.inference.trust import load_verified
 
     check_name(name)
     if Path(uri[len("sqlite:///") :]).exists() or not uri.startswith("sqlite:///"):
