@@ -27,6 +27,7 @@ from tpulab import compile_cache
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
+from tpulab.data.contract import enforce
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import Splits, build_splits, eval_batches, train_dataset
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -224,7 +225,7 @@ def train(
         config
     )  # a mesh that does not fit the devices, or a batch it cannot split: before any write
     check_batch(config.data.batch_size, mesh)
-    splits = build_splits(load_corpus(config.data.path), config.data)
+    splits = build_splits(enforce(load_corpus(config.data.path), config.data), config.data)
     run_dir = prepare_run_dir(Path(run_dir))
     compile_cache.enable(compile_cache_dir)
     meta = {
