@@ -338,7 +338,8 @@ def rootfs(image, tmp_path_factory):
 def _run_image(layout, root, port, log):
     args = ["serve", "--artifacts", "/srv/model", "--host", "127.0.0.1", "--port", str(port)]
     return subprocess.Popen(
-        [sys.executable, "-m", "tpulab.cli", "image", "run", str(layout), "--rootfs", str(root)]
+        [sys.executable, "-m", "tpulab.cli", "image", "run", "--layout", str(layout)]
+        + ["--rootfs", str(root)]
         + ["--", *args, "--max-batch", "1"],
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -118,9 +118,9 @@ def register(sub) -> None:
     r = isub.add_parser(
         "run", help="run an unpacked image under bubblewrap (no daemon), host network"
     )
-    r.add_argument("layout", help="OCI layout dir (its config: entrypoint, env, user)")
+    r.add_argument("--layout", required=True, help="OCI layout (its config: entrypoint, env, user)")
     r.add_argument("--rootfs", required=True, help="the layout unpacked (umoci raw unpack)")
-    r.add_argument("args", nargs=argparse.REMAINDER, help="replace the image's Cmd (after --)")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="-- ARGS: replace the image's Cmd")
     r.set_defaults(handler=_image_run)
 
     p = sub.add_parser("capacity", help="replicas for a load at a p99 target, from serve-bench")

@@ -10,7 +10,7 @@ verification record) before it writes anything, then writes an OCI image layout 
   host, merged-``/usr`` layout); ``/etc/passwd``, ``/etc/group``, ``/etc/hosts``, ``/tmp``. No
   shell, no package manager.
 - ``jaxlib`` and ``packages``: the distributions of ``SERVE_DISTRIBUTIONS`` from the pinned stack,
-  file by file from their RECORD (jaxlib alone: 365 of the 675 MB, so the two compress in
+  file by file from their RECORD (jaxlib alone: 365 of the 681 MB, so the two compress in
   parallel). torch, libtpu and the trainer's packages are not there (``EXCLUDED``).
 - ``app``: the ``tpulab`` package sources. ``model``: the verified artifacts and their manifest at
   ``/srv/model``, each file rehashed as it is written and compared with the verified digest.
