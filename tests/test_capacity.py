@@ -137,8 +137,10 @@ def test_validation_holds_for_independent_replicas_and_fails_for_a_shared_core(s
     cfg = cap.CapacityConfig(clients_per_replica=(1, 4), requests_per_client=10, tolerance=0.2)
     _, bases = stub_pair(False)
     good = cap.validate(bases, cfg)
-    for r in good["single"]:  # one replica: 20 req/s however many clients wait on it
-        assert r["requests_per_s"] == pytest.approx(1 / SERVICE_S, rel=0.25), r
+    for r in good["single"]:
+        assert r["requests_per_s"] <= 1.02 / SERVICE_S, r  # never more than the lock allows
+        if r["clients"] > 1:  # saturated (a lone client idles the lock between its requests)
+            assert r["requests_per_s"] == pytest.approx(1 / SERVICE_S, rel=0.25), r
     for r in good["replicated"]:
         assert r["per_replica_requests"] == [r["requests"] // 2] * 2  # round robin
         assert r["predicted"]["requests_per_s"] == pytest.approx(2 / SERVICE_S, rel=0.25)
