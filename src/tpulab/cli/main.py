@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         cloud_cmds,
         inference_cmds,
         ops_cmds,
+        ops_image_cmds,
         perf_cmds,
         scale_cmds,
         track_cmds,
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         cloud_cmds,
         track_cmds,
         ops_cmds,
+        ops_image_cmds,
     ):
         module.register(sub)
     return parser

@@ -126,7 +126,7 @@ def parse_request(body: bytes, max_len: int) -> tuple[GenerateRequest, GenReques
         raise TpulabError(f"request body is not UTF-8 (bad byte at offset {e.start})") from None
     try:
         obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except ValueError as e:  # JSONDecodeError, and ints past Python's digit limit
+    except (ValueError, RecursionError) as e:  # bad JSON, huge ints, nesting past the stack
         raise TpulabError(
             f"request body is not valid JSON ({str(e).splitlines()[0][:120]})"
         ) from None

@@ -15,7 +15,7 @@ import sys
 import jax
 
 from tpulab.data import dialogue
-from tpulab.data.corpus import load_corpus
+from tpulab.data.contract import load_checked
 from tpulab.errors import TpulabError
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives.base import DataSource, Objective
@@ -49,7 +49,7 @@ class SFT(Objective):
         self.base = load_base(config)
         obj, data = config.objective, config.data
         if obj.data is None:
-            self.dialogue = dialogue.from_plays(load_corpus(data.path), data)
+            self.dialogue = dialogue.from_plays(load_checked(data), data)
         else:
             self.dialogue = dialogue.from_jsonl(obj.data, data)
         self.train_rows = dialogue.encode(self.dialogue.train, data.seq_len)
