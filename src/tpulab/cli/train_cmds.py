@@ -25,7 +25,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def path_arg(value: str) -> Path | str:
-    """argparse type: ``Path(value)``, but an empty value stays ``""`` (``Path("")`` would mean ``.``)."""
+    """argparse type: ``Path(value)``, but an empty value stays ``""`` (``Path("")`` is ``.``)."""
     return Path(value) if value else value
 
 
@@ -124,26 +124,38 @@ def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
     g.add_argument(
         "--require-tracking",
         action="store_true",
-        help="fail before training when the tracking store cannot be opened (default: warn, train on)",
+        help="fail before training when the tracking store cannot be opened "
+        "(default: warn, train on)",
     )
     if not stall:
         return
+    from tpulab.train.watchdog import STARTUP_S  # no jax: --help stays quick
+
     g.add_argument(
         "--stall-timeout",
         type=float,
         metavar="S",
-        help="seconds without a completed step that count as a stall (default: 20x the median step "
-        "time, at least 120 s); start-up and compile get 900 s until 3 steps were measured",
+        help="seconds without a completed step that count as a stall, from the first step on "
+        "(default: 20x the median step time, at least 120 s; 300 s with several processes)",
+    )
+    g.add_argument(
+        "--stall-startup-timeout",
+        type=float,
+        metavar="S",
+        default=STARTUP_S,
+        help="seconds allowed for start-up: restore, compile and the first step (default: "
+        f"{STARTUP_S:g})",
     )
     g.add_argument(
         "--stall-exit",
         action="store_true",
-        help="on a stall, exit with code 75 after dumping stacks (so a supervisor restarts the run)",
+        help="on a stall, exit with code 75 after dumping stacks (so a supervisor restarts "
+        "the run)",
     )
 
 
 def tracker_for(args, run_dir: Path, **kwargs):
-    """The MLflow tracker a command's flags ask for, or None. --require-tracking opens the store now."""
+    """The MLflow tracker a command's flags ask for, or None; --require-tracking opens it now."""
     if args.no_track:
         if args.require_tracking:
             from tpulab.errors import TpulabError
@@ -159,19 +171,22 @@ def tracker_for(args, run_dir: Path, **kwargs):
 
 
 def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
-    """The stall watchdog and plain progress lines. In a multi-process job a stall always ends the process
-    (exit 75), with a 300 s default: a peer stuck inside a collective never errors by itself."""
+    """The stall watchdog and plain progress lines. In a multi-process job a stall always ends the
+    process (exit 75), with a 300 s default: a peer stuck inside a collective never errors."""
     import jax
 
     from tpulab.tracking.progress import LogLines
     from tpulab.train.watchdog import MULTIPROCESS_STALL_S, STALL_EXIT_CODE, StallWatchdog
 
-    timeout = args.stall_timeout or (MULTIPROCESS_STALL_S if distributed else None)
+    timeout = args.stall_timeout
+    if timeout is None and distributed:
+        timeout = MULTIPROCESS_STALL_S
     return [
         StallWatchdog(
             run_dir,
             exit_code=STALL_EXIT_CODE if (args.stall_exit or distributed) else None,
             timeout_s=timeout,
+            startup_s=args.stall_startup_timeout,
             records=jax.process_index() == 0,
         ),
         LogLines(),
@@ -195,9 +210,10 @@ def cmd_prove_resume(args) -> int:
         )
         ok = v["identical"] and v["teardown_ok"]
         print(
-            f"{'IDENTICAL' if v['identical'] else 'NOT IDENTICAL'}: process {v['event']['victim_process']} of "
-            f"{args.processes} got {v['signal']} after step {v['event']['last_logged_step']}; the job ended in "
-            f"{v['event']['job_end_s']:.1f}s with exit {v['event']['launcher_exit_code']} (expected "
+            f"{'IDENTICAL' if v['identical'] else 'NOT IDENTICAL'}: process "
+            f"{v['event']['victim_process']} of {args.processes} got {v['signal']} after step "
+            f"{v['event']['last_logged_step']}; the job ended in {v['event']['job_end_s']:.1f}s "
+            f"with exit {v['event']['launcher_exit_code']} (expected "
             f"{v['expected_exit_code']}); resumed from step {v['resumed_from_step']}; curves "
             f"{'bitwise identical' if v['curves_identical'] else 'differ'}, final state "
             f"{'bitwise identical' if v['final_state_identical'] else 'differs'} -> "
@@ -215,9 +231,9 @@ def cmd_prove_resume(args) -> int:
         compile_cache=args.compile_cache,
     )
     print(
-        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; killed (SIGKILL) "
-        f"after step {verdict['kill_step']}, resumed from step {verdict['resumed_from_step']} -> "
-        f"{run_dir / 'proof'}"
+        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; "
+        f"killed (SIGKILL) after step {verdict['kill_step']}, resumed from step "
+        f"{verdict['resumed_from_step']} -> {run_dir / 'proof'}"
     )
     return 0 if verdict["identical"] else 1
 
@@ -231,9 +247,9 @@ def cmd_chaos(args) -> int:
         config, run_dir, kills=args.kills, seed=args.seed, compile_cache=args.compile_cache
     )
     print(
-        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random SIGKILLs "
-        f"({verdict['kills_during_save']} while a save was in flight), {verdict['segments']} process lifetimes; "
-        f"{verdict['summary']} -> {run_dir / 'chaos'}"
+        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random "
+        f"SIGKILLs ({verdict['kills_during_save']} while a save was in flight), "
+        f"{verdict['segments']} process lifetimes; {verdict['summary']} -> {run_dir / 'chaos'}"
     )
     return 0 if verdict["identical"] else 1
 
@@ -273,8 +289,8 @@ def cmd_capstone(args) -> int:
         g = goodput(proof_run)
         print(
             f"goodput of the resume proof's killed-and-resumed run: {100 * g['goodput']:.1f}% of "
-            f"{g['total_s']:.1f} s over {len(g['lifetimes'])} process lifetimes ({g['restart_s']:.1f} s lost to "
-            f"the restart; details in the report)"
+            f"{g['total_s']:.1f} s over {len(g['lifetimes'])} process lifetimes "
+            f"({g['restart_s']:.1f} s lost to the restart; details in the report)"
         )
     return 0
 
