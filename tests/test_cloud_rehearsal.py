@@ -136,7 +136,7 @@ def receipts_of(out: Path, run_name: str = "run") -> list[dict]:
 
 def assert_one_multiprocess_job(receipts: list[dict]) -> None:
     """The two workers are the two processes of ONE JAX job: process 0 and 1 of 2, the same global devices
-    (the sum of the local ones), and a collective over all of them that summed to n(n-1)/2."""
+    (the sum of the local ones), and a collective over all of them that summed to n(n+1)/2."""
     assert len(receipts) == 2
     rts = [r["runtime"] for r in receipts]
     assert [rt["process_count"] for rt in rts] == [2, 2], [rt["process_count"] for rt in rts]
@@ -151,8 +151,9 @@ def assert_one_multiprocess_job(receipts: list[dict]) -> None:
     )
     for r in receipts:
         coll = r["evidence"]["collective"]
-        assert coll["passed"] and coll["devices"] == n and coll["expected"] == n * (n - 1) / 2
-        assert coll["values"] == [n * (n - 1) / 2] * r["runtime"]["local_device_count"]
+        assert coll["passed"] and coll["devices"] == n and coll["expected"] == n * (n + 1) / 2
+        assert coll["values"] == [n * (n + 1) / 2] * r["runtime"]["local_device_count"]
+        assert n > 1 and not coll["trivial"]
 
 
 # The processes agree on the stop through JAX's coordination service, some steps after the signal (8 steps,
