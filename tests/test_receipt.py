@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -63,34 +66,46 @@ def test_receipt_cli_four_forced_host_devices(tmp_path):
     assert coll["trivial"] is False and "trivial" not in p.stdout
     assert r["env"]["XLA_FLAGS"] == env["XLA_FLAGS"] and r["env"]["JAX_PLATFORMS"] == "cpu"
     assert "collective" in p.stdout and not TPU_WORD.search(p.stdout)
+    assert _announced(p.stderr) == []  # the placeholders came with this test's env: nothing set
+
+
+def _fresh_shell_env() -> dict:
+    """This process's environment less what tpulab's libtpu placeholders set (as in a new shell)."""
+    from tpulab.libtpu_env import MARKER, placeholders
+
+    return {k: v for k, v in os.environ.items() if k not in placeholders() | {MARKER}}
+
+
+def _announced(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("tpulab: set ")]
 
 
 def test_receipt_joins_a_multi_process_job(tmp_path):
     """Launched as 2 processes x 2 devices, the receipt joins the job: each process writes its own
     receipt, the psum spans all 4 global devices (1+2+3+4 = 10 on each process's 2 shards) and
-    --expect-devices is global."""
-    p = run_cli(
-        "launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "2",
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "--",
-        "receipt",
-        "--out",
-        str(tmp_path / "r"),
-        "--expect",
-        "cpu",
-        "--expect-devices",
-        "4",
-        "--matmul-size",
-        "32",
+    --expect-devices is global. Started from a fresh shell's environment, the launcher says once on
+    stderr which libtpu placeholders it set; its children inherit them and say nothing (process
+    0's stderr is the launcher's), and the receipts record them."""
+    from tpulab.libtpu_env import announcement, quiet_libtpu_off_tpu
+
+    env = _fresh_shell_env()
+    would = quiet_libtpu_off_tpu(dict(env), announce=False)  # {} on a TPU VM or without libtpu
+    p = subprocess.run(
+        [sys.executable, "-m", "tpulab.cli"]
+        + ["launch", "--processes", "2", "--devices-per-process", "2"]
+        + ["--log-dir", str(tmp_path / "logs"), "--", "receipt", "--out", str(tmp_path / "r")]
+        + ["--expect", "cpu", "--expect-devices", "4", "--matmul-size", "32"],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=180,
     )
     assert p.returncode == 0, p.stderr[-2000:]
+    assert _announced(p.stderr) == ([announcement(would)] if would else []), p.stderr[-2000:]
+    assert not any(_announced(f.read_text()) for f in (tmp_path / "logs").glob("*.log"))
     receipts = [json.loads((tmp_path / "r" / f"receipt-p{i}.json").read_text()) for i in range(2)]
+    for r in receipts:  # the launcher pins JAX_PLATFORMS for its children: theirs, not ours
+        assert r["tpulab_placeholders"] == sorted(set(would) - {"JAX_PLATFORMS"})
     for i, r in enumerate(receipts):
         rt, coll = r["runtime"], r["evidence"]["collective"]
         assert (
