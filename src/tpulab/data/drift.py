@@ -32,7 +32,7 @@ THRESHOLD = 0.045  # JSD (bits) above which the alarm fires (measured: see the m
 
 def byte_histogram(data: bytes) -> np.ndarray:
     """Counts of each byte value, int64[256]."""
-    return np.bincount(np.frombuffer(data, np.uint8), minlength=BINS).astype(np.int64)
+    return np.bincount(np.frombuffer(data, np.uint8), minlength=BINS).astype(np.int64, copy=False)
 
 
 def js_divergence(p_counts, q_counts) -> float:
@@ -63,8 +63,9 @@ class DriftWindow:
         if window_bytes < 1 or not 0 < threshold < 1:
             raise ValueError(f"window_bytes={window_bytes} and threshold={threshold} out of range")
         self.window_bytes, self.threshold = int(window_bytes), float(threshold)
-        self._items: collections.deque[np.ndarray] = collections.deque()
+        self._items: collections.deque[tuple[np.ndarray, int]] = collections.deque()
         self._sum = np.zeros(BINS, np.int64)
+        self._n = 0  # bytes in the window (kept as an int: observe runs on every request)
         self._lock = threading.Lock()
         self.reference: np.ndarray | None = None
         self.set_reference(reference_counts)
@@ -83,23 +84,24 @@ class DriftWindow:
             return
         h = byte_histogram(data)
         with self._lock:
-            self._items.append(h)
+            self._items.append((h, len(data)))
             self._sum += h
-            while len(self._items) > 1 and (
-                self._sum.sum() - self._items[0].sum() >= self.window_bytes
-            ):
-                self._sum -= self._items.popleft()
+            self._n += len(data)
+            while len(self._items) > 1 and self._n - self._items[0][1] >= self.window_bytes:
+                old, n = self._items.popleft()
+                self._sum -= old
+                self._n -= n
 
     @property
     def bytes(self) -> int:
         with self._lock:
-            return int(self._sum.sum())
+            return self._n
 
     def value(self) -> float:
         """JSD of the window against the reference; NaN before any byte, or without a reference."""
         with self._lock:
-            counts, ref = self._sum.copy(), self.reference
-        if ref is None or not counts.sum():
+            counts, ref, n = self._sum.copy(), self.reference, self._n
+        if ref is None or not n:
             return float("nan")
         return js_divergence(counts, ref)
 
