@@ -265,7 +265,7 @@ def test_two_builds_give_the_same_manifest_digest(image, verified_artifacts, tmp
     # valid, still verified) changes the model layer, hence the digest.
     rec = art / "verification.json"
     rec.write_text(json.dumps(json.loads(rec.read_text())))
-    from tpulab.inference.export import load_verified
+    from tpulab.inference.trust import load_verified
     from tpulab.ops.image import collect
 
     load_verified(art)  # still a verified set
@@ -438,7 +438,7 @@ def test_image_boundary_over_loopback(image, rootfs, verified_artifacts, tmp_pat
     """Live at once (or not listening before verification), ready only after the real warm-up
     inferences, /v1/model reporting the labels' digests, a fuzzed request contract answered 4xx
     with a reason and never 5xx, outputs equal to the library's on the host."""
-    from tpulab.inference.export import open_artifacts
+    from tpulab.inference.artifacts import open_artifacts
     from tpulab.inference.generate import SamplingConfig, generate_text
 
     layout, built = image
