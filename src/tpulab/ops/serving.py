@@ -28,7 +28,6 @@ from pathlib import Path
 
 from tpulab.data.drift import byte_histogram
 from tpulab.errors import TpulabError
-from tpulab.inference.trust import load_verified, read_key
 from tpulab.inference.serve import (
     Model,
     ServeConfig,
@@ -37,6 +36,7 @@ from tpulab.inference.serve import (
     artifacts_loader,
     run_server,
 )
+from tpulab.inference.trust import load_verified, read_key
 from tpulab.ops import tags as T
 
 _MODEL_URI = re.compile(
