@@ -1,4 +1,5 @@
-"""TPU memory budgets: real XLA:TPU compiles via libtpu on this host, analytic bytes, fit verdicts, bad input."""
+"""TPU memory budgets: real XLA:TPU compiles via libtpu on this host, analytic bytes, fit
+verdicts, collectives, bad input."""
 
 from __future__ import annotations
 
@@ -28,6 +29,49 @@ def test_aot_train_step_compiles_for_v5e_v5p_v6e_with_peak_memory_and_flops():
     big = aot.compile_train_step(tiny_config("data.batch_size=32"), "v5e:2x2")
     assert big["peak_bytes"] > small["v5e:2x2"]["peak_bytes"]
     assert big["flops"] > 3 * small["v5e:2x2"]["flops"]
+    # Data parallel (the default mesh): gradients are all-reduced whole, nothing is reduce-scattered
+    # (the negative control of the FSDP test below).
+    dp = small["v5e:2x2"]["collectives"]
+    assert dp["all-reduce"]["count"] >= 1 and "reduce-scatter" not in dp and "all-gather" not in dp
+
+
+def test_xla_tpu_reduce_scatters_fsdp_gradients():
+    """docs/scaleout.md says XLA:TPU turns the FSDP gradient sum into reduce-scatters (XLA:CPU
+    emits all-reduce + slice). Compiled here for v5e:2x2 with libtpu, the optimized HLO of the
+    fsdp=4 train step holds one (an AllReduceScatterFusion; at the tiny size it carries the two MLP
+    down-projection gradients, 128x32 -> 32x32 per device), next to the parameter all-gathers."""
+    from tpulab.perf import aot
+
+    fsdp = aot.compile_train_step(tiny_config("mesh.fsdp=4"), "v5e:2x2")
+    assert fsdp["mesh"] == {"data": 1, "fsdp": 4}
+    c = fsdp["collectives"]
+    assert c["reduce-scatter"]["count"] >= 1 and c["all-gather"]["count"] >= 1
+    assert c["reduce-scatter"]["bytes"] == 2 * 32 * 32 * 4  # two f32 shards of 32 x 32
+
+
+def test_collective_parser_reads_cpu_and_tpu_hlo_forms():
+    """The parser on hand-written lines of both backends' forms: TPU layouts with parentheses in
+    tuple shapes, an async start/done pair counted once, a fused all-reduce-scatter counted as one
+    reduce-scatter and its inner all-reduce not at all."""
+    from tpulab.perf.aot import collectives
+
+    hlo = """HloModule m
+%all-reduce-scatter.2 (input_0: f32[128,32]) -> f32[32,32] {
+  %all-reduce.38 = f32[128,32]{1,0:T(8,128)} all-reduce(%input_0), channel_id=1, to_apply=%add
+  ROOT %ds = f32[32,32]{1,0:T(8,128)} dynamic-slice(%all-reduce.38, %o, %z)
+}
+ENTRY %main (p0: f32[128,32]) -> f32[32,32] {
+  %ag = (f32[8,96]{1,0:T(8,128)}, bf16[32,96]{1,0:T(8,128)(2,1)}) all-gather-start(%a), dims={0}
+  %agd = bf16[32,96]{1,0} all-gather-done(%ag)
+  %ar = f32[] all-reduce(%x), channel_id=3, to_apply=%add
+  ROOT %f = f32[32,32]{1,0:T(8,128)S(1)} fusion(%p0), kind=kCustom, calls=%all-reduce-scatter.2
+}
+"""
+    assert collectives(hlo) == {
+        "all-gather": {"count": 1, "bytes": 8 * 96 * 4 + 32 * 96 * 2},
+        "all-reduce": {"count": 1, "bytes": 4},
+        "reduce-scatter": {"count": 1, "bytes": 32 * 32 * 4},
+    }
 
 
 def test_budget_fits_tiny_and_refuses_an_oversized_model_before_compiling():
