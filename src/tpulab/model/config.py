@@ -15,6 +15,10 @@ from tpulab.config import check, check_int, field
 from tpulab.data.tokenizer import VOCAB_SIZE
 
 DType = Literal["float32", "bfloat16"]
+# What each block keeps for the backward pass (``jax.checkpoint`` per block, ``model.transformer``):
+# none = every activation; block = only the block's input, the rest recomputed;
+# dots_saveable = the matmul outputs, the elementwise ops between them recomputed.
+Remat = Literal["none", "block", "dots_saveable"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 # Sanity bounds (see the module docstring): the largest model they allow has < 2**52 parameters, so its
@@ -39,6 +43,11 @@ class ModelConfig:
     dropout: float = field(0.1, "dropout on attention probabilities and residual branches")
     tie_embeddings: bool = field(True, "share the token embedding with the output head")
     rope_base: float = field(10000.0, "RoPE frequency base")
+    remat: Remat = field(
+        "none",
+        "rematerialization per block: none | block (keep only each block's input, recompute the "
+        "rest in the backward pass) | dots_saveable (keep matmul outputs, recompute the rest)",
+    )
 
     def __post_init__(self):
         check(

@@ -252,9 +252,27 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
         x_btd = self.embed(tokens_bt)
+        apply_block = _REMAT[self.cfg.remat]
         for block in self.blocks:
-            x_btd = block(x_btd, positions_bt, deterministic=deterministic, rngs=rngs)
+            x_btd = apply_block(block, x_btd, positions_bt, deterministic, rngs)
         return self.logits(x_btd)
+
+
+def _call_block(block: Block, x_btd, positions_bt, deterministic: bool, rngs):
+    return block(x_btd, positions_bt, deterministic=deterministic, rngs=rngs)
+
+
+# ``model.remat``: how the train step's backward pass gets each block's activations. "none" is the
+# plain call (the default program, unchanged); the others wrap the block in ``nnx.remat``
+# (``jax.checkpoint``, with the policy named), so the forward keeps less and the backward
+# recomputes the rest. ``deterministic`` is a Python bool and stays static.
+_REMAT = {
+    "none": _call_block,
+    "block": nnx.remat(_call_block, static_argnums=(3,)),
+    "dots_saveable": nnx.remat(
+        _call_block, static_argnums=(3,), policy=jax.checkpoint_policies.dots_saveable
+    ),
+}
 
 
 def param_count(model: nnx.Module) -> int:
