@@ -41,9 +41,7 @@ from tpulab.perf.chips import CHIPS
 WORKSPACE_MARGIN = 0.10  # XLA scratch, fusion buffers, collectives: a margin, not a measurement
 HEADROOM = 0.20  # a recommended slice keeps this share of HBM free (fragmentation, bigger eval)
 DISAGREE = 0.20  # analytic vs compiler differences above this are explained in the table
-REMAT = (
-    "block"  # the model.remat value the budget falls back to (keeps the least: each block's input)
-)
+REMAT = "block"  # the model.remat value the budget falls back to: it keeps the least
 _BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -284,7 +282,8 @@ def recommend(rows: list[dict]) -> dict:
                 continue
             if not with_remat:
                 need = r["need_bytes"]
-                basis = "the XLA:TPU compiler's peak" if "compiled_train" in r else "the analytic"
+                compiled = "compiled_train" in r
+                basis = "the XLA:TPU compiler's peak" if compiled else "the analytic estimate"
             else:
                 need = r["need_bytes_remat"]
                 compiled = "peak_bytes" in r.get("compiled_train_remat", {})
