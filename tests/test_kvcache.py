@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpulab.inference import cache as kv
+from tpulab.model import kvcache as kv
 
 
 def test_int8_roundtrip_is_bounded_clipped_and_zero_safe():
@@ -91,7 +91,7 @@ def test_decode_compiles_once_and_fp32_matches_full_forward(trained_run):
     import jax
 
     from tpulab.inference.cache_eval import FP32_LOGIT_ATOL
-    from tpulab.inference.decode import Decoder, ModelFns, pad_prompt
+    from tpulab.model.decode import Decoder, ModelFns, pad_prompt
     from tpulab.train.restore import load_model
 
     fns = ModelFns(load_model(trained_run).model)
@@ -189,8 +189,8 @@ def test_decode_step_work_agrees_with_the_compiler_and_the_buffers(policy):
     from flax import nnx
 
     from conftest import tiny_config
-    from tpulab.inference.decode import ModelFns
     from tpulab.inference.speed import step_work
+    from tpulab.model.decode import ModelFns
     from tpulab.model.transformer import Transformer
 
     cfg = tiny_config()

@@ -23,8 +23,8 @@ import numpy as np
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.config import check, field
 from tpulab.data.tokenizer import PAD
-from tpulab.inference import cache as kv
-from tpulab.inference.decode import ModelFns
+from tpulab.model import kvcache as kv
+from tpulab.model.decode import ModelFns
 from tpulab.progress import progress
 
 # FP32 cached decode vs the full forward: same math, different summation order/shapes in the

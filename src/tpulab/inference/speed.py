@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpulab.data.tokenizer import PAD
-from tpulab.inference import cache as kv
-from tpulab.inference.decode import Decoder, ModelFns
+from tpulab.model import kvcache as kv
 from tpulab.model.config import matmul_params
+from tpulab.model.decode import Decoder, ModelFns
 
 
 def _greedy_next(fns: ModelFns, params, tokens_bt, pos):

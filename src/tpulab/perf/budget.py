@@ -82,7 +82,7 @@ def train_budget(config, devices: int) -> dict:
 
 def kv_cache_bytes(config, batch: int, context: int, policy: str) -> int:
     """Bytes of the inference cache for ``batch`` sequences of ``context`` slots (its own layout and scales)."""
-    from tpulab.inference import cache as kv
+    from tpulab.model import kvcache as kv
 
     m = config.model
     return kv.CacheShape(m.n_layers, context, m.n_heads, m.head_dim).nbytes(policy, batch)

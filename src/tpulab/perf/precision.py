@@ -102,10 +102,10 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
     from flax import nnx
 
     from tpulab.data.tokenizer import PAD
-    from tpulab.inference import cache as kv
     from tpulab.inference.cache_eval import _teacher_forced, heldout_windows
-    from tpulab.inference.decode import ModelFns
+    from tpulab.model import kvcache as kv
     from tpulab.model.config import PrecisionConfig
+    from tpulab.model.decode import ModelFns
     from tpulab.model.transformer import Transformer
     from tpulab.perf.bench import bench_step
     from tpulab.train.restore import load_model

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpulab.errors import TpulabError
-from tpulab.inference.policies import POLICIES, Policy  # noqa: F401 - re-exported
+from tpulab.model.policies import POLICIES, Policy  # noqa: F401 - re-exported
 
 _STORAGE = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
 SCALE_DTYPE = jnp.float32
