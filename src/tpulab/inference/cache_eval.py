@@ -61,7 +61,8 @@ def heldout_windows(config, n: int) -> np.ndarray:
 
 
 def _teacher_forced(fns: ModelFns, policy: str, params, tokens_bt, prompt_len: int):
-    """Cached-path logits [B, T, V]: prefill ``prompt_len`` tokens, then decode the rest one by one."""
+    """Cached-path logits [B, T, V]: prefill ``prompt_len`` tokens, then decode the rest one by
+    one."""
     b, t = tokens_bt.shape
     logits_bpv, cache = fns.forward_cached(
         params, fns.shape.init(policy, b), tokens_bt[:, :prompt_len], 0

@@ -1,4 +1,5 @@
-"""HTTP generation service over verified exported endpoints (FastAPI + uvicorn), with request batching.
+"""HTTP generation service over verified exported endpoints (FastAPI + uvicorn), with request
+batching.
 
 Startup (before anything listens) rehashes every file, deserializes and shape-checks every artifact
 and either re-verifies the set against its checkpoint (``--run-dir``) or matches a passing
@@ -11,11 +12,12 @@ a pydantic contract and validated by ``sampling`` (the bounds the CLI uses too);
 422 with a reason. Valid requests join a bounded queue (full: 503 with Retry-After). One batcher
 thread takes every waiting request of the oldest one's cache policy (up to ``max_batch``; requests
 that arrived while the previous batch ran are all there), optionally waiting ``batch_window_ms``
-for more (default 0: measured on CPU, a 5 ms window cost more than it gathered), and runs them as one dispatch of the compiled loop, each row with its own prompt length, max_new,
-temperature, top_k and seed; a row's tokens do not depend on its batch-mates. Handlers only await,
-so /healthz stays responsive while the device works, and a slow client (its body is read before it
-is queued) never holds up a batch. A request that is not answered within ``request_timeout_s``
-gets 504 (a queued one is dropped; a running batch cannot be interrupted, its result is discarded).
+for more (default 0: measured on CPU, a 5 ms window cost more than it gathered), and runs them as
+one dispatch of the compiled loop, each row with its own prompt length, max_new, temperature, top_k
+and seed; a row's tokens do not depend on its batch-mates. Handlers only await, so /healthz stays
+responsive while the device works, and a slow client (its body is read before it is queued) never
+holds up a batch. A request that is not answered within ``request_timeout_s`` gets 504 (a queued one
+is dropped; a running batch cannot be interrupted, its result is discarded).
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class ServeConfig:
 
 
 class GenerateRequest(BaseModel):
-    """POST /v1/generate body: types only; the bounds are ``sampling``'s. Unknown fields are rejected."""
+    """POST /v1/generate body: types only; the bounds are ``sampling``'s. Unknown fields are
+    rejected."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     prompt: str
@@ -117,7 +120,8 @@ def _finite_float(text: str) -> float:
 
 
 def parse_request(body: bytes, max_len: int) -> tuple[GenerateRequest, GenRequest]:
-    """Bytes of a POST body -> (typed request, validated generation request); TpulabError says why not."""
+    """Bytes of a POST body -> (typed request, validated generation request); TpulabError says why
+    not."""
     if len(body) > MAX_BODY_BYTES:
         raise TpulabError(f"request body is {len(body)} bytes, at most {MAX_BODY_BYTES}")
     try:
@@ -181,7 +185,8 @@ class Batcher:
         return job.future
 
     def _take(self) -> list[_Job]:
-        """Wait for a request, then for its window (or a full batch); pop up to max_batch of its policy."""
+        """Wait for a request, then for its window (or a full batch); pop up to max_batch of its
+        policy."""
         with self.cond:
             while not self.queue and not self.stopped:
                 self.cond.wait()
@@ -261,7 +266,8 @@ class Service:
         )
 
     def warm_up(self) -> None:
-        """Compile the loop for every policy and batch bucket (one executable each, reused after)."""
+        """Compile the loop for every policy and batch bucket (one executable each, reused
+        after)."""
         try:
             probe = GenRequest.of("a", SamplingConfig(max_new=1, temperature=0.0), self.art.max_len)
             for engine in self.engines.values():
@@ -381,7 +387,8 @@ def serve(
     service.on_warmup_failure = lambda: setattr(server, "should_exit", True)
     print(
         f"serving {service.art.root} (manifest {service.art.manifest_sha256[:12]}, checkpoint step "
-        f"{service.art.manifest['source']['checkpoint_step']}, verified by {service.art.verification['mode']}) "
+        f"{service.art.manifest['source']['checkpoint_step']}, verified by "
+        f"{service.art.verification['mode']}) "
         f"on http://{host}:{port}",
         flush=True,
     )

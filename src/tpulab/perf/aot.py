@@ -1,4 +1,5 @@
-"""Ahead-of-time compiles for TPU targets on a host without a TPU (libtpu's compiler, no TPU runtime).
+"""Ahead-of-time compiles for TPU targets on a host without a TPU (libtpu's compiler, no TPU
+runtime).
 
 A target is ``GENERATION:TOPOLOGY`` (``v5e:2x2``, ``v5p:2x2x1``). ``get_topology_desc`` returns
 abstract TPU devices; a ``Mesh`` over them and the same ``make_steps`` the trainer uses give the
@@ -73,7 +74,8 @@ def parse_targets(spec: str) -> list[Target]:
 
 @functools.cache
 def topology_devices(name: str) -> tuple:
-    """Abstract TPU devices of a target (libtpu's topology description); TargetError if libtpu refuses."""
+    """Abstract TPU devices of a target (libtpu's topology description); TargetError if libtpu
+    refuses."""
     target = parse_target(name)
     quiet_libtpu_off_tpu()
     if libtpu_version() is None:
@@ -113,8 +115,8 @@ def libtpu_version() -> str | None:
 
 @contextlib.contextmanager
 def _no_persistent_cache():
-    """A TPU executable compiled without a TPU client can be written to JAX's persistent cache but not
-    read back (``DeserializeLoadedExecutable`` needs a client): keep AOT compiles out of it."""
+    """A TPU executable compiled without a TPU client can be written to JAX's persistent cache but
+    not read back (``DeserializeLoadedExecutable`` needs a client): keep AOT compiles out of it."""
     import warnings
 
     import jax
@@ -123,8 +125,9 @@ def _no_persistent_cache():
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         with warnings.catch_warnings():
-            # Once a process has used the cache (CPU compiles earlier in `tpulab dossier`), JAX keeps
-            # consulting it; the failed read of a TPU entry is then harmless (it compiles) but noisy.
+            # Once a process has used the cache (CPU compiles earlier in `tpulab dossier`), JAX
+            # keeps consulting it; the failed read of a TPU entry is then harmless (it compiles) but
+            # noisy.
             warnings.filterwarnings(
                 "ignore", message="Error reading persistent compilation cache entry"
             )
@@ -134,7 +137,8 @@ def _no_persistent_cache():
 
 
 class CompilerOutOfMemory(TpulabError):
-    """XLA:TPU refused the program: it needs more HBM than one device has (a verdict, not a crash)."""
+    """XLA:TPU refused the program: it needs more HBM than one device has (a verdict, not a
+    crash)."""
 
 
 @contextlib.contextmanager
@@ -166,7 +170,8 @@ def read_compiled(compiled) -> dict:
 
 
 def compile_train_step(config, target_name: str) -> dict:
-    """Compile the trainer's own train step (``make_steps``) for a TPU target; compiler numbers per device."""
+    """Compile the trainer's own train step (``make_steps``) for a TPU target; compiler numbers per
+    device."""
     import jax
     import numpy as np
 

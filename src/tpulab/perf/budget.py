@@ -1,4 +1,5 @@
-"""HBM budget per TPU target: analytic bytes next to the XLA:TPU compiler's own peak, and a recommendation.
+"""HBM budget per TPU target: analytic bytes next to the XLA:TPU compiler's own peak, and a
+recommendation.
 
 Analytic, per device, for the trainer as it shards today (``make_steps``: state replicated, batch
 split over the devices):
@@ -32,7 +33,8 @@ from tpulab.perf import aot
 from tpulab.perf.chips import CHIPS
 
 WORKSPACE_MARGIN = 0.10  # XLA scratch, fusion buffers, collectives: a margin, not a measurement
-HEADROOM = 0.20  # a recommended slice keeps this share of HBM free (fragmentation, longer runs, bigger eval)
+# A recommended slice keeps this share of HBM free (fragmentation, longer runs, bigger eval).
+HEADROOM = 0.20
 DISAGREE = 0.20  # analytic vs compiler differences above this are explained in the table
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -42,7 +44,8 @@ class DoesNotFit(TpulabError):
 
 
 def train_flops(config) -> float:
-    """Analytic FLOPs of one train step (whole batch): 6 N tokens plus attention (12 L B T^2 d, no causal skip)."""
+    """Analytic FLOPs of one train step (whole batch): 6 N tokens plus attention (12 L B T^2 d, no
+    causal skip)."""
     m, b, t = config.model, config.data.batch_size, config.data.seq_len
     return 6.0 * matmul_params(m) * b * t + 12.0 * m.n_layers * b * t * t * m.d_model
 
@@ -81,7 +84,8 @@ def train_budget(config, devices: int) -> dict:
 
 
 def kv_cache_bytes(config, batch: int, context: int, policy: str) -> int:
-    """Bytes of the inference cache for ``batch`` sequences of ``context`` slots (its own layout and scales)."""
+    """Bytes of the inference cache for ``batch`` sequences of ``context`` slots (its own layout and
+    scales)."""
     from tpulab.model import kvcache as kv
 
     m = config.model
@@ -94,16 +98,17 @@ def _explain(kind: str, analytic: float, compiled: float) -> str:
     more = compiled > analytic
     if kind == "memory":
         return (
-            "compiler peak above analytic: XLA holds fp32 temporaries/fusion outputs and the updated state "
-            "alongside the old one beyond the margin"
+            "compiler peak above analytic: XLA holds fp32 temporaries/fusion outputs and the "
+            "updated state alongside the old one beyond the margin"
             if more
-            else "compiler peak below analytic: XLA frees or recomputes cheap activations (elementwise fusions) "
-            "and never holds all gradients and activations at once"
+            else "compiler peak below analytic: XLA frees or recomputes cheap activations "
+            "(elementwise fusions) and never holds all gradients and activations at once"
         )
     return (
         "compiler counts elementwise work (softmax, GELU, norms, AdamW) that 6N·tokens leaves out"
         if more
-        else "compiler counts fewer FLOPs than the analytic matmul count (e.g. fused or simplified ops)"
+        else "compiler counts fewer FLOPs than the analytic matmul count (e.g. fused or "
+        "simplified ops)"
     )
 
 
@@ -119,7 +124,8 @@ def budget(
     serve_context: int | None = None,
     compile_steps: bool = True,
 ) -> dict:
-    """Per target: analytic vs compiled memory and FLOPs, fit verdicts, roofline placement; plus a recommendation."""
+    """Per target: analytic vs compiled memory and FLOPs, fit verdicts, roofline placement; plus a
+    recommendation."""
     parsed = aot.parse_targets(targets)
     context = serve_context or config.model.max_seq_len
     if serve_batch <= 0 or context <= 0:
@@ -216,8 +222,8 @@ def budget(
 
 
 def _need(row: dict) -> int:
-    """Bytes per device the train step needs: the compiler's peak when it compiled (it is the program
-    that will run, temporaries included), else the analytic total (margin included)."""
+    """Bytes per device the train step needs: the compiler's peak when it compiled (it is the
+    program that will run, temporaries included), else the analytic total (margin included)."""
     compiled = row.get("compiled_train")
     return compiled["peak_bytes"] if compiled else row["train"]["total"]
 
@@ -227,7 +233,8 @@ def _round_up(x: int, k: int) -> int:
 
 
 def recommend(rows: list[dict]) -> dict:
-    """The smallest slice (fewest chips, then least HBM) that trains with headroom; else with remat; else none."""
+    """The smallest slice (fewest chips, then least HBM) that trains with headroom; else with remat;
+    else none."""
     order = sorted(rows, key=lambda r: (r["chips"], r["hbm_per_device"] * r["devices"]))
     for key, how in (
         ("train_fits_with_headroom", "as configured"),
@@ -251,7 +258,8 @@ def recommend(rows: list[dict]) -> dict:
                     "how": how,
                     "why": f"fewest chips among the targets that hold the train step {how}: needs "
                     f"{_gib(need)} of {_gib(r['hbm_per_device'])} HBM per device "
-                    f"({100 * need / r['hbm_per_device']:.1f}% by {basis}; at most {100 * (1 - HEADROOM):.0f}% "
+                    f"({100 * need / r['hbm_per_device']:.1f}% by {basis}; at most "
+                    f"{100 * (1 - HEADROOM):.0f}% "
                     "leaves the headroom)",
                 }
     return {"target": None, "how": None, "why": "fits none of the targets"}
@@ -262,9 +270,10 @@ def check_fits(result: dict) -> None:
     if result["recommendation"]["target"] is None:
         worst = min(result["rows"], key=lambda r: r["train"]["total_remat"] / r["hbm_per_device"])
         raise DoesNotFit(
-            f"this model fits none of {', '.join(r['target'] for r in result['rows'])}: the train step needs "
-            f"{_gib(worst['train']['total_remat'])} per device even with rematerialization, {worst['target']} has "
-            f"{_gib(worst['hbm_per_device'])}; pick a bigger slice or a smaller model (nothing was provisioned)"
+            f"this model fits none of {', '.join(r['target'] for r in result['rows'])}: the train "
+            f"step needs {_gib(worst['train']['total_remat'])} per device even with "
+            f"rematerialization, {worst['target']} has {_gib(worst['hbm_per_device'])}; pick a "
+            "bigger slice or a smaller model (nothing was provisioned)"
         )
 
 
@@ -275,9 +284,9 @@ def _gib(b: float) -> str:
 def table(result: dict) -> str:
     """Markdown: one row per target (per device), then the recommendation."""
     lines = [
-        "| target | dev | HBM/dev | params+grads+Adam | activations (remat) | analytic total (remat) | "
-        "compiled peak | fits | serve bf16 / int8 KV | compiler GFLOP vs analytic | AI (FLOP/B) vs ridge bf16 |"
-        " notes |",
+        "| target | dev | HBM/dev | params+grads+Adam | activations (remat) | "
+        "analytic total (remat) | compiled peak | fits | serve bf16 / int8 KV | "
+        "compiler GFLOP vs analytic | AI (FLOP/B) vs ridge bf16 | notes |",
         "|" + "---|" * 12,
     ]
     for r in result["rows"]:
@@ -315,7 +324,8 @@ def table(result: dict) -> str:
         lines.append(
             f"| {r['target']} | {r['devices']} | {_gib(r['hbm_per_device'])} | {_gib(state)} | "
             f"{_gib(t['activations'])} ({_gib(t['activations_remat'])}) | {_gib(t['total'])} "
-            f"({_gib(t['total_remat'])}) | {_gib(c['peak_bytes']) if c else ('OOM' if refused else '-')} | {fits} | "
+            f"({_gib(t['total_remat'])}) | "
+            f"{_gib(c['peak_bytes']) if c else ('OOM' if refused else '-')} | {fits} | "
             f"{_gib(s['bf16'])} / {_gib(s['int8'])} | {flops} | {ai} | {notes} |"
         )
     rec = result["recommendation"]
@@ -335,7 +345,8 @@ def table(result: dict) -> str:
 def write_budget(
     config, targets: str, out_dir, *, serve_batch: int = 8, serve_context: int | None = None
 ) -> dict:
-    """Run ``budget`` and write budget.json (with provenance and the config) and budget.md under ``out_dir``."""
+    """Run ``budget`` and write budget.json (with provenance and the config) and budget.md under
+    ``out_dir``."""
     from pathlib import Path
 
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
@@ -351,8 +362,8 @@ def write_budget(
         "config": to_dict(config),
         "param_count": param_count(config.model),
         "environment": {**environment(), "libtpu": aot.libtpu_version()},
-        "method": "analytic bytes per device (see tpulab.perf.budget) next to XLA:TPU compiles of the "
-        "train and decode steps for each topology via libtpu on this host (not executed)",
+        "method": "analytic bytes per device (see tpulab.perf.budget) next to XLA:TPU compiles of "
+        "the train and decode steps for each topology via libtpu on this host (not executed)",
     }
     atomic_write_json(out / "budget.json", result)
     atomic_write_bytes(out / "budget.md", (table(result) + "\n").encode())

@@ -117,7 +117,8 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
     ):
         raise TpulabError(
             f"{run_dir} was trained in {src.config.precision.param_dtype}/"
-            f"{src.config.precision.compute_dtype}; the precision table needs an fp32 run as reference"
+            f"{src.config.precision.compute_dtype}; the precision table needs an fp32 run as "
+            "reference"
         )
     win = heldout_windows(src.config, windows)
     inputs, targets = jnp.asarray(win[:, :-1]), win[:, 1:]
@@ -146,7 +147,7 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
         fwd = jax.jit(fns.full_logits)
         if name == "int8-cache":
             prompt = max(1, inputs.shape[1] // 8)
-            tf = jax.jit(lambda p, x: _teacher_forced(fns, "int8", p, x, prompt))
+            tf = jax.jit(lambda p, x, fns=fns, n=prompt: _teacher_forced(fns, "int8", p, x, n))
             logits = tf(params, inputs)
             fwd_s = _median_time(tf, params, inputs)
         else:
@@ -185,15 +186,16 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
 
 def markdown(result: dict) -> str:
     lines = [
-        "| policy | weights | activations | accum | KV cache | held-out loss | max abs logit diff | mean KL "
-        "| greedy agreement | weight MB | KV B/token | forward ms | train step ms |",
+        "| policy | weights | activations | accum | KV cache | held-out loss | max abs logit diff "
+        "| mean KL | greedy agreement | weight MB | KV B/token | forward ms | train step ms |",
         "|" + "---|" * 13,
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['policy']} | {r['weights']} | {r['activations']} | {r['accumulation']} | {r['kv_cache']} "
-            f"| {r['heldout_loss']:.4f} | {r['max_abs_logit_diff']:.2e} | {r['mean_kl']:.2e} | "
-            f"{r['greedy_agreement']:.4f} | {r['weight_bytes'] / 1e6:.3f} | {r['kv_bytes_per_token']:.0f} | "
+            f"| {r['policy']} | {r['weights']} | {r['activations']} | {r['accumulation']} "
+            f"| {r['kv_cache']} | {r['heldout_loss']:.4f} | {r['max_abs_logit_diff']:.2e} "
+            f"| {r['mean_kl']:.2e} | {r['greedy_agreement']:.4f} | {r['weight_bytes'] / 1e6:.3f} "
+            f"| {r['kv_bytes_per_token']:.0f} | "
             f"{r['forward_ms']:.2f} | "
             + (f"{r['train_step_ms']:.2f}" if "train_step_ms" in r else "inference only")
             + " |"
