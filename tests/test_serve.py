@@ -660,8 +660,8 @@ def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(ve
 
 def test_a_request_past_its_deadline_expires_in_the_queue_on_the_injected_clock():
     from tpulab.inference.generate import Request as GenRequest
-    from tpulab.inference.sampling import SamplingConfig
     from tpulab.inference.serve import Batcher, ServeConfig
+    from tpulab.model.sampling import SamplingConfig
 
     now = [100.0]
     batcher = Batcher(ServeConfig(request_timeout_s=5.0), clock=lambda: now[0])
