@@ -369,7 +369,7 @@ def test_progress_lines_take_eval_metrics_or_a_float():
     lines.on_eval(10, {"val_loss": 1.23456, "val_accuracy": 0.5})
     lines.on_eval(20, 2.5)
     assert out.getvalue().splitlines() == [
-        "[progress] step 10: val loss 1.2346",
+        "[progress] step 10: val loss 1.2346, val accuracy 0.5000",
         "[progress] step 20: val loss 2.5000",
     ]
 

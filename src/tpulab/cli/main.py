@@ -1,4 +1,4 @@
-"""`tpulab` command line: parse arguments, call one library function, turn TpulabError into one line.
+"""`tpulab` command line: parse arguments, call one library function, TpulabError -> one line.
 
 Each concern registers its own subcommands (``register(subparsers)``) so this file stays a thin
 dispatcher. Heavy imports (jax, torch) happen inside the handlers, so ``--help`` stays quick.
@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
         bridge_cmds,
         cloud_cmds,
         inference_cmds,
+        ops_cmds,
+        ops_image_cmds,
         perf_cmds,
         scale_cmds,
         track_cmds,
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         perf_cmds,
         cloud_cmds,
         track_cmds,
+        ops_cmds,
+        ops_image_cmds,
     ):
         module.register(sub)
     return parser

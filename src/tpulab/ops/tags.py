@@ -16,3 +16,6 @@ RESUME_VERDICT = (
 )  # JSON {"identical": bool, "verdict_sha256": ...} | "absent"
 EVAL_PREFIX = PREFIX + "eval."  # + score name: behaviour-evaluation scores, floats as strings
 RETIRED = PREFIX + "retired"  # "true" once retired (absent otherwise): never served again
+# Added by the registry (opsreg): a registered model's tag, and a prompt version's tag.
+LEDGER_HEAD = PREFIX + "ledger_head_sha256"  # sha256 of the model's newest promotion-ledger entry
+PROMPT_SHA256 = PREFIX + "prompt_sha256"  # sha256 of a prompt version's template (UTF-8)

@@ -123,7 +123,7 @@ class Engines:
         self._by_structure = {}
 
     def _entry(self, model):
-        from tpulab.inference.decode import Decoder, ModelFns
+        from tpulab.model.decode import Decoder, ModelFns
 
         fns = ModelFns(model)
         key = tuple((n, x.shape, str(x.dtype)) for n, x in fns.params.items())

@@ -10,12 +10,13 @@ pretraining, with masks that cover each response and its stop byte only
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
 
 from tpulab.data import dialogue
-from tpulab.data.corpus import load_corpus
+from tpulab.data.contract import load_checked
 from tpulab.errors import TpulabError
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives.base import DataSource, Objective
@@ -29,6 +30,8 @@ def load_base(config) -> Restored:
     base = load_model(init)
     for section in ("model", "precision"):
         have, want = getattr(base.config, section), getattr(config, section)
+        if section == "model":  # rematerialisation changes memory, not the model
+            have = dataclasses.replace(have, remat=want.remat)
         if have != want:
             diff = [
                 f"{section}.{k}: {getattr(have, k)!r} there, {getattr(want, k)!r} here"
@@ -49,7 +52,7 @@ class SFT(Objective):
         self.base = load_base(config)
         obj, data = config.objective, config.data
         if obj.data is None:
-            self.dialogue = dialogue.from_plays(load_corpus(data.path), data)
+            self.dialogue = dialogue.from_plays(load_checked(data), data)
         else:
             self.dialogue = dialogue.from_jsonl(obj.data, data)
         self.train_rows = dialogue.encode(self.dialogue.train, data.seq_len)

@@ -1,0 +1,426 @@
+"""The registry end to end through the CLI on a real sqlite MLflow store: tags per the contract,
+promotion refused on forged tags and on a behaviour regression, rollback, retire/delete refusals,
+the ledger's tamper detection, moves made outside tpulab, bad stores. Every refusal is one line,
+a non-zero exit, and leaves the store and the ledger byte for byte as they were."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import shutil
+import sqlite3
+
+import pytest
+
+from tpulab.ops import tags as T
+
+NAME = "tiny"
+
+
+def registry(uri: str, *args: str) -> tuple[int, str, str]:
+    """``tpulab registry ARGS --tracking-uri URI`` in this process: (exit code, stdout, stderr)."""
+    from tpulab.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["registry", *args, "--tracking-uri", uri])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def refused(result, *words) -> str:
+    rc, _, err = result
+    lines = err.strip().splitlines()
+    assert rc != 0 and len(lines) == 1 and lines[0].startswith("error: "), (rc, err)
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def _uri(store) -> str:
+    return f"sqlite:///{store}/mlruns.db"
+
+
+def _client(store):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=_uri(store))
+
+
+def fingerprint(store) -> tuple[str, str]:
+    """sha256 of the sqlite file and of the ledger: what "nothing changed" means."""
+    db = hashlib.sha256((store / "mlruns.db").read_bytes()).hexdigest()
+    path = store / "registry_ledger.jsonl"
+    return db, hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "-"
+
+
+@pytest.fixture(scope="module")
+def exports(trained_run, tmp_path_factory) -> dict:
+    """Export sets of the run's step-20 and step-40 checkpoints (step 40 is the better model)."""
+    from tpulab.inference.export import export_artifacts
+    from tpulab.train.restore import load_model
+
+    base = tmp_path_factory.mktemp("registry-art")
+    out = {}
+    for step in (20, 40):
+        out[step] = base / f"art{step}"
+        export_artifacts(load_model(trained_run, step), trained_run, out[step])
+    return out
+
+
+@pytest.fixture(scope="module")
+def flow(exports, tmp_path_factory):
+    """A store where step 20 is v1, step 40 is v2, champion went v1 then v2; with each output."""
+    store = tmp_path_factory.mktemp("registry-store")
+    uri, outputs = _uri(store), []
+    for args in (
+        ("register", "--artifacts", str(exports[20]), "--name", NAME, "--reason", "first cut"),
+        ("register", "--artifacts", str(exports[40]), "--name", NAME),
+        ("promote", NAME, "1", "--to", "champion", "--reason", "first champion"),
+        ("promote", NAME, "2"),
+    ):
+        rc, out, err = registry(uri, *args)
+        assert rc == 0, err
+        outputs.append(out)
+    return store, outputs
+
+
+@pytest.fixture
+def store(flow, tmp_path):
+    """A private copy of the flow's store and ledger (the artifacts stay shared: tests never
+    touch them)."""
+    dst = tmp_path / "store"
+    shutil.copytree(flow[0], dst)
+    return dst
+
+
+def _tampered_copy(art, tmp_path):
+    bad = tmp_path / "tampered"
+    shutil.copytree(art, bad)
+    data = bytearray((bad / "weights.npz").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (bad / "weights.npz").write_bytes(bytes(data))
+    return bad
+
+
+def test_register_refuses_tampered_artifacts_and_leaves_no_store(exports, tmp_path):
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    bad = _tampered_copy(exports[20], tmp_path)
+    refused(
+        registry(_uri(fresh), "register", "--artifacts", str(bad), "--name", NAME),
+        "sha256 mismatch in weights.npz",
+    )
+    assert list(fresh.iterdir()) == []  # no store, no ledger, no lock file left behind
+
+
+def test_versions_carry_the_contract_tags_and_the_ledger_chains(flow, exports, trained_run):
+    from tpulab.checkpoint.files import sha256_file
+    from tpulab.model.decode import Decoder
+    from tpulab.ops.behaviour import evaluate
+    from tpulab.train.restore import load_model
+
+    store, outputs = flow
+    c = _client(store)
+    assert c.get_registered_model(NAME).aliases == {"champion": 2}
+    corpus = json.loads((trained_run / "documents.json").read_text())["identity"]
+    for version, step in ((1, 20), (2, 40)):
+        mv = c.get_model_version(NAME, str(version))
+        restored = load_model(trained_run, step)
+        assert mv.source == mv.tags[T.ARTIFACTS] == str(exports[step].resolve())
+        assert mv.tags[T.EXPORT_MANIFEST] == sha256_file(exports[step] / "manifest.json")
+        assert mv.tags[T.CHECKPOINT] == restored.checkpoint_digest
+        assert mv.tags[T.CORPUS] == corpus
+        assert mv.tags[T.RUN_ID] == "" and mv.tags[T.RESUME_VERDICT] == "absent"
+        assert T.RETIRED not in mv.tags
+        got = {
+            k[len(T.EVAL_PREFIX) :]: float(v)
+            for k, v in mv.tags.items()
+            if k.startswith(T.EVAL_PREFIX)
+        }
+        assert set(got) == {"held_out_loss", "stop_rate", "byte_validity", "exact_match"}
+        if step == 40:  # what the registry logged is what the jitted model scores on the suite
+            assert got == evaluate(Decoder.of(restored.model, "fp32"))["scores"]
+    assert "baseline v1 (re-evaluated now)" in outputs[3] and "champion: v1 -> v2" in outputs[3]
+
+    # The chain, recomputed here from the documented rule (sha256 of the sorted, compact JSON
+    # without its own sha256; prev_sha256 of the line before; the first one's is 64 zeros).
+    lines = (store / "registry_ledger.jsonl").read_text().splitlines()
+    prev = "0" * 64
+    for n, line in enumerate(lines, 1):
+        e = json.loads(line)
+        body = {k: v for k, v in e.items() if k != "sha256"}
+        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        assert e["sha256"] == hashlib.sha256(canon.encode()).hexdigest()
+        assert e["prev_sha256"] == prev and e["seq"] == n
+        assert {"user", "uid", "host"} <= set(e["who"]) and e["reason"]
+        prev = e["sha256"]
+    actions = [(json.loads(x)["action"], json.loads(x).get("from_version")) for x in lines]
+    assert actions == [("register", None), ("register", None), ("promote", None), ("promote", "1")]
+    assert json.loads(lines[0])["reason"] == "first cut"
+    assert c.get_registered_model(NAME).tags[T.LEDGER_HEAD] == prev
+    promoted = json.loads(lines[3])["evidence"]
+    assert promoted["export_manifest_sha256"] == sha256_file(exports[40] / "manifest.json")
+    assert promoted["verification"]["mode"] == "checkpoint"
+    assert promoted["behaviour"]["baseline"]["version"] == "1"
+
+
+def test_promotion_refused_on_regression_even_with_forged_scores(store):
+    c, uri = _client(store), _uri(store)
+    for k, v in (("held_out_loss", "0.5"), ("exact_match", "1.0"), ("stop_rate", "1.0")):
+        c.set_model_version_tag(NAME, "1", T.EVAL_PREFIX + k, v)  # tags claim v1 is excellent
+    before = fingerprint(store)
+    line = refused(
+        registry(uri, "promote", NAME, "1"), "refused by the behaviour gate against champion v2"
+    )
+    assert "held_out_loss 4.44" in line and "margin 0.05" in line  # re-evaluated, not read
+    assert fingerprint(store) == before
+    assert c.get_registered_model(NAME).aliases == {"champion": 2}
+
+
+@pytest.mark.parametrize(
+    "tag, words",
+    [
+        (T.EXPORT_MANIFEST, ("says ffffffffffff", "manifest on disk hashes to", "forged tag")),
+        (T.CHECKPOINT, ("says ffffffffffff", "the manifest names checkpoint")),
+        (T.CORPUS, ("says ffffffffffff", "the run's corpus is")),
+        (T.RESUME_VERDICT, ("names a verdict file that is gone or changed",)),
+    ],
+)
+def test_promotion_refused_on_a_forged_digest_tag(store, tmp_path, tag, words):
+    c, uri = _client(store), _uri(store)
+    value = "f" * 64
+    if tag == T.RESUME_VERDICT:  # claims a passing proof that is not on disk as claimed
+        (tmp_path / "verdict.json").write_text('{"identical": true}')
+        value = json.dumps(
+            {"identical": True, "verdict_sha256": "f" * 64, "path": str(tmp_path / "verdict.json")}
+        )
+    c.set_model_version_tag(NAME, "1", tag, value)
+    before = fingerprint(store)
+    refused(registry(uri, "promote", NAME, "1", "--to", "canary"), f"tag {tag}", *words)
+    assert fingerprint(store) == before
+
+
+def test_resume_verdict_and_training_run_are_found_only_for_this_run(tmp_path):
+    from tpulab.tracking.store import RUN_FILE
+
+    from tpulab.ops.registry import open_registry, resume_verdict, training_run_id
+
+    run = tmp_path / "out" / "run"
+    run.mkdir(parents=True)
+    assert resume_verdict(run) == "absent"
+    proof = tmp_path / "out" / "proof"
+    proof.mkdir()
+    (proof / "verdict.json").write_text(json.dumps({"identical": True, "reference_dir": str(run)}))
+    tag = json.loads(resume_verdict(run))
+    assert tag["identical"] is True and tag["path"] == str(proof / "verdict.json")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"identical": True, "run_dir": str(tmp_path / "elsewhere")}))
+    with pytest.raises(Exception, match="is about another run"):
+        resume_verdict(run, other)
+
+    reg = open_registry(_uri(tmp_path), create=True)
+    assert training_run_id(reg, run) == ""
+    rid = reg.client.create_run(reg.experiment_id).info.run_id
+    (run / RUN_FILE).write_text(json.dumps({"tracking_uri": reg.uri, "run_id": rid}))
+    assert training_run_id(reg, run) == rid
+    (run / RUN_FILE).write_text(json.dumps({"tracking_uri": "sqlite:////x/y.db", "run_id": rid}))
+    assert training_run_id(reg, run) == ""  # a run in another store is not this store's run
+
+
+def test_rollback_moves_champion_back_once(store):
+    uri = _uri(store)
+    rc, out, err = registry(uri, "rollback", NAME, "--reason", "v2 misbehaves")
+    assert rc == 0, err
+    assert "champion: v2 -> v1" in out and "verified tiny v1" in out
+    assert _client(store).get_registered_model(NAME).aliases == {"champion": 1}
+    entry = json.loads((store / "registry_ledger.jsonl").read_text().splitlines()[-1])
+    assert (entry["action"], entry["version"], entry["from_version"]) == ("rollback", "1", "2")
+    assert entry["reason"] == "v2 misbehaves" and entry["evidence"]["checkpoint_step"] == 20
+    before = fingerprint(store)  # v1 was the first champion: nothing earlier to go back to
+    refused(registry(uri, "rollback", NAME), "no earlier promoted version of tiny")
+    assert fingerprint(store) == before
+    rc, out, _ = registry(uri, "status", NAME)
+    assert (
+        rc == 0 and "champion -> v1" in out and "rollback champion: v2 -> v1: v2 misbehaves" in out
+    )
+
+
+def test_retire_and_delete_refuse_the_aliased_version(store):
+    c, uri = _client(store), _uri(store)
+    before = fingerprint(store)
+    refused(registry(uri, "retire", NAME, "2"), "v2 holds alias champion", "nothing changed")
+    refused(registry(uri, "delete", NAME, "2"), "v2 holds alias champion")
+    refused(registry(uri, "promote", NAME, "7"), "has no version 7")
+    refused(registry(uri, "promote", "nobody", "1"), "no model nobody")
+    refused(registry(uri, "promote", NAME, "2"), "already holds champion")
+    assert fingerprint(store) == before
+
+    rc, out, err = registry(uri, "retire", NAME, "1")
+    assert rc == 0 and "retired tiny v1" in out, err
+    assert c.get_model_version(NAME, "1").tags[T.RETIRED] == "true"
+    refused(registry(uri, "promote", NAME, "1", "--to", "canary"), "v1 is retired")
+    # champion's history is [v1, v2]; v1 is retired, so there is nowhere to roll back to.
+    refused(registry(uri, "rollback", NAME), "no earlier promoted version", "skipped v1 (retired)")
+    rc, _, err = registry(uri, "delete", NAME, "1")
+    assert rc == 0, err
+    assert [int(v.version) for v in c.search_model_versions(f"name = '{NAME}'")] == [2]
+    rc, out, _ = registry(uri, "status", NAME)
+    assert rc == 0 and "retire v1" in out and "delete v1" in out and "champion -> v2" in out
+
+
+def test_an_edited_removed_or_reordered_ledger_entry_refuses_everything(store):
+    uri, path = _uri(store), store / "registry_ledger.jsonl"
+    good = path.read_bytes()
+    lines = good.decode().splitlines(keepends=True)
+    assert registry(uri, "status", NAME)[0] == 0  # the untouched copy passes
+    tampered = {
+        "edited": lines[:2] + [lines[2].replace("first champion", "first chamption")] + lines[3:],
+        "removed": lines[:3],
+        "dropped": lines[:1] + lines[2:],
+        "reordered": [lines[1], lines[0], *lines[2:]],
+    }
+    words = {
+        "edited": "line 3: the entry does not hash to its sha256 (it was edited)",
+        "removed": "does not end where the store says",
+        "dropped": "line 2: prev_sha256 does not match",
+        "reordered": "line 1: prev_sha256 does not match",
+    }
+    for kind, text in tampered.items():
+        path.write_text("".join(text))
+        before = fingerprint(store)
+        refused(registry(uri, "status", NAME), words[kind])
+        refused(registry(uri, "rollback", NAME), words[kind])
+        refused(registry(uri, "retire", NAME, "1"), words[kind])
+        assert fingerprint(store) == before, kind
+    path.unlink()
+    refused(registry(uri, "status", NAME), "does not end where the store says")
+    path.write_bytes(good)
+    assert registry(uri, "status", NAME)[0] == 0
+
+
+def test_moves_made_outside_tpulab_are_reported(store):
+    c, uri = _client(store), _uri(store)
+    c.set_registered_model_alias(NAME, "champion", "1")  # behind the ledger's back
+    rc, _, err = registry(uri, "status", NAME)
+    assert (
+        rc == 1
+        and "alias champion is on v1 in the store, the ledger's last move put it on v2" in err
+    )
+    c.set_registered_model_alias(NAME, "champion", "2")
+    assert registry(uri, "status", NAME)[0] == 0
+    c.delete_model_version(NAME, "2")  # MLflow drops the alias with the version, silently
+    assert c.get_registered_model(NAME).aliases == {}
+    rc, _, err = registry(uri, "status", NAME)
+    assert rc == 1 and "alias champion is on no version in the store" in err
+
+
+def test_a_change_made_while_a_command_verified_refuses_its_commit(store):
+    from tpulab.ops.registry import consistent_ledger, open_registry, unchanged_since
+
+    reg = open_registry(_uri(store))
+    entries, _, model = consistent_ledger(reg, NAME)
+    mv = reg.client.get_model_version(NAME, "1")
+    unchanged_since(reg, NAME, entries, model, mv)  # nothing happened: no refusal
+    reg.client.set_model_version_tag(NAME, "1", T.RETIRED, "true")  # e.g. retired meanwhile
+    with pytest.raises(Exception, match="changed while this command verified it"):
+        unchanged_since(reg, NAME, entries, model, mv)
+    reg.client.delete_model_version_tag(NAME, "1", T.RETIRED)
+    reg.client.set_registered_model_alias(NAME, "canary", "1")
+    with pytest.raises(Exception, match="changed while this command verified it"):
+        unchanged_since(reg, NAME, entries, model)
+
+
+def test_bad_stores_are_refused_in_one_line(store, tmp_path):
+    uri = _uri(store)
+    refused(registry(_uri(tmp_path / "none"), "status", NAME), "no registry store at")
+    refused(registry("http://127.0.0.1:9/", "status", NAME), "needs a sqlite MLflow store")
+    refused(registry(uri, "promote", NAME, "1", "--to", "v3"), "reserved by MLflow")
+    refused(registry(uri, "status", "bad name"), "model name 'bad name' must be")
+
+    holder = sqlite3.connect(store / "mlruns.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process writing the store
+    try:
+        before = fingerprint(store)
+        refused(
+            registry(uri, "retire", NAME, "1"),
+            "is locked by another process",
+            "nothing was changed",
+        )
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert fingerprint(store) == before
+    with open(store / "registry_ledger.lock", "a") as f:  # another registry command running
+        fcntl.flock(f, fcntl.LOCK_EX)
+        refused(registry(uri, "retire", NAME, "1"), "locked by another tpulab registry command")
+    assert fingerprint(store) == before
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "mlruns.db").write_bytes(b"not sqlite " * 200)
+    data = (corrupt / "mlruns.db").read_bytes()
+    refused(registry(_uri(corrupt), "status", NAME), "is not a readable sqlite database")
+    refused(registry(_uri(corrupt), "rollback", NAME), "is not a readable sqlite database")
+    assert (corrupt / "mlruns.db").read_bytes() == data
+
+
+def test_promote_refuses_artifacts_changed_after_registration(store, exports, tmp_path):
+    # The version's source re-pointed at a copy with one weight byte flipped; manifest.json is
+    # untouched, so the digest tag still matches and only the rehash of every file can tell.
+    bad = _tampered_copy(exports[20], tmp_path)
+    db = sqlite3.connect(store / "mlruns.db")
+    with db:
+        db.execute("UPDATE model_versions SET source = ? WHERE version = 1", (str(bad),))
+    db.close()
+    _client(store).set_model_version_tag(NAME, "1", T.ARTIFACTS, str(bad))
+    before = fingerprint(store)
+    refused(
+        registry(_uri(store), "promote", NAME, "1", "--to", "canary"),
+        "sha256 mismatch in weights.npz",
+    )
+    assert fingerprint(store) == before
+
+
+def test_the_cli_process_prints_one_line_and_no_mlflow_chatter(store, tmp_path):
+    from conftest import run_cli
+
+    ok = run_cli("registry", "status", NAME, "--tracking-uri", _uri(store), timeout=120)
+    assert ok.returncode == 0 and ok.stderr == "" and "champion -> v2" in ok.stdout, ok.stderr
+    (tmp_path / "mlruns.db").write_bytes(b"\0" * 4096)
+    bad = run_cli("registry", "status", NAME, "--tracking-uri", _uri(tmp_path), timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [bad.stderr.strip()], bad.stderr
+
+
+def test_prompts_are_versioned_by_content_hash(tmp_path):
+    from tpulab.ops.prompts import load_prompt, prompt_sha256
+    from tpulab.ops.registry import open_registry
+
+    uri = _uri(tmp_path)
+    open_registry(uri, create=True)
+    rc, out, err = registry(uri, "prompt", "speaker", "--template", "{{ speaker }}.\n")
+    assert rc == 0 and "prompts:/speaker/1" in out and "new version" in out, err
+    rc, out, _ = registry(uri, "prompt", "speaker", "--template", "{{ speaker }}.\n")
+    assert "prompts:/speaker/1" in out and "same text as before" in out
+    registry(uri, "prompt", "speaker", "--template", "{{ speaker }}:\n")
+    rc, out, _ = registry(uri, "prompt", "speaker")
+    assert out.count("prompts:/speaker/") == 2 and prompt_sha256("{{ speaker }}:\n") in out
+
+    reg = open_registry(uri)
+    p = load_prompt(reg, "speaker", 1)
+    assert p.sha256 == prompt_sha256("{{ speaker }}.\n") and p.render(speaker="ROMEO") == "ROMEO.\n"
+    with pytest.raises(Exception, match="needs speaker"):
+        p.render()
+    # The stored template edited in the database: its hash no longer matches its tag.
+    db = sqlite3.connect(tmp_path / "mlruns.db")
+    with db:
+        n = db.execute(
+            "UPDATE model_version_tags SET value = 'KING.\n' WHERE name = 'speaker' AND "
+            "version = 1 AND key = 'mlflow.prompt.text'"
+        ).rowcount
+    db.close()
+    assert n == 1
+    refused(registry(uri, "prompt", "speaker"), "the template hashes to", "edited in the store")
