@@ -94,10 +94,9 @@ def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = 
 
 
 def folded(model) -> nnx.State:
-    """``lora.merged_params`` as one compiled program. Eagerly, each of its ops compiles on first
-    use: 1.77 s for a d_model 512 model (16 adapted matrices) against 0.59 s to compile and run it
-    jitted, both under a load of 11 on 2 cores; warm, 0.03 s either way; the results are bitwise
-    the same (benchmarks/results/sft_speed.md)."""
+    """``lora.merged_params`` as one compiled program, bitwise the same result. Eagerly, each of
+    its ops compiles on first use: 1.82 s for a d_model 512 model (16 adapted matrices) at load 10
+    on 2 cores, against 1.11 s jitted at load ~20; warm, 0.03-0.2 s (docs/posttraining.md)."""
     graphdef, state = nnx.split(model)
     return _fold(graphdef, state)
 
