@@ -1,4 +1,5 @@
-"""`tpulab capstone` end to end at the CI size (the bridge and inference stages have their own tests)."""
+"""`tpulab capstone` end to end at the CI size (the bridge, inference, scale-out, dossier and
+post-training stages have their own tests)."""
 
 import json
 
