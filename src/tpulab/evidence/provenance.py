@@ -1,4 +1,7 @@
-"""What a run ran on: backend, devices, versions, commit. Never claims hardware JAX did not report."""
+"""What a run ran on: backend, devices, versions, commit.
+
+Never claims hardware JAX did not report.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def package_versions(names=BASE_PACKAGES) -> dict:
 
 
 def git_commit() -> str | None:
-    """The project's commit (with '-dirty' when the tree has changes), or None outside a checkout."""
+    """The project's commit (with '-dirty' when the tree has changes); None outside a checkout."""
     root = Path(__file__).resolve().parents[3]
     try:
         head = subprocess.run(
