@@ -14,6 +14,8 @@ import json
 import statistics
 from pathlib import Path
 
+from tpulab.checkpoint import rundir
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.evidence import metrics as M
 from tpulab.evidence.html import render_html
 from tpulab.evidence.provenance import describe_hardware
@@ -311,13 +313,9 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
     names = {"sft": "full SFT", "lora": f"LoRA r{lora['lora']['rank']}"}
     train_rows = []
     for name, run_dir in runs.items():
-        env = json.loads((run_dir / "env.json").read_text())
-        summary = json.loads((run_dir / "summary.json").read_text())
-        link = (
-            json.loads((run_dir / "mlflow_run.json").read_text())
-            if (run_dir / "mlflow_run.json").exists()
-            else {}
-        )
+        rd = RunDir(run_dir)
+        env, summary = rd.read(rundir.ENV), rd.read(rundir.SUMMARY)
+        link = rd.read(rundir.MLFLOW_RUN, {})
         sh = env["shapes"]
         tps = steady_tokens_per_s(run_dir, sh["batch"] * sh["seq_len"])
         train_rows.append(
