@@ -38,8 +38,7 @@ def checked_path(value: Path | str, flag: str) -> Path:
 
 
 def load_run_config(args):
-    from tpulab.config import load
-    from tpulab.train.config import RunConfig
+    from tpulab import load_config
 
     overrides = list(args.overrides)
     if args.steps is not None:
@@ -52,7 +51,7 @@ def load_run_config(args):
         path = checked_path(args.config, "--config")
     else:
         path = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
-    return load(RunConfig, path, overrides)
+    return load_config(path, overrides)
 
 
 def cmd_train(args) -> int:
