@@ -22,7 +22,7 @@ import pytest
 from conftest import TINY, run_cli, tiny_config
 from hooked_train import NanAt
 from tpulab.checkpoint.files import MANIFEST
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.proofs.driver import Proc
 from tpulab.train.loop import train
@@ -212,7 +212,7 @@ def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tm
             "--no-progress",
             "--no-track",
         )
-        assert result.returncode == 4, result.stderr
+        assert result.returncode == ExitCode.IO_FAILED, result.stderr
         errors = re.findall(r"error: [^\n]*", result.stderr)
         assert len(errors) == 1 and "No space left on device" in errors[0], result.stderr
         # nothing else: no Orbax/tensorstore tracebacks (the store drops Orbax's closed-loop echoes)

@@ -19,7 +19,7 @@ from conftest import REPO, TINY
 
 def _face_of_tpulab() -> dict:
     """What each public name of ``tpulab`` must be, imported here from where it is implemented."""
-    from tpulab.errors import TpulabError
+    from tpulab.errors import ExitCode, TpulabError
     from tpulab.train.config import RunConfig
     from tpulab.train.hooks import Hooks
     from tpulab.train.loop import train
@@ -37,6 +37,7 @@ def _face_of_tpulab() -> dict:
         "DataSource": DataSource,
         "OBJECTIVE_KINDS": KINDS,
         "TpulabError": TpulabError,
+        "ExitCode": ExitCode,
     }
 
 

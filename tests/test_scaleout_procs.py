@@ -1,10 +1,10 @@
 """Scale-out proofs 1-5 with real processes (tpulab launch, gloo over loopback), tiny sizes.
 
-One module fixture trains the same run on three layouts (proof 1); its 2 processes x 2 devices run is
-the uninterrupted reference of the kill (2, 4), stall (2), reshard (3) and ledger (5) proofs. The corpus
-is small enough that an epoch lasts about four steps, so every resume crosses an epoch boundary.
-Every child runs in a process group that is killed on exit (Proc), and launched trainers die with their
-launcher (PR_SET_PDEATHSIG).
+One module fixture trains the same run on three layouts (proof 1); its 2 processes x 2 devices run
+is the uninterrupted reference of the kill (2, 4), stall (2), reshard (3) and ledger (5) proofs. The
+corpus is small enough that an epoch lasts about four steps, so every resume crosses an epoch
+boundary. Every child runs in a process group that is killed on exit (Proc), and launched trainers
+die with their launcher (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import shutil
 import pytest
 
 from conftest import tiny_config
+from tpulab.errors import ExitCode
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,8 @@ def test_same_math_on_every_layout(layouts):
     out, v = layouts
     assert v["passed"], (out / "layouts.md").read_text()
     assert all(r["steps"] == STEPS for r in v["rows"])
-    # the two {2,2} layouts compile the same partitioned program; only the all-reduce's transport differs
+    # the two {2,2} layouts compile the same partitioned program; only the all-reduce's transport
+    # differs
     four_vs_two = v["rows"][2]
     assert four_vs_two["a"].startswith("1 proc x 4") and four_vs_two["b"].startswith("2 proc x 2")
     assert four_vs_two["within_tolerance"]
@@ -77,7 +79,6 @@ def test_same_math_on_every_layout(layouts):
 
 def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, layouts, tmp_path):
     from tpulab.proofs.scaleout import GRACE_S, _with_mesh, prove_multiprocess_resume
-    from tpulab.train.distributed import EXIT_PEER_FAILED
 
     out, _ = layouts
     v = prove_multiprocess_resume(
@@ -91,7 +92,8 @@ def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, la
     assert v["identical"], v
     assert v["final_state_identical"] and v["leaves_compared"] == 46
     assert (
-        v["event"]["launcher_exit_code"] == EXIT_PEER_FAILED and v["event"]["survivors_after"] == []
+        v["event"]["launcher_exit_code"] == ExitCode.PEER_FAILED
+        and v["event"]["survivors_after"] == []
     )
     assert v["event"]["job_end_s"] < GRACE_S + 5  # the survivor is gone within the stated bound
     assert v["resumed_from_step"] == 5 and v["kill_step"] == 9
@@ -103,7 +105,6 @@ def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, la
 
 def test_stall_one_process_watchdog_tears_down_and_resume_is_bitwise(config, layouts, tmp_path):
     from tpulab.proofs.scaleout import _with_mesh, prove_multiprocess_resume
-    from tpulab.train.distributed import EXIT_STALLED
 
     out, _ = layouts
     timeout = 15.0
@@ -115,7 +116,7 @@ def test_stall_one_process_watchdog_tears_down_and_resume_is_bitwise(config, lay
         reference_dir=out / "p2d2",
         stall_timeout_s=timeout,
     )
-    assert v["event"]["launcher_exit_code"] == EXIT_STALLED, v
+    assert v["event"]["launcher_exit_code"] == ExitCode.STALLED, v
     assert v["stack_dumped"] and v["event"]["survivors_after"] == []
     assert (
         timeout <= v["event"]["job_end_s"] < timeout + 10

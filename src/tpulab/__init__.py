@@ -32,6 +32,7 @@ _EXPORTS = {
     "DataSource": "tpulab.train.objectives.base:DataSource",
     "OBJECTIVE_KINDS": "tpulab.train.objectives:KINDS",
     "TpulabError": "tpulab.errors:TpulabError",
+    "ExitCode": "tpulab.errors:ExitCode",
 }
 
 __all__ = sorted([*_EXPORTS, "load_config"])

@@ -30,7 +30,7 @@ import grain
 import orbax.checkpoint as ocp
 
 from tpulab.checkpoint.files import MANIFEST, manifest_digest, verify_manifest, write_manifest
-from tpulab.errors import CheckpointError
+from tpulab.errors import CheckpointError, ExitCode
 
 FORMAT = "tpulab-transformer-checkpoint-v1"
 # Orbax writes step N into "N.orbax-checkpoint-tmp-<id>", then renames it.
@@ -375,7 +375,7 @@ class CheckpointStore:
         """The one line, with how many of Orbax's error records of the failure were dropped."""
         n = self._log_filter.dropped
         echoes = f"; {n} Orbax error records of this failure suppressed" if n else ""
-        return CheckpointError(self._failure + echoes, exit_code=4)
+        return CheckpointError(self._failure + echoes, exit_code=ExitCode.IO_FAILED)
 
     def _raise_failure(self) -> None:
         if self._failure is not None:

@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpulab.cloud.config import CloudConfig
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 
 CALLS = "calls.jsonl"
+# The status recorded for a call tpulab killed at its time bound (what coreutils `timeout` exits
+# with); a gcloud status, never one tpulab exits with.
+TIMED_OUT_RC = 124
 _KEEP_CHARS = 20000
 
 
@@ -206,10 +209,10 @@ def sigterm_as_interrupt():
 
 
 def interruption(e: BaseException) -> tuple[str, int]:
-    """How an interrupt reads in a one-line error, and the exit code it gets (128 + signal)."""
+    """How an interrupt reads in a one-line error, and the exit code it gets."""
     if isinstance(e, Terminated):
-        return "terminated (SIGTERM)", 128 + signal.SIGTERM
-    return "interrupted (SIGINT)", 128 + signal.SIGINT
+        return "terminated (SIGTERM)", ExitCode.TERMINATED
+    return "interrupted (SIGINT)", ExitCode.INTERRUPTED
 
 
 class Gcloud:
@@ -275,11 +278,11 @@ class Gcloud:
             _kill_group(proc)
             out, err = proc.communicate()
             if isinstance(e, subprocess.TimeoutExpired):
-                rc, why = 124, f"timed out after {timeout_s:.0f} s"
+                rc, why = TIMED_OUT_RC, f"timed out after {timeout_s:.0f} s"
             else:
                 why, rc = interruption(e)
             err += f"\ntpulab: {why}"
-            if rc != 124:
+            if rc != TIMED_OUT_RC:
                 self._record(step, argv, rc, started, t0, out, err, timeout_s)
                 raise
         finally:

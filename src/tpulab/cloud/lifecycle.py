@@ -35,7 +35,7 @@ from tpulab.checkpoint.files import (
 from tpulab.cloud import gcloud as g
 from tpulab.cloud.config import CloudConfig
 from tpulab.cloud.worker import PREEMPT_RECORD
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.provenance import git_commit
 
@@ -47,19 +47,20 @@ FAIL_STATES = {"PREEMPTED", "TERMINATED", "DELETING", "STOPPED", "STOPPING", "HI
 
 
 class CloudError(TpulabError):
-    """A lifecycle step failed (exit 1); the message names the step and gcloud's last line."""
+    """A lifecycle step failed; the message names the step and gcloud's last line."""
 
-    exit_code = 1
+    exit_code = ExitCode.FAILED
 
 
 class DeleteError(TpulabError):
-    """The VM may still exist (and cost money): exit 5, resource named, manual command given."""
+    """The VM may still exist (and cost money): resource named, manual command given."""
 
-    exit_code = 5
+    exit_code = ExitCode.DELETE_NOT_VERIFIED
 
 
 class Interrupted(TpulabError):
-    """SIGTERM or Ctrl-C ended a step: exit 128 + the signal, the VM named (deleted or not)."""
+    """SIGTERM or Ctrl-C ended a step (``ExitCode.TERMINATED``, ``INTERRUPTED``), the VM named
+    (deleted or not)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tpulab.checkpoint.files import MANIFEST, atomic_write_json
 from tpulab.checkpoint.store import TMP_MARK, scan
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence import metrics as M
 from tpulab.proofs import cache
 from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
@@ -151,7 +151,7 @@ def run_chaos(
                 raise TpulabError(
                     f"the final victim process did not finish within {timeout_s:.0f}s"
                 ) from None
-            if rc != 0:
+            if rc != ExitCode.OK:
                 raise TpulabError(
                     f"victim process {lifetime} exited with {rc}: {proc.tail(1)} (log: {log_path})"
                 )

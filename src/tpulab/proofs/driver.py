@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence import metrics as M
 from tpulab.proofs import cache
 
@@ -86,7 +86,7 @@ def run_to_completion(
             raise TpulabError(
                 f"{what} did not finish within {timeout_s:.0f}s (log: {log_path})"
             ) from None
-        if rc != 0:
+        if rc != ExitCode.OK:
             raise TpulabError(f"{what} exited with {rc}: {proc.tail(1)} (log: {log_path})")
 
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence import metrics as M
 from tpulab.evidence.ledger import read_ledger
 from tpulab.proofs.driver import (
@@ -37,7 +37,6 @@ from tpulab.proofs.driver import (
 from tpulab.proofs.state import final_state_verdict
 from tpulab.proofs.transformer import check_kill_step, default_kill_step, write_child_config
 from tpulab.train.config import RunConfig
-from tpulab.train.distributed import EXIT_PEER_FAILED, EXIT_STALLED
 
 LAYOUT_RTOL = 1e-4
 GRACE_S = 3.0  # launcher teardown grace in the proofs (SIGTERM -> SIGKILL)
@@ -280,7 +279,7 @@ def prove_multiprocess_resume(
         timeout_s=timeout_s,
     )
     timings["interrupted_s"] = round(time.monotonic() - t0, 2)
-    expected = EXIT_PEER_FAILED if mode == "kill" else EXIT_STALLED
+    expected = ExitCode.PEER_FAILED if mode == "kill" else ExitCode.STALLED
     t0 = time.monotonic()
     run_to_completion(
         argv(run_dir), proof_dir / "resumed.log", dict(os.environ), timeout_s, "resumed job"

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from tpulab.checkpoint.files import MANIFEST, atomic_write_json
+from tpulab.errors import ExitCode
 from tpulab.evidence import metrics as M
 from tpulab.tracking.lineage import flatten, lineage_tags
 from tpulab.tracking.protocol import (
@@ -224,7 +225,7 @@ def main() -> int:
     os.environ["MLFLOW_LOGGING_LEVEL"] = "CRITICAL"
     first = sys.stdin.readline()
     if not first:
-        return 0
+        return ExitCode.OK
     settings = decode(first)
     if not isinstance(settings, Settings):
         raise ValueError(f"the first tracking message must be Settings, not {settings!r}")
@@ -239,7 +240,7 @@ def main() -> int:
             writer.fail(e)
     sys.stdout.write(encode(Outcome(run_id=writer.run_id, failed=writer.failed)))
     sys.stdout.flush()
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ was reported for ``timeout`` seconds. Progress comes from ``beat()`` calls (in-p
 peer's metrics.jsonl: a SIGSTOPped process stops its own threads too, so only an outside watcher
 can see it). ``StallWatchdog`` is the training hook: every logged step, eval and checkpoint is a
 beat; on a stall it dumps every thread's stack (faulthandler) into the run dir, appends a
-``stall`` event to metrics.jsonl and, if ``exit_code`` is set, ends the process with that code so
-a supervisor can restart it from the newest checkpoint.
+``stall`` event to metrics.jsonl and, if ``exit_code`` is set (``ExitCode.STALLED`` from the CLI),
+ends the process with that code so a supervisor can restart it from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
 from tpulab.train.hooks import Hooks
 
-STALL_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; distinct from errors (1, 2, 3) and signals (128+n)
 MULTIPROCESS_STALL_S = (
     300  # default in a multi-process job, where a stuck peer hangs the others in a collective
 )
