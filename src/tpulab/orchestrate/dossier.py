@@ -39,8 +39,7 @@ class DossierPlan:
 
 
 def recommend_precision(rows: list[dict], context: int, serve_batch: int = 8) -> dict:
-    """Cheapest training and serving policies whose error against fp32 stays within the stated
-    bounds.
+    """Cheapest training and serving policies whose error stays within the stated bounds.
 
     Serving cost = weights + KV cache for ``serve_batch`` sequences of ``context`` tokens."""
     ok = [
@@ -121,8 +120,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         return (
             f"## Receipt: what JAX sees\n\n{describe_hardware(env)}; "
             f"jax {env['packages'].get('jax')}, commit {env['git_commit']}, {env['platform']}. "
-            "Every number below was measured on this host unless it is marked as the XLA:TPU "
-            "compiler's (libtpu, compiled here, not run)."
+            "Every number below was measured on this host "
+            f"unless it is marked as the XLA:TPU compiler's (libtpu, compiled here, not run)."
         )
 
     def train_stage():
@@ -133,8 +132,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         results["train"] = s
         return (
             f"## Training run (for trained weights)\n\n{plan.train_steps} steps at the default "
-            f"size: final loss {s['final_loss']:.4f}, validation loss {s['final_val_loss']:.4f} "
-            f"({run_dir.name}/)."
+            f"size: final loss {s['final_loss']:.4f}, "
+            f"validation loss {s['final_val_loss']:.4f} ({run_dir.name}/)."
         )
 
     def bench_stage():
@@ -159,9 +158,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         )
 
     def budget_stage():
-        r = budget.write_budget(target_config, plan.targets, out / "budget")
+        r = budget.write_budget(target_config, plan.targets, out / "budget")  # + budget.png
         results["budget"] = r
-        _budget_plot(r, out / "budget" / "budget.png")
         who = (
             f"the target model ({', '.join(plan.target_overrides)}; "
             f"{r['param_count'] / 1e6:.1f}M parameters)"
@@ -250,7 +248,9 @@ def _decisions(results: dict, plan: DossierPlan) -> str:
     rec = results.get("budget", {}).get("recommendation")
     if rec:
         lines.append(
-            f"- **Slice**: {rec['target'] or 'none of ' + plan.targets} — {rec['why']} "
+            f"- **Slice**: {rec['target'] or 'none of ' + plan.targets}"
+            + (f" with `{rec['set']}`" if rec.get("set") else "")
+            + f" — {rec['why']} "
             "(see *TPU budget*: analytic bytes next to the XLA:TPU compiler's peak)."
         )
     pc = results.get("precision_choice")
@@ -258,8 +258,8 @@ def _decisions(results: dict, plan: DossierPlan) -> str:
         lines.append(
             f"- **Precision**: train with `{pc['train']}`, serve with `{pc['serve']}` — the "
             f"cheapest policies within {pc['bounds']} on held-out text (accepted: "
-            f"{', '.join(pc['accepted'])}); bf16 speed is not measurable on a CPU (emulated), only "
-            "its accuracy."
+            f"{', '.join(pc['accepted'])}); bf16 speed is not measurable on a CPU (emulated), "
+            "only its accuracy."
         )
     b = results.get("batch")
     if b:
@@ -275,41 +275,3 @@ def _decisions(results: dict, plan: DossierPlan) -> str:
             f"measured {h['measured_step_time_change_pct']:+.1f}%)."
         )
     return "\n".join(lines)
-
-
-def _budget_plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    rows = r["rows"]
-    x = np.arange(len(rows))
-    gib = 2**30
-    fig, ax = plt.subplots(figsize=(7, 3.4))
-    ax.bar(x - 0.27, [row["train"]["total"] / gib for row in rows], 0.27, label="analytic")
-    ax.bar(x, [row["train"]["total_remat"] / gib for row in rows], 0.27, label="analytic, remat")
-    ax.bar(
-        x + 0.27,
-        [row.get("compiled_train", {}).get("peak_bytes", 0) / gib for row in rows],
-        0.27,
-        label="XLA:TPU peak",
-    )
-    ax.scatter(
-        x,
-        [row["hbm_per_device"] / gib for row in rows],
-        marker="_",
-        s=900,
-        color="k",
-        label="HBM/device",
-    )
-    ax.set_xticks(x, [row["target"] for row in rows])
-    ax.set_ylabel("GiB per device")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.set_title("train step memory per device")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
