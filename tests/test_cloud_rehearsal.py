@@ -328,8 +328,8 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     ):
         assert expected in steps, (expected, steps)
     # ...and each form is one the real gcloud parser accepted (tests/test_cloud_gcloud_parser.py).
+    from cloud_forms import command_forms
     from tpulab.cloud.config import CloudConfig
-    from tpulab.cloud.gcloud import command_forms
 
     tested = {form_signature(a) for a in command_forms(CloudConfig(project="p", zone="z")).values()}
     assert {form_signature(c["argv"]) for c in recorded} <= tested

@@ -124,29 +124,6 @@ def scp_from_argv(cfg: CloudConfig, remote: str, local: str, worker: int | str) 
     ]
 
 
-def command_forms(cfg: CloudConfig) -> dict[str, list[str]]:
-    """Every command form tpulab sends, with placeholder operands; the parser test runs these."""
-    return {
-        "create": create_argv(cfg),
-        "describe": describe_argv(cfg),
-        "list": list_argv(cfg),
-        "scp to --worker=all": scp_to_argv(
-            cfg, ["/tmp/tpulab-x.whl", "/tmp/config.yaml"], "tpulab/"
-        ),
-        "scp from --worker=N": scp_from_argv(cfg, "tpulab/runs/r", "/tmp/out/", 1),
-        "scp from --worker=N, absolute (shared dir)": scp_from_argv(
-            cfg, "/mnt/shared/runs/r", "/tmp/out/", 0
-        ),
-        "ssh --worker=all --command": ssh_argv(
-            cfg, "cd tpulab && .venv/bin/tpulab receipt --out runs/r/receipt"
-        ),
-        "ssh --worker=N --command": ssh_argv(
-            cfg, "cd tpulab && env A=1 .venv/bin/tpulab train", worker=0
-        ),
-        "delete --quiet": delete_argv(cfg),
-    }
-
-
 @dataclass
 class Call:
     step: str

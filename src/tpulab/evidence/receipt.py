@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
 import os
 import platform
 import re
@@ -434,7 +433,3 @@ def run_receipt(out_dir: str | Path, target: Target | None = None, matmul_size: 
             exit_code=ExitCode.FAILED,
         )
     return receipt
-
-
-def load_receipt(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())

@@ -25,7 +25,6 @@ from pathlib import Path
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence import metrics as M
-from tpulab.evidence.ledger import read_ledger
 from tpulab.proofs.driver import (
     Proc,
     judge,
@@ -330,34 +329,6 @@ def prove_multiprocess_resume(
     )
     plot_proof(Path(reference_dir), run_dir, verdict, proof_dir / "overlay.png", title=what)
     return verdict
-
-
-def ledger_verdict(multi_dir: Path, single_dir: Path) -> dict:
-    """Proof 5 from what the runs really drew (window sha256 per process and step): in each step no
-    window hash appears in two processes' rows, and the processes' rows together equal, as a
-    multiset, the single-process run's batch. (A corpus with repeated text has equal windows; give
-    it unique ones.) A corrupt ledger line fails it."""
-    multi, single = read_ledger(multi_dir), read_ledger(single_dir)
-    per_process = [{s: set(h) for s, h in p.items()} for p in multi["per_process"]]
-    steps = sorted(set(multi["train"]) & set(single["train"]))
-    overlap = [
-        s
-        for s in steps
-        if any(
-            a.get(s, set()) & b.get(s, set())
-            for i, a in enumerate(per_process)
-            for b in per_process[i + 1 :]
-        )
-    ]
-    differ = [s for s in steps if sorted(multi["train"][s]) != sorted(single["train"][s])]
-    return {
-        "steps_compared": len(steps),
-        "process_files": multi["files"],
-        "steps_with_overlap": overlap[:10],
-        "steps_where_union_differs": differ[:10],
-        "corrupt_lines": multi["corrupt"] + single["corrupt"],
-        "passed": bool(steps) and not (overlap or differ or multi["corrupt"] or single["corrupt"]),
-    }
 
 
 def prove_reshard(
