@@ -32,8 +32,22 @@ from tpulab.checkpoint.files import (
     sha256_file,
     verify_manifest,
 )
-from tpulab.cloud import gcloud as g
 from tpulab.cloud.config import CloudConfig
+from tpulab.cloud.gcloud import (
+    Call,
+    Gcloud,
+    Terminated,
+    create_argv,
+    delete_argv,
+    describe_argv,
+    interruption,
+    list_argv,
+    resolve_gcloud,
+    scp_from_argv,
+    scp_to_argv,
+    sigterm_as_interrupt,
+    ssh_argv,
+)
 from tpulab.cloud.worker import PREEMPT_RECORD
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import read_records
@@ -139,10 +153,10 @@ class CloudSession:
     ):
         cfg.require_target()
         # the binary named, not whichever PATH finds first later: every call record shows it
-        self.cfg = dataclasses.replace(cfg, gcloud=g.resolve_gcloud(cfg.gcloud, env))
+        self.cfg = dataclasses.replace(cfg, gcloud=resolve_gcloud(cfg.gcloud, env))
         self.dir = Path(out_dir)
         self.cloud_dir = self.dir / "cloud"
-        self.gcloud = g.Gcloud(
+        self.gcloud = Gcloud(
             self.cloud_dir, env=env, echo=echo, max_timeout_s=self.cfg.call_timeout_s
         )
         self.echo = echo or (lambda _msg: None)
@@ -155,7 +169,7 @@ class CloudSession:
         p = self.cloud_dir / name
         return json.loads(p.read_text()) if p.exists() else None
 
-    def _fail(self, step: str, call: g.Call, what: str) -> CloudError:
+    def _fail(self, step: str, call: Call, what: str) -> CloudError:
         return CloudError(
             f"{step}: {what} (gcloud exit {call.rc}: {call.tail()}; see {self.gcloud.path})"
         )
@@ -167,12 +181,12 @@ class CloudSession:
     def interruptible(self, step: str):
         """One step command (``tpu create``, ``run``, ...): SIGTERM acts like Ctrl-C, every gcloud
         child is killed, and the one-line error names the VM, which the step does not delete."""
-        with g.sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             try:
                 yield
             except KeyboardInterrupt as e:
                 self.gcloud.kill_all()
-                how, code = g.interruption(e)
+                how, code = interruption(e)
                 raise Interrupted(
                     f"{how} during tpu {step}: {self._resource()} may exist and cost money "
                     f"(not verified deleted; tpulab tpu delete --dir {self.dir})",
@@ -184,19 +198,19 @@ class CloudSession:
         tpulab = shlex.join([".venv/bin/tpulab", *args])
         return f"cd {self.cfg.remote_dir} && {_env_prefix(env or {})}{tpulab}"
 
-    def ssh_all(self, step: str, command, timeout_s: float | None = None) -> list[g.Call]:
+    def ssh_all(self, step: str, command, timeout_s: float | None = None) -> list[Call]:
         """One ``--worker=all`` call, or one call per worker in parallel when ``command`` is a
         function of the worker index (per-worker environment)."""
         timeout = timeout_s or self.cfg.call_timeout_s
         if isinstance(command, str):
-            return [self.gcloud(step, g.ssh_argv(self.cfg, command), timeout)]
+            return [self.gcloud(step, ssh_argv(self.cfg, command), timeout)]
         calls: list = [None] * self.workers()
         finished = [threading.Event() for _ in calls]
 
         def one(i: int) -> None:
             try:
                 calls[i] = self.gcloud(
-                    f"{step}[worker {i}]", g.ssh_argv(self.cfg, command(i), worker=i), timeout
+                    f"{step}[worker {i}]", ssh_argv(self.cfg, command(i), worker=i), timeout
                 )
             except TpulabError as e:
                 calls[i] = e
@@ -223,10 +237,10 @@ class CloudSession:
                 raise c
         return calls
 
-    def describe(self, step: str = "describe") -> tuple[str, dict | None, g.Call]:
+    def describe(self, step: str = "describe") -> tuple[str, dict | None, Call]:
         """('present', data); ('absent', None) when gcloud says NOT_FOUND; ('malformed', None) for
         exit 0 without a JSON object; ('unknown', None) for any other failure."""
-        call = self.gcloud(step, g.describe_argv(self.cfg), 300)
+        call = self.gcloud(step, describe_argv(self.cfg), 300)
         if call.ok:
             try:
                 data = json.loads(call.stdout)
@@ -252,7 +266,7 @@ class CloudSession:
             f"creating {self.cfg.name} ({self.cfg.accelerator_type}, {self.cfg.runtime_version}) "
             f"in {self.cfg.project}/{self.cfg.zone}"
         )
-        call = self.gcloud("create", g.create_argv(self.cfg), self.cfg.ready_timeout_s)
+        call = self.gcloud("create", create_argv(self.cfg), self.cfg.ready_timeout_s)
         if not call.ok:
             raise self._fail("create", call, f"could not create {self.cfg.name}")
         return self.wait_ready()
@@ -330,7 +344,7 @@ class CloudSession:
         ]
         if not call.ok:
             raise self._fail("stage", call, "could not prepare the remote directory")
-        call = self.gcloud("stage: copy", g.scp_to_argv(self.cfg, [str(local)], f"{rd}/"), 3600)
+        call = self.gcloud("stage: copy", scp_to_argv(self.cfg, [str(local)], f"{rd}/"), 3600)
         if not call.ok:
             raise self._fail("stage", call, "could not copy the wheel and config to the workers")
         bootstrap = self.cfg.bootstrap.format(
@@ -374,7 +388,7 @@ class CloudSession:
                     "was not started",
                 )
 
-    def _ssh_job(self, step: str, args: list[str], job: JobSpec) -> list[g.Call]:
+    def _ssh_job(self, step: str, args: list[str], job: JobSpec) -> list[Call]:
         if job.worker_env:
             return self.ssh_all(
                 step, lambda i: self.remote(args, {**job.env, **job.worker_env.get(i, {})})
@@ -393,7 +407,7 @@ class CloudSession:
         write = f"test -d {q(shared)} && mkdir -p {q(run_dir)} && echo {nonce} > {q(marker)}"
         call = self.gcloud(
             "run: shared dir (write on worker 0)",
-            g.ssh_argv(self.cfg, write, worker=0),
+            ssh_argv(self.cfg, write, worker=0),
             self.cfg.call_timeout_s,
         )
         if not call.ok:
@@ -538,7 +552,7 @@ class CloudSession:
         incoming.mkdir(parents=True)
         call = self.gcloud(
             f"fetch[{label}]",
-            g.scp_from_argv(self.cfg, remote, str(incoming) + "/", worker=worker),
+            scp_from_argv(self.cfg, remote, str(incoming) + "/", worker=worker),
             3600,
         )
         if not call.ok or not (incoming / run_name).is_dir():
@@ -557,10 +571,10 @@ class CloudSession:
     # --- delete -----------------------------------------------------------------------------
     def delete(self) -> dict:
         """Delete, then verify it is gone: describe says NOT_FOUND, list does not show the name."""
-        call = self.gcloud("delete", g.delete_argv(self.cfg), 3600)
+        call = self.gcloud("delete", delete_argv(self.cfg), 3600)
         already_gone = not call.ok and "NOT_FOUND" in (call.stderr + call.stdout)
         state, _, described = self.describe("delete: verify (describe)")
-        listed = self.gcloud("delete: verify (list)", g.list_argv(self.cfg), 300)
+        listed = self.gcloud("delete: verify (list)", list_argv(self.cfg), 300)
         names = _listed_names(listed.stdout) if listed.ok else None
         gone = state == "absent" and names is not None and self.cfg.name not in names
         cleanup = {
@@ -591,7 +605,7 @@ class CloudSession:
     def _not_verified(self, why: str) -> DeleteError:
         return DeleteError(
             f"DELETE NOT VERIFIED: {self._resource()} may still exist and cost money: {why}. "
-            f"Delete it by hand: {shlex.join(g.delete_argv(self.cfg))}"
+            f"Delete it by hand: {shlex.join(delete_argv(self.cfg))}"
         )
 
     # --- up ---------------------------------------------------------------------------------
@@ -606,7 +620,7 @@ class CloudSession:
 
         failure: BaseException | None = None
         ran, step = False, "create"
-        with g.sigterm_as_interrupt() as signals:
+        with sigterm_as_interrupt() as signals:
             try:
                 self.create()
                 step = "stage"
@@ -636,10 +650,10 @@ class CloudSession:
                     cleanup_error = self._not_verified(f"the cleanup failed: {e}")
                 except KeyboardInterrupt as e:  # a second Ctrl-C
                     self.gcloud.kill_all()
-                    cleanup_error = self._not_verified(f"the cleanup was {g.interruption(e)[0]}")
+                    cleanup_error = self._not_verified(f"the cleanup was {interruption(e)[0]}")
                 log = write_experiment_log(self.dir)
         if failure is None and signals.received:  # a SIGTERM during the cleanup of a success
-            failure = g.Terminated()
+            failure = Terminated()
         if cleanup_error is not None:
             if failure is not None:
                 raise DeleteError(
@@ -647,7 +661,7 @@ class CloudSession:
                 ) from None
             raise cleanup_error
         if isinstance(failure, KeyboardInterrupt):
-            how, code = g.interruption(failure)
+            how, code = interruption(failure)
             raise Interrupted(
                 f"{how} during {step}: {self._resource()} deleted and verified gone",
                 exit_code=code,
@@ -677,11 +691,11 @@ class CloudSession:
 
 def _failure_text(failure: BaseException, step: str) -> str:
     if isinstance(failure, KeyboardInterrupt):
-        return f"{g.interruption(failure)[0]} during {step}"
+        return f"{interruption(failure)[0]} during {step}"
     return str(failure) or type(failure).__name__
 
 
-def _describe_problem(state: str, call: g.Call) -> str | None:
+def _describe_problem(state: str, call: Call) -> str | None:
     """What a describe result says against 'the VM is gone' (None: it says NOT_FOUND)."""
     if state == "absent":
         return None
@@ -692,7 +706,7 @@ def _describe_problem(state: str, call: g.Call) -> str | None:
     return f"describe says {state!r} (exit {call.rc}: {call.tail()})"
 
 
-def _list_problem(call: g.Call, names: list[str] | None, name: str) -> str | None:
+def _list_problem(call: Call, names: list[str] | None, name: str) -> str | None:
     if not call.ok:
         return f"list failed (exit {call.rc}: {call.tail()})"
     if names is None:

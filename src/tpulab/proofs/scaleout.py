@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import ExitCode, TpulabError
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import METRICS, curve, read_records
 from tpulab.proofs.driver import (
     Proc,
     judge,
@@ -117,7 +117,7 @@ def prove_layouts(config: RunConfig, out_dir: Path, *, timeout_s: float = 600) -
             f"{name} run",
         )
         timings[name] = round(time.monotonic() - t0, 2)
-        curves[name] = M.curve(M.read_records(out_dir / tag))
+        curves[name] = curve(read_records(out_dir / tag))
     base, four, two = (n for n, *_ in LAYOUTS)
     rows = [
         {"a": base, "b": four, **compare_layout(curves[base], curves[four])},
@@ -182,7 +182,7 @@ def interrupt_one(
         pids = _pids(run_dir)
         deadline = time.monotonic() + timeout_s
         while (
-            at_step not in M.curve(M.read_records(run_dir / M.METRICS))
+            at_step not in curve(read_records(run_dir / METRICS))
             or scan(run_dir / "checkpoints").latest is None
         ):
             if proc.p.poll() is not None:
@@ -218,7 +218,7 @@ def interrupt_one(
         "launcher_exit_code": code,
         "job_end_s": round(took, 3),
         "survivors_after": alive,
-        "last_logged_step": max(M.curve(M.read_records(run_dir / M.METRICS))),
+        "last_logged_step": max(curve(read_records(run_dir / METRICS))),
     }
 
 
@@ -406,9 +406,9 @@ def prove_reshard(
         timeout_s,
         "continued 1-process run",
     )
-    ref = M.curve(M.read_records(reference_dir))
+    ref = curve(read_records(reference_dir))
     before = {s: v for s, v in ref.items() if s <= at_step}
-    after = M.curve(M.read_records(dst))
+    after = curve(read_records(dst))
     cmp_after = compare_layout(ref, after)
     verdict = {
         "identical": cmp_after["bitwise"],

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tpulab.checkpoint.files import MANIFEST, atomic_write_json
 from tpulab.errors import ExitCode
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import read_records
 from tpulab.tracking.lineage import flatten, lineage_tags
 from tpulab.tracking.protocol import (
     Finish,
@@ -146,7 +146,7 @@ class StoreWriter:
         """Steps an earlier (killed) process committed but had not sent yet, from metrics.jsonl."""
         if upto <= self.logged_max:
             return
-        pts = logged_points(M.read_records(self.run_dir), after=self.logged_max, upto=upto)
+        pts = logged_points(read_records(self.run_dir), after=self.logged_max, upto=upto)
         self.send(pts)
         if pts:
             self.logged_max = max(self.logged_max, upto)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tpulab.errors import TpulabError
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import METRICS, read_records, starts
 from tpulab.train.hooks import Hooks
 
 MULTIPROCESS_STALL_S = (
@@ -139,7 +139,7 @@ class Watchdog:
 
 def metrics_progress(run_dir: str | Path) -> Callable[[], object]:
     """A ``progress`` callable for an outside watcher: (size, mtime) of RUN_DIR/metrics.jsonl."""
-    path = Path(run_dir) / M.METRICS
+    path = Path(run_dir) / METRICS
 
     def marker():
         try:
@@ -199,8 +199,8 @@ class StallWatchdog(Hooks):
         self.dog.stop()
 
     def _stalled(self, info: dict) -> None:
-        records = M.read_records(self.run_dir)
-        segment = M.starts(records)[-1]["segment"] if M.starts(records) else None
+        records = read_records(self.run_dir)
+        segment = starts(records)[-1]["segment"] if starts(records) else None
         n = sum(1 for r in records if r.get("event") == "stall")
         path = dump_stacks(
             self.run_dir
@@ -222,7 +222,7 @@ class StallWatchdog(Hooks):
         }
         if self.records:
             with open(
-                self.run_dir / M.METRICS, "a"
+                self.run_dir / METRICS, "a"
             ) as f:  # one short O_APPEND line: safe beside the loop's writer
                 f.write(json.dumps(event) + "\n")
         self.stalls.append(event)
