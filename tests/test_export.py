@@ -71,7 +71,7 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
         )
     assert m["weights"]["passed_as"] == "arguments"
     from tpulab.inference.artifact_format import tensor_sha256
-    from tpulab.inference.decode import ModelFns
+    from tpulab.model.decode import ModelFns
 
     params = ModelFns(restored.model).params
     assert set(m["weights"]["tensors"]) == set(params)
@@ -83,8 +83,8 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
 
 def test_exported_engine_generates_like_the_jitted_model(artifacts, trained_run):
     from tpulab.inference.artifacts import open_artifacts
-    from tpulab.inference.decode import Decoder
     from tpulab.inference.generate import SamplingConfig, generate_ids
+    from tpulab.model.decode import Decoder
     from tpulab.train.restore import load_model
 
     cfg = SamplingConfig(max_new=12, temperature=0.9, top_k=40, seed=7)
@@ -107,7 +107,7 @@ def _missing(engine, protocol) -> list[str]:
 
 def test_both_engines_have_what_the_engine_protocol_lists(artifacts, trained_run):
     from tpulab.inference.artifacts import open_artifacts
-    from tpulab.inference.decode import Decoder, Engine
+    from tpulab.model.decode import Decoder, Engine
     from tpulab.train.restore import load_model
 
     called = {"prefill", "decode", "generate", "batch_for", "width_for", "compiled_variants"}

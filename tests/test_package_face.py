@@ -59,23 +59,15 @@ def _face_of_bridge() -> dict:
 def _face_of_inference() -> dict:
     from tpulab.inference import (
         artifacts,
-        cache,
         cache_eval,
         capstone,
-        decode,
         export,
         generate,
-        sampling,
         speed,
         trust,
     )
 
     return {
-        "KVCache": cache.KVCache,
-        "POLICIES": cache.POLICIES,
-        "Decoder": decode.Decoder,
-        "ModelFns": decode.ModelFns,
-        "SamplingConfig": sampling.SamplingConfig,
         "generate_text": generate.generate_text,
         "generate_batch": generate.generate_batch,
         "Request": generate.Request,

@@ -50,7 +50,7 @@ def test_a_reference_that_computes_another_function_fails_the_fp32_check(trained
     from tpulab.data.tokenizer import PAD
     from tpulab.errors import TpulabError
     from tpulab.inference.cache_eval import heldout_windows
-    from tpulab.inference.decode import ModelFns
+    from tpulab.model.decode import ModelFns
     from tpulab.perf.precision import check_fp32, compare, reference_logits
     from tpulab.train.restore import load_model
 

@@ -38,13 +38,15 @@ def free_port() -> int:
 
 def verified_export(trained_run, tmp_path_factory, step: int) -> Path:
     """Artifacts of ``step`` exported and verified once per session (every module shares them)."""
-    from tpulab.inference.export import VERIFICATION, export_artifacts, verify_export
+    from tpulab.inference.artifact_format import VERIFICATION
+    from tpulab.inference.export import export_artifacts
+    from tpulab.inference.trust import verify_export
     from tpulab.train.restore import load_model
 
     out = tmp_path_factory.getbasetemp() / f"serve-art-{step}"
     if not (out / VERIFICATION).is_file():
         export_artifacts(load_model(trained_run, step), trained_run, out)
-        assert verify_export(out)["passed"]
+        assert verify_export(out, trained_run)["passed"]
     return out
 
 
@@ -660,8 +662,8 @@ def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(ve
 
 def test_a_request_past_its_deadline_expires_in_the_queue_on_the_injected_clock():
     from tpulab.inference.generate import Request as GenRequest
-    from tpulab.inference.sampling import SamplingConfig
     from tpulab.inference.serve import Batcher, ServeConfig
+    from tpulab.model.sampling import SamplingConfig
 
     now = [100.0]
     batcher = Batcher(ServeConfig(request_timeout_s=5.0), clock=lambda: now[0])

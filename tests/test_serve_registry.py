@@ -62,7 +62,7 @@ def _register(client, name, art, **tags) -> str:
 @pytest.fixture
 def store(tmp_path):
     from mlflow.tracking import MlflowClient
-    from tpulab.tracking.mlflow_hook import open_store, sqlite_uri
+    from tpulab.tracking.store import open_store, sqlite_uri
 
     uri = sqlite_uri(tmp_path / "mlruns.db")
     open_store(uri)  # a store as the trainer makes it

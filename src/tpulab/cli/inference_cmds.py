@@ -7,7 +7,7 @@ import sys
 
 from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import ExitCode, TpulabError
-from tpulab.inference.policies import POLICIES as _POLICIES
+from tpulab.model.policies import POLICIES as _POLICIES
 
 
 def _paths_checked(handler):
@@ -69,7 +69,7 @@ def _verify(args) -> int:
 
 def _generate(args) -> int:
     from tpulab.inference.generate import generate_text
-    from tpulab.inference.sampling import SamplingConfig, prompt_ids
+    from tpulab.model.sampling import SamplingConfig, prompt_ids
 
     _check_generate(args)
     cfg = SamplingConfig(
@@ -82,7 +82,7 @@ def _generate(args) -> int:
         print(f"artifacts {art.root}: verified ({art.verification['mode']})", file=sys.stderr)
         engine = art.engine(args.cache)
     else:
-        from tpulab.inference.decode import Decoder
+        from tpulab.model.decode import Decoder
         from tpulab.train.restore import load_model
 
         if args.key_file is not None:

@@ -1,4 +1,4 @@
-"""KV-cache prefill/decode, cache precisions, jax.export endpoints, generation and serving.
+"""Exported endpoints, generation front ends and serving, on the model layer's KV-cache decode.
 
 Public names are imported lazily so ``import tpulab.inference`` stays cheap for the CLI.
 """
@@ -9,11 +9,6 @@ import importlib
 
 # name -> "module:attribute"
 _EXPORTS = {
-    "KVCache": "tpulab.inference.cache:KVCache",
-    "POLICIES": "tpulab.inference.cache:POLICIES",
-    "Decoder": "tpulab.inference.decode:Decoder",
-    "ModelFns": "tpulab.inference.decode:ModelFns",
-    "SamplingConfig": "tpulab.inference.sampling:SamplingConfig",
     "generate_text": "tpulab.inference.generate:generate_text",
     "generate_batch": "tpulab.inference.generate:generate_batch",
     "Request": "tpulab.inference.generate:Request",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpulab.errors import TpulabError
-from tpulab.inference.decode import ModelFns
+from tpulab.model.decode import ModelFns
 
 ARTIFACT_MANIFEST = "manifest.json"  # the set's manifest (not a checkpoint's, checkpoint/files.py)
 WEIGHTS = "weights.npz"

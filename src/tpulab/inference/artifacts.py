@@ -22,7 +22,6 @@ import numpy as np
 
 from tpulab.checkpoint.files import sha256_file
 from tpulab.errors import TpulabError
-from tpulab.inference import cache as kv
 from tpulab.inference.artifact_format import (
     ALL_ENDPOINTS,
     ARTIFACT_MANIFEST,
@@ -37,8 +36,9 @@ from tpulab.inference.artifact_format import (
     refuse,
     tensor_sha256,
 )
-from tpulab.inference.decode import ModelFns
 from tpulab.inference.runner import ExportedEngine
+from tpulab.model import kvcache as kv
+from tpulab.model.decode import ModelFns
 
 
 @dataclasses.dataclass

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpulab.inference import cache as kv
 from tpulab.inference.artifact_format import (
     LOOP,
     WEIGHTS,
@@ -25,7 +24,8 @@ from tpulab.inference.artifact_format import (
     refuse,
 )
 from tpulab.inference.artifacts import ArtifactSet
-from tpulab.inference.decode import Decoder, ModelFns, pad_prompt
+from tpulab.model import kvcache as kv
+from tpulab.model.decode import Decoder, ModelFns, pad_prompt
 
 if TYPE_CHECKING:
     from tpulab.train.restore import Restored
@@ -82,7 +82,7 @@ def _loop_compare(art: ArtifactSet, fns: ModelFns, policy: str) -> dict:
     """The exported loop against the jitted loop on a ragged batch of two (one greedy row, one
     sampled)."""
     from tpulab.inference.generate import Request, batch_arrays
-    from tpulab.inference.sampling import SamplingConfig
+    from tpulab.model.sampling import SamplingConfig
 
     s = art.max_len
     prompts = (VERIFY_PROMPT[: s // 2], VERIFY_PROMPT[: s // 4])

@@ -24,7 +24,6 @@ from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json, sha25
 from tpulab.config import to_dict
 from tpulab.data.tokenizer import DEFINITION
 from tpulab.errors import TpulabError
-from tpulab.inference import cache as kv
 from tpulab.inference.artifact_format import (
     ALL_ENDPOINTS,
     ARTIFACT_MANIFEST,
@@ -37,7 +36,8 @@ from tpulab.inference.artifact_format import (
     jax_versions,
     tensor_record,
 )
-from tpulab.inference.decode import MAX_BATCH, ModelFns
+from tpulab.model import kvcache as kv
+from tpulab.model.decode import MAX_BATCH, ModelFns
 from tpulab.progress import progress
 
 if TYPE_CHECKING:

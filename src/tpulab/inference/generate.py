@@ -19,8 +19,8 @@ import numpy as np
 
 from tpulab.data.tokenizer import PAD
 from tpulab.errors import TpulabError
-from tpulab.inference.decode import Engine, pad_prompt
-from tpulab.inference.sampling import SamplingConfig, key_data, prompt_ids, sample_tokens
+from tpulab.model.decode import Engine, pad_prompt
+from tpulab.model.sampling import SamplingConfig, key_data, prompt_ids, sample_tokens
 
 __all__ = [
     "SamplingConfig",

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from tpulab.inference.artifact_format import LOOP, artifact_name, check_inputs
-from tpulab.inference.decode import batch_bucket, width_bucket
+from tpulab.model.decode import batch_bucket, width_bucket
 
 
 class ExportedEngine:

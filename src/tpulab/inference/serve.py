@@ -72,13 +72,13 @@ from starlette.requests import ClientDisconnect
 from tpulab.config import check, field
 from tpulab.data.drift import DriftWindow
 from tpulab.errors import TpulabError
-from tpulab.inference import cache as kv
-from tpulab.inference.decode import MAX_BATCH, batch_bucket
 from tpulab.inference.generate import Request as GenRequest
 from tpulab.inference.generate import decode_text, generate_batch
-from tpulab.inference.policies import Policy
-from tpulab.inference.sampling import SamplingConfig
 from tpulab.inference.trust import load_verified
+from tpulab.model import kvcache as kv
+from tpulab.model.decode import MAX_BATCH, batch_bucket
+from tpulab.model.policies import Policy
+from tpulab.model.sampling import SamplingConfig
 
 MAX_BODY_BYTES = 64 * 1024
 DRAIN_MARGIN_S = 0.5  # answers cut by the drain are written this long before uvicorn's own bound

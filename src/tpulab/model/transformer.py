@@ -2,7 +2,7 @@
 
 Pre-norm blocks with RoPE causal self-attention and a GELU MLP. Attention is split into
 ``project_qkv`` (projections + RoPE) and ``attend`` (scores, mask, softmax, values) so that the
-training forward and the KV-cache decode path (``tpulab.inference``) share one implementation.
+training forward and the KV-cache decode path (``tpulab.model.decode``) share one implementation.
 Norms, softmax and logits run in the accumulation dtype (fp32) whatever the compute dtype.
 """
 
@@ -167,7 +167,7 @@ class Attention(nnx.Module):
         the product with the values, on Dh elements per query instead of S (as flash attention
         does): dividing the probabilities first made XLA:CPU write the sum broadcast to every score,
         per layer, forward and backward (measured: a default-config step 97 -> 88-90 ms). Shared
-        with the decode loop's attention (``tpulab.inference.decode``), which lays its products out
+        with the decode loop's attention (``tpulab.model.decode``), which lays its products out
         differently."""
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         z = scores * scale + mask_bias(mask, self.prec.accum_dtype)[:, None]

@@ -572,6 +572,9 @@ def build_image(
                     "0.0.0.0",
                     "--port",
                     str(PORT),
+                    # The image root is read-only; /tmp is the one writable place.
+                    "--trace-log",
+                    "/tmp/serve_traces.jsonl",
                 ],
                 "WorkingDir": "/srv",
                 "ExposedPorts": {f"{PORT}/tcp": {}},

@@ -313,7 +313,7 @@ def serve(
 ) -> None:
     """``tpulab serve``: check what was asked for, then listen (``run_server``) while the model is
     verified, compiled and probed in the background; follow an alias while serving."""
-    from tpulab.tracking.mlflow_hook import default_uri
+    from tpulab.tracking.store import default_uri
 
     if (artifacts is None) == (model_uri is None):
         raise TpulabError("serve needs exactly one of --artifacts and --model")

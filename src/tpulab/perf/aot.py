@@ -260,7 +260,7 @@ def compile_decode_step(config, target_name: str, batch: int, policy: str) -> di
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from tpulab.inference.decode import ModelFns
+    from tpulab.model.decode import ModelFns
     from tpulab.model.transformer import Transformer
 
     devices = topology_devices(target_name)

@@ -13,7 +13,7 @@ split over the devices):
   a time;
 - an XLA workspace margin (``WORKSPACE_MARGIN`` of the rest).
 
-Serving: replicated weights plus the KV cache (``inference.cache`` layout) for B sequences of T
+Serving: replicated weights plus the KV cache (``model.kvcache`` layout) for B sequences of T
 tokens in fp32, bf16 or int8 (int8 with its fp32 scales). Each target also gets the real train
 step and decode step compiled for its topology with libtpu (``tpulab.perf.aot``), and the step is
 placed against the chip's ridge point (peak FLOP/s / HBM bandwidth) using the compiler's FLOPs and
@@ -97,7 +97,7 @@ def train_budget(config, devices: int) -> dict:
 def kv_cache_bytes(config, batch: int, context: int, policy: str) -> int:
     """Bytes of the inference cache for ``batch`` sequences of ``context`` slots (its own layout and
     scales)."""
-    from tpulab.inference import cache as kv
+    from tpulab.model import kvcache as kv
 
     m = config.model
     return kv.CacheShape(m.n_layers, context, m.n_heads, m.head_dim).nbytes(policy, batch)

@@ -77,6 +77,7 @@ def run_hypothesis(
     from tpulab.data.pipeline import build_splits, eval_batches, train_dataset
     from tpulab.perf.timing import benchmark_environment
     from tpulab.train.config import RunConfig
+    from tpulab.train.loop import evaluate
     from tpulab.train.step import make_steps
 
     pred = predicted_change(predict)
@@ -111,12 +112,7 @@ def run_hypothesis(
             side["times"].append(time.perf_counter() - t0)
             side["losses"].append(float(metrics["loss"]))
     for side in sides.values():
-        s = side["steps"]
-        nll, count = 0.0, 0.0
-        for vb in val:
-            a, c = s.eval(side["state"].params, s.put_batch(vb))
-            nll, count = nll + float(a), count + float(c)
-        side["val_loss"] = nll / count
+        side["val_loss"] = evaluate(side["steps"], side["state"].params, val)["val_loss"]
         side["median_step_s"] = statistics.median(side["times"][skip:])
 
     base_t, new_t = sides["baseline"]["median_step_s"], sides["changed"]["median_step_s"]

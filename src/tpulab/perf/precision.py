@@ -8,7 +8,7 @@ Rows (weights / activations / accumulation / KV cache):
 - ``int8-weights``: inference only; every matmul weight quantized symmetric per output channel
   (``scale = max|w| / 127`` per column of a Dense kernel, per row of the tied embedding), stored
   int8 and dequantized for the matmul;
-- ``int8-cache``: fp32 weights, keys/values through the int8 KV cache (``inference.cache``),
+- ``int8-cache``: fp32 weights, keys/values through the int8 KV cache (``model.kvcache``),
   teacher-forced one token at a time.
 
 Norms, softmax, logits and the loss stay fp32 in every row (``PrecisionConfig.accum_dtype``).
@@ -169,10 +169,10 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
     from flax import nnx
 
     from tpulab.data.tokenizer import PAD
-    from tpulab.inference import cache as kv
     from tpulab.inference.cache_eval import _teacher_forced, heldout_windows
-    from tpulab.inference.decode import ModelFns
+    from tpulab.model import kvcache as kv
     from tpulab.model.config import PrecisionConfig
+    from tpulab.model.decode import ModelFns
     from tpulab.model.transformer import Transformer
     from tpulab.perf.bench import bench_step
     from tpulab.train.restore import load_model

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tpulab.inference import cache as kv
+from tpulab.model import kvcache as kv
 from tpulab.model.transformer import Transformer, causal_mask
 
 Params = dict[str, jax.Array]
@@ -200,7 +200,7 @@ class ModelFns:
         never write out of range.
         """
         from tpulab.data.tokenizer import PAD
-        from tpulab.inference.sampling import sample_tokens
+        from tpulab.model.sampling import sample_tokens
 
         s = self.shape.max_len
         logits_bv, cache = self.prefill_rows(policy, params, tokens_bs, lengths_b)
