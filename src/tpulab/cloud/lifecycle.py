@@ -169,7 +169,8 @@ class CloudSession:
         p = self.cloud_dir / name
         return json.loads(p.read_text()) if p.exists() else None
 
-    def _fail(self, step: str, call: Call, what: str) -> CloudError:
+    def _gcloud_failure(self, step: str, call: Call, what: str) -> CloudError:
+        """The error to raise for a failed gcloud call: the step, what failed, its exit and tail."""
         return CloudError(
             f"{step}: {what} (gcloud exit {call.rc}: {call.tail()}; see {self.gcloud.path})"
         )
@@ -268,7 +269,7 @@ class CloudSession:
         )
         call = self.gcloud("create", create_argv(self.cfg), self.cfg.ready_timeout_s)
         if not call.ok:
-            raise self._fail("create", call, f"could not create {self.cfg.name}")
+            raise self._gcloud_failure("create", call, f"could not create {self.cfg.name}")
         return self.wait_ready()
 
     def wait_ready(self) -> dict:
@@ -278,16 +279,16 @@ class CloudSession:
             if state == "present" and data.get("state") == "READY":
                 return self.record_identity(data)
             if state == "present" and data.get("state") in FAIL_STATES:
-                raise self._fail(
+                raise self._gcloud_failure(
                     "create", call, f"{self.cfg.name} is {data.get('state')}, not READY"
                 )
             if state == "absent":
-                raise self._fail(
+                raise self._gcloud_failure(
                     "create", call, f"{self.cfg.name} vanished while waiting for READY"
                 )
             if time.monotonic() > deadline:
                 last = _describe_problem(state, call) if state != "present" else data.get("state")
-                raise self._fail(
+                raise self._gcloud_failure(
                     "create",
                     call,
                     f"{self.cfg.name} not READY after {self.cfg.ready_timeout_s:.0f} s "
@@ -343,10 +344,12 @@ class CloudSession:
             0
         ]
         if not call.ok:
-            raise self._fail("stage", call, "could not prepare the remote directory")
+            raise self._gcloud_failure("stage", call, "could not prepare the remote directory")
         call = self.gcloud("stage: copy", scp_to_argv(self.cfg, [str(local)], f"{rd}/"), 3600)
         if not call.ok:
-            raise self._fail("stage", call, "could not copy the wheel and config to the workers")
+            raise self._gcloud_failure(
+                "stage", call, "could not copy the wheel and config to the workers"
+            )
         bootstrap = self.cfg.bootstrap.format(
             remote_dir=rd,
             python=self.cfg.python,
@@ -355,7 +358,9 @@ class CloudSession:
         )
         call = self.ssh_all("stage: bootstrap", bootstrap, 3600)[0]
         if not call.ok:
-            raise self._fail("stage", call, "bootstrapping the venv on the workers failed")
+            raise self._gcloud_failure(
+                "stage", call, "bootstrapping the venv on the workers failed"
+            )
         staged = {
             "wheel": wheel.name,
             "wheel_sha256": sha256_file(wheel),
@@ -381,7 +386,7 @@ class CloudSession:
             args += ["--expect-devices", str(devices)]
         for call in self._ssh_job("run: receipt", args, job):
             if not call.ok:
-                raise self._fail(
+                raise self._gcloud_failure(
                     "run",
                     call,
                     f"target qualification ({expect}) failed on the workers; the job "
@@ -411,14 +416,14 @@ class CloudSession:
             self.cfg.call_timeout_s,
         )
         if not call.ok:
-            raise self._fail(
+            raise self._gcloud_failure(
                 "run", call, f"cannot write to the shared dir {shared} on worker 0 (is it mounted?)"
             )
         call = self.ssh_all(
             "run: shared dir (read on every worker)", f'test "$(cat {q(marker)})" = {nonce}'
         )[0]
         if not call.ok:
-            raise self._fail(
+            raise self._gcloud_failure(
                 "run",
                 call,
                 f"the shared dir {shared} is not one directory on every worker: worker "
@@ -470,7 +475,7 @@ class CloudSession:
             ]
             for call in self._ssh_job("run: job until preemption", wrapped, job):
                 if not call.ok:
-                    raise self._fail(
+                    raise self._gcloud_failure(
                         "run", call, f"the preemption rehearsal at step {preempt_at} failed"
                     )
             record["segments"].append("preempted")
@@ -478,7 +483,7 @@ class CloudSession:
         step = "run: job (resume after preemption)" if preempt_at is not None else "run: job"
         for call in self._ssh_job(step, args, job):
             if not call.ok:
-                raise self._fail("run", call, "the job failed on the workers")
+                raise self._gcloud_failure("run", call, "the job failed on the workers")
         record["segments"].append("completed")
         self._write("run.json", record)
         return record
@@ -560,7 +565,9 @@ class CloudSession:
             if not strict:
                 return None
             what = run_name if label.startswith("worker") else f"the shared run dir {remote}"
-            raise self._fail("fetch", call, f"could not retrieve {what} from worker {worker}")
+            raise self._gcloud_failure(
+                "fetch", call, f"could not retrieve {what} from worker {worker}"
+            )
         dest.mkdir(parents=True, exist_ok=True)
         if (dest / run_name).exists():
             shutil.rmtree(dest / run_name)
