@@ -1,6 +1,9 @@
-"""Progress for long loops: a bar on a terminal, one plain line per item in logs and subprocesses.
+"""Progress over a loop of items (export endpoints, KV-cache policies, benchmark cases): a bar on a
+terminal, one plain line per item in logs and subprocesses. The training loop's steps have their
+own bar and lines (``tpulab.train.step_progress``): they print by time, not per item.
 
-Written to stdout, like the training loop's progress lines: stderr stays for the one ``error:`` line."""
+Written to stdout, like the training loop's progress lines: stderr stays for the one ``error:``
+line."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ T = TypeVar("T")
 
 
 def progress(items: Iterable[T], what: str, total: int | None = None, stream=None) -> Iterator[T]:
-    """Yield ``items``; on a terminal draw a tqdm bar, else print ``[progress] what: i/n`` after each item."""
+    """Yield ``items``; on a terminal draw a tqdm bar, else print ``[progress] what: i/n`` after
+    each item."""
     stream = stream or sys.stdout
     items = list(items) if total is None else items
     total = len(items) if total is None else total

@@ -192,7 +192,7 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
     errors by itself."""
     import jax
 
-    from tpulab.tracking.progress import LogLines
+    from tpulab.train.step_progress import LogLines
     from tpulab.train.watchdog import MULTIPROCESS_STALL_S, StallWatchdog
 
     timeout = args.stall_timeout

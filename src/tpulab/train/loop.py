@@ -42,6 +42,7 @@ from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
 from tpulab.train.sharding import check_batch, topology
 from tpulab.train.step import Steps, make_mesh, tree_digest
+from tpulab.train.step_progress import step_bar
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
@@ -136,20 +137,6 @@ class _NullLog:
 
     def close(self):
         pass
-
-
-def _progress(total: int, initial: int, enabled: bool | None):
-    from tqdm import tqdm
-
-    # disable=None: shown on a terminal, silent in logs and subprocesses.
-    return tqdm(
-        total=total,
-        initial=initial,
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-        disable=None if enabled is None else not enabled,
-    )
 
 
 def evaluate(steps: Steps, params, batches) -> dict[str, float]:
@@ -363,7 +350,7 @@ def train(
         ledger.record_eval(val_batches)
         total = config.train.steps
         tokens_per_step = config.data.batch_size * config.data.seq_len
-        bar = _progress(total, start, progress if primary else False)
+        bar = step_bar(total, start, progress if primary else False)
         summary = {"resumed_from": resume.step if resume else None, "start_step": start}
         hooks.on_start(
             {
