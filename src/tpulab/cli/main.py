@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         inference_cmds,
         ops_cmds,
         perf_cmds,
+        posttrain_cmds,
         scale_cmds,
         track_cmds,
         train_cmds,
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         cloud_cmds,
         track_cmds,
         ops_cmds,
+        posttrain_cmds,
     ):
         module.register(sub)
     return parser
