@@ -156,6 +156,19 @@ def test_a_reward_resume_with_another_dataset_or_base_is_refused_and_moves_nothi
     assert load_model(run).step == 9
 
 
+def test_a_reward_model_is_no_init_or_reference_for_a_policy(reward_run, sft_policy):
+    with pytest.raises(TpulabError, match="objective.init .* is a reward model"):
+        build(tiny_config("objective.kind=dpo", f"objective.init={reward_run}"))
+    with pytest.raises(TpulabError, match="objective.reference .* is a reward model"):
+        build(
+            tiny_config(
+                "objective.kind=dpo",
+                f"objective.init={sft_policy}",
+                f"objective.reference={reward_run}",
+            )
+        )
+
+
 def test_reward_config_errors_are_one_line(sft_policy):
     for sets, why in (
         (["objective.lora.rank=4"], "trains every parameter"),

@@ -63,13 +63,15 @@ def win_rate(policy_dir: str | Path, against_dir: str | Path, max_prompts: int =
             "policy": float(np.mean([s for _, _, s in ours])),
             "against": float(np.mean([s for _, _, s in theirs])),
         },
-        "samples": [
+        "replies": [  # per prompt: both replies and their r*
             {
                 "prompt": p.decode(),
                 "policy": ours[i][1].decode(),
+                "policy_gold": ours[i][0],
                 "against": theirs[i][1].decode(),
+                "against_gold": theirs[i][0],
             }
-            for i, p in enumerate(prompts[:3])
+            for i, p in enumerate(prompts)
         ],
         "decoding": "greedy, compiled generation loop, fp32 KV cache",
         "environment": environment(),

@@ -101,6 +101,8 @@ def dpo(
         "reward_chosen": mean(reward_w),
         "reward_rejected": mean(reward_l),
         "reward_margin": mean(reward_w - reward_l),
+        # every pair's margin is 0 exactly when this is: the step-0 invariant, per pair
+        "reward_margin_absmax": jnp.max(jnp.where(weight_b > 0, jnp.abs(reward_w - reward_l), 0)),
         "logp_chosen": mean(policy_w),
         "logp_rejected": mean(policy_l),
         "kl_ref": mean(-0.5 * (ratio_w + ratio_l)),
