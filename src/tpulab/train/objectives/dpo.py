@@ -64,8 +64,14 @@ class DPO(Pairwise):
         self.plain_graphdef, _ = transformer_graph(config)
         self.table = None
         if config.objective.dpo.reference_logprobs == "precomputed":
+            # on this process's default device, from a host copy: every process computes the
+            # whole table itself (the same bytes: the identity says so)
             self.table = reference_table(
-                self.plain_graphdef, self.reference.plain_params(), self._all_batches()
+                self.plain_graphdef,
+                jax.device_put(
+                    jax.device_get(self.reference.plain_params()), jax.local_devices()[0]
+                ),
+                self._all_batches(),
             )
 
     def _all_batches(self) -> list[dict]:
