@@ -180,7 +180,7 @@ def markdown(res: dict, env: dict) -> str:
         "",
         f"Provenance: backend `{env['backend']}`, device kind `{env['device_kind']}` x"
         f"{env['device_count']}, {env['cpu_count']} CPU cores, load average at start "
-        f"{env['load_avg_1m_5m_15m']}; "
+        f"{env['load_avg_1m_5m_15m']}, at end {res['load_avg_at_end']}; "
         + ", ".join(f"{k} {v}" for k, v in env["packages"].items())
         + f"; commit `{env['git_commit']}`; {env['time_utc']}.",
     ]
