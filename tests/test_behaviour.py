@@ -146,7 +146,7 @@ def test_suite_digest_names_its_content(monkeypatch):
 
 
 def _decoder(run_dir, step=None, *, zero=False):
-    from tpulab.inference.decode import Decoder, ModelFns
+    from tpulab.model.decode import Decoder, ModelFns
     from tpulab.train.restore import load_model
 
     fns = ModelFns(load_model(run_dir, step).model)

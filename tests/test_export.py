@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import shutil
 
@@ -68,8 +70,8 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
             and all({"path", "shape", "dtype"} <= set(x) for x in a["inputs"])
         )
     assert m["weights"]["passed_as"] == "arguments"
-    from tpulab.inference.decode import ModelFns
-    from tpulab.inference.export import tensor_sha256
+    from tpulab.inference.artifact_format import tensor_sha256
+    from tpulab.model.decode import ModelFns
 
     params = ModelFns(restored.model).params
     assert set(m["weights"]["tensors"]) == set(params)
@@ -80,9 +82,9 @@ def test_manifest_records_identity_of_every_artifact(artifacts, trained_run):
 
 
 def test_exported_engine_generates_like_the_jitted_model(artifacts, trained_run):
-    from tpulab.inference.decode import Decoder
-    from tpulab.inference.export import open_artifacts
+    from tpulab.inference.artifacts import open_artifacts
     from tpulab.inference.generate import SamplingConfig, generate_ids
+    from tpulab.model.decode import Decoder
     from tpulab.train.restore import load_model
 
     cfg = SamplingConfig(max_new=12, temperature=0.9, top_k=40, seed=7)
@@ -98,8 +100,35 @@ def test_exported_engine_generates_like_the_jitted_model(artifacts, trained_run)
         assert generate_batch(art.engine(policy), reqs)[0] == want
 
 
+def _missing(engine, protocol) -> list[str]:
+    listed = {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+    return sorted(n for n in listed | set(protocol.__annotations__) if not hasattr(engine, n))
+
+
+def test_both_engines_have_what_the_engine_protocol_lists(artifacts, trained_run):
+    from tpulab.inference.artifacts import open_artifacts
+    from tpulab.model.decode import Decoder, Engine
+    from tpulab.train.restore import load_model
+
+    called = {"prefill", "decode", "generate", "batch_for", "width_for", "compiled_variants"}
+    assert called <= set(vars(Engine)) and {"policy", "max_len", "batch"} <= set(
+        Engine.__annotations__
+    )
+    exported = open_artifacts(artifacts).engine("fp32")
+    for engine in (exported, Decoder.of(load_model(trained_run).model, "fp32")):
+        assert _missing(engine, Engine) == [], type(engine)
+        variants = engine.compiled_variants()  # one type in both engines
+        assert isinstance(variants, dict) and isinstance(variants["generate"], int), variants
+
+    class NoBuckets:  # control: an engine without the loop's bucket methods is caught
+        policy, max_len, batch = "fp32", 32, 1
+        prefill = decode = generate = compiled_variants = exported.prefill
+
+    assert _missing(NoBuckets(), Engine) == ["batch_for", "width_for"]
+
+
 def test_wrong_input_shape_or_dtype_is_rejected(artifacts):
-    from tpulab.inference.export import open_artifacts
+    from tpulab.inference.artifacts import open_artifacts
 
     engine = open_artifacts(artifacts).engine("fp32")
     s = engine.max_len
@@ -157,12 +186,18 @@ def test_weights_from_another_checkpoint_are_rejected(art_copy, trained_run, tmp
     _rejects(art_copy, capsys, "weights came from checkpoint")
 
 
-def test_artifacts_against_another_run_checkpoint_are_rejected(artifacts, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def other_run(tmp_path_factory):
+    """A second run (another seed): for the true run's artifacts, a foreign or forged checkpoint."""
     from conftest import tiny_config
     from tpulab.train.loop import train
 
-    other_run = tmp_path / "other_run"
-    train(tiny_config("train.steps=40", "seed=1"), other_run, progress=False)
+    run = tmp_path_factory.mktemp("other") / "other_run"
+    train(tiny_config("train.steps=40", "seed=1"), run, progress=False)
+    return run
+
+
+def test_artifacts_against_another_run_checkpoint_are_rejected(artifacts, other_run, capsys):
     _rejects(
         artifacts, capsys, "the artifacts were exported from", extra=("--run-dir", str(other_run))
     )
@@ -195,8 +230,9 @@ def _rehash(art, *files):
 
 
 def _forge_weights(art, rehash_tensor=True):
-    """Change one weight tensor slightly, keep its checkpoint digest, rehash the manifest to match."""
-    from tpulab.inference.export import tensor_sha256
+    """Change one weight tensor slightly, keep its checkpoint digest, rehash the manifest to
+    match."""
+    from tpulab.inference.artifact_format import tensor_sha256
 
     with np.load(art / "weights.npz") as z:
         params = {k: z[k] for k in z.files}
@@ -213,7 +249,8 @@ def _forge_weights(art, rehash_tensor=True):
 
 
 def _forge_record(art):
-    """Rewrite verification.json to match whatever the directory now holds (what an attacker can do)."""
+    """Rewrite verification.json to match whatever the directory now holds (what an attacker can
+    do)."""
     from tpulab.checkpoint.files import sha256_file
 
     rec = json.loads((art / "verification.json").read_text())
@@ -227,15 +264,15 @@ def _forge_record(art):
 
 
 @pytest.fixture(scope="module")
-def verified(artifacts, tmp_path_factory):
+def verified(artifacts, trained_run, tmp_path_factory):
     """A copy of the artifacts verified in-process, the record signed with a key."""
-    from tpulab.inference.export import verify_export
+    from tpulab.inference.trust import verify_export
 
     dst = tmp_path_factory.mktemp("verified") / "art"
     shutil.copytree(artifacts, dst)
     key = dst.parent / "key"
     key.write_bytes(b"0123456789abcdef-test-key")
-    assert verify_export(dst, key=key.read_bytes())["passed"]
+    assert verify_export(dst, trained_run, key=key.read_bytes())["passed"]
     return dst, key
 
 
@@ -327,7 +364,8 @@ def test_generate_loads_only_verified_artifacts(art_copy, verified_copy, capsys)
 
 
 def test_forged_weights_with_forged_record(verified_copy, trained_run, capsys, tmp_path):
-    """The threat model: without a key a rewritten record is accepted; the key or the checkpoint refuse it."""
+    """The threat model: without a key a rewritten record is accepted; the key or the checkpoint
+    refuse it."""
     art, key = verified_copy
     name = _forge_weights(art)
     rc, _, err = _generate(capsys, art)  # the record no longer matches the manifest
@@ -364,7 +402,7 @@ def test_forged_weights_with_forged_record(verified_copy, trained_run, capsys, t
 
 
 def test_run_dir_reverification_and_model_identity(verified_copy, trained_run):
-    from tpulab.inference.export import load_verified
+    from tpulab.inference.trust import load_verified
 
     art, key = verified_copy
     (art / "verification.json").unlink()  # not needed when the checkpoint itself is the reference
@@ -399,3 +437,92 @@ def test_batch_and_service_bounds_are_one_line_errors(argv, reason, trained_run,
     err = capsys.readouterr().err
     assert rc != 0 and err.count("\n") == 1 and reason in err, err
     assert not (tmp_path / "out").exists()
+
+
+# --- Signing needs a run dir the verifier names (issue 19 item 8) --------------------------------
+
+
+@pytest.fixture(scope="module")
+def forged(other_run, tmp_path_factory):
+    """A forged pair: artifacts exported from a forged checkpoint (``other_run``), their manifest
+    naming that run dir, every hash consistent."""
+    from tpulab.inference.export import export_artifacts
+    from tpulab.train.restore import load_model
+
+    out = tmp_path_factory.mktemp("forged") / "art"
+    export_artifacts(load_model(other_run), other_run, out)
+    return out
+
+
+def _listing(path):
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()}
+
+
+def test_signing_needs_a_run_dir_and_a_forged_pair_fails_against_the_true_run(
+    forged, other_run, trained_run, tmp_path, capsys
+):
+    """Checked against the forged checkpoint its own manifest names, a forged set passes every
+    comparison: signing that is refused, and against the true run the forged set fails."""
+    from tpulab.cli.main import main
+    from tpulab.train.restore import load_model
+
+    art = tmp_path / "forged"
+    shutil.copytree(forged, art)
+    key = tmp_path / "key"
+    key.write_bytes(b"0123456789abcdef-test-key")
+    before = _listing(art)
+    _rejects(art, capsys, "signing needs --run-dir", extra=("--key-file", str(key)))
+    assert _listing(art) == before  # nothing written
+    true_run = ("--run-dir", str(trained_run), "--key-file", str(key))
+    _rejects(art, capsys, "the artifacts were exported from", extra=true_run)
+    assert _listing(art) == before
+    # Control: unsigned, without --run-dir, the forged pair passes; the record says its checkpoint
+    # came from the set's own manifest (the forged run), not from the verifier.
+    assert main(["verify-export", str(art)]) == 0
+    out = capsys.readouterr().out
+    rec = json.loads((art / "verification.json").read_text())
+    assert "hmac_sha256" not in rec and rec["passed"]
+    assert rec["checkpoint_source"]["given_by"] == "artifact manifest"
+    assert rec["checkpoint_source"]["run_dir"] == str(other_run.resolve())
+    assert rec["checkpoint_manifest_sha256"] == load_model(other_run).checkpoint_digest
+    assert "(run dir given by the artifact manifest)" in out, out
+
+
+def test_a_signed_record_names_the_checkpoint_the_verifier_gave(verified, trained_run):
+    from tpulab.train.restore import load_model
+
+    restored = load_model(trained_run)
+    rec = json.loads((verified[0] / "verification.json").read_text())
+    assert len(rec["hmac_sha256"]) == 64
+    assert rec["checkpoint_source"] == {
+        "run_dir": str(trained_run.resolve()),
+        "given_by": "user",
+        "checkpoint_dir": str(restored.checkpoint_dir.resolve()),
+    }
+    assert rec["checkpoint_manifest_sha256"] == restored.checkpoint_digest
+
+
+def _hmac(record, key):
+    """The record's HMAC computed here, independently of tpulab.inference.trust."""
+    body = {k: v for k, v in record.items() if k != "hmac_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def test_a_record_signed_without_a_named_run_dir_is_refused(verified_copy, capsys):
+    """A record signed before signing needed --run-dir may vouch for a forged checkpoint."""
+    art, key = verified_copy
+    rec = json.loads((art / "verification.json").read_text())
+    assert rec["hmac_sha256"] == _hmac(rec, key.read_bytes())  # control: signed as trust signs
+    rc, _, err = _generate(capsys, art, "--key-file", str(key))
+    assert rc == 0, err
+    for legacy in ("artifact manifest", None):
+        if legacy is None:
+            del rec["checkpoint_source"]  # a record from before the field existed
+        else:
+            rec["checkpoint_source"]["given_by"] = legacy
+        rec["hmac_sha256"] = _hmac(rec, key.read_bytes())
+        (art / "verification.json").write_text(json.dumps(rec))
+        rc, out, err = _generate(capsys, art, "--key-file", str(key))
+        assert rc != 0 and out == "" and err.count("\n") == 1, err
+        assert "signed without a run dir named by the verifier" in err, err

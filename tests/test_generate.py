@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from tpulab.errors import TpulabError
-from tpulab.inference.sampling import SamplingConfig, key_data, prompt_ids, sample_tokens
+from tpulab.model.sampling import SamplingConfig, key_data, prompt_ids, sample_tokens
 
 
 @pytest.fixture(scope="module")
 def fns(trained_run):
-    from tpulab.inference.decode import ModelFns
+    from tpulab.model.decode import ModelFns
     from tpulab.train.restore import load_model
 
     return ModelFns(load_model(trained_run).model)
@@ -37,8 +37,9 @@ def _keys(n, seed0=0):
 
 
 def test_a_row_samples_the_same_whatever_its_neighbours_ask_for():
-    """The sampler skips the draw when no row samples and the top-k sort when no sampling row asks for it;
-    each row's token must not depend on which branch its batch took (rows alone vs mixed together)."""
+    """The sampler skips the draw when no row samples and the top-k sort when no sampling row asks
+    for it; each row's token must not depend on which branch its batch took (rows alone vs mixed
+    together)."""
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(6, 256)) * 3, jnp.float32)
     keys = jnp.asarray(_keys(6, 100))
@@ -136,9 +137,10 @@ def test_prompt_validation(prompt, reason):
 
 
 def test_compiled_loop_equals_step_path_bitwise(fns):
-    """Greedy and seeded sampling, every cache policy: the one-dispatch loop gives the step path's tokens."""
-    from tpulab.inference.decode import Decoder
+    """Greedy and seeded sampling, every cache policy: the one-dispatch loop gives the step path's
+    tokens."""
     from tpulab.inference.generate import Request, generate_batch, generate_ids
+    from tpulab.model.decode import Decoder
 
     cfgs = (
         SamplingConfig(max_new=10, temperature=0.0),
@@ -160,9 +162,10 @@ def test_compiled_loop_equals_step_path_bitwise(fns):
 
 
 def test_ragged_batch_rows_equal_each_prompt_alone(fns):
-    """Prompts of different lengths and per-row max_new/sampling decoded together = each decoded alone."""
-    from tpulab.inference.decode import Decoder
+    """Prompts of different lengths and per-row max_new/sampling decoded together = each decoded
+    alone."""
     from tpulab.inference.generate import Request, batch_arrays, generate_batch
+    from tpulab.model.decode import Decoder
 
     dec = Decoder(fns, "fp32")
     reqs = [
@@ -173,12 +176,13 @@ def test_ragged_batch_rows_equal_each_prompt_alone(fns):
     together = generate_batch(dec, reqs)
     assert [len(t) for t in together] == [7, 12, 3]
     assert together == [generate_batch(dec, [r])[0] for r in reqs]
-    # The prefill logits of each row, ragged batch vs alone: fp32, bitwise on CPU (tolerance 1e-5 stated).
+    # The prefill logits of each row, ragged batch vs alone: fp32, bitwise on CPU (tolerance 1e-5
+    # stated).
     tokens, lengths = batch_arrays(reqs, 32, 4)[:2]
     batch_logits = np.asarray(
         jax.jit(fns.prefill_rows, static_argnums=0)("fp32", fns.params, tokens, lengths)[0]
     )
-    for b, r in enumerate(reqs):
+    for b in range(len(reqs)):
         alone = np.asarray(dec.prefill(tokens[b : b + 1], lengths[b])[0])[0]
         np.testing.assert_allclose(batch_logits[b], alone, rtol=0, atol=1e-5)
     # Negative control: a row given another row's length computes something else.
@@ -188,8 +192,8 @@ def test_ragged_batch_rows_equal_each_prompt_alone(fns):
 
 
 def test_stop_token_ends_a_row_and_no_recompile_within_a_bucket(fns):
-    from tpulab.inference.decode import Decoder
     from tpulab.inference.generate import Request, generate_batch
+    from tpulab.model.decode import Decoder
 
     dec = Decoder(fns, "fp32")
     cfg = SamplingConfig(max_new=12, temperature=0.0)
@@ -219,8 +223,8 @@ def test_stop_token_ends_a_row_and_no_recompile_within_a_bucket(fns):
 
 
 def test_same_seed_same_text_and_prompt_bound(fns):
-    from tpulab.inference.decode import Decoder
     from tpulab.inference.generate import generate_text
+    from tpulab.model.decode import Decoder
 
     dec = Decoder(fns, "bf16")
     cfg = SamplingConfig(max_new=16, temperature=1.0, top_k=50, seed=3)
@@ -310,8 +314,9 @@ def test_generate_cli_streams_deterministically(trained_run):
 
 
 def _while_body_cache_work(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
-    """Instructions of the largest while body (the decode loop) that produce a whole cache-layer buffer,
-    other than the in-place update itself: copies, transposes or fusions that rewrite a layer every step."""
+    """Instructions of the largest while body (the decode loop) that produce a whole cache-layer
+    buffer, other than the in-place update itself: copies, transposes or fusions that rewrite a
+    layer every step."""
     import re
 
     bodies, name = {}, None
@@ -338,11 +343,12 @@ def _while_body_cache_work(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decode_loop_never_copies_a_cache_layer(fns, batch):
-    """The compiled loop's body updates each layer's keys and values in place and reads them where they lie: no
-    instruction rewrites a whole cache-layer buffer per step (the exported layout cost 33 such copies per step at
-    batch 1). Negative control: a loop that rolls its buffer every step is flagged by the same check."""
-    from tpulab.inference import cache as kv
-    from tpulab.inference.decode import Decoder
+    """The compiled loop's body updates each layer's keys and values in place and reads them where
+    they lie: no instruction rewrites a whole cache-layer buffer per step (the exported layout cost
+    33 such copies per step at batch 1). Negative control: a loop that rolls its buffer every step
+    is flagged by the same check."""
+    from tpulab.model import kvcache as kv
+    from tpulab.model.decode import Decoder
 
     dec = Decoder(fns, "fp32")
     tokens = np.full((batch, 16), 5, np.int32)
@@ -372,9 +378,10 @@ def test_decode_loop_never_copies_a_cache_layer(fns, batch):
 
 
 def test_prompt_width_buckets_cover_every_length_with_few_shapes():
-    """Every prompt length gets a width that holds it, never past the cache; powers of two up to 128, then steps
-    of 64 (a 448-token prompt is not padded to 512); a handful of distinct widths, so compiles stay few."""
-    from tpulab.inference.decode import width_bucket
+    """Every prompt length gets a width that holds it, never past the cache; powers of two up to
+    128, then steps of 64 (a 448-token prompt is not padded to 512); a handful of distinct widths,
+    so compiles stay few."""
+    from tpulab.model.decode import width_bucket
 
     for max_len in (128, 512, 1024):
         widths = [width_bucket(n, max_len) for n in range(1, max_len + 1)]

@@ -1,4 +1,5 @@
-"""KV cache: int8 quantization, bytes per token, cached path vs full forward, compile-once decode."""
+"""KV cache: int8 quantization, bytes per token, cached path vs full forward, compile-once
+decode."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpulab.inference import cache as kv
+from tpulab.model import kvcache as kv
 
 
 def test_int8_roundtrip_is_bounded_clipped_and_zero_safe():
@@ -34,8 +35,9 @@ def test_bytes_per_token_counts_all_layers_and_scales(policy, per_elem):
 
 @pytest.mark.parametrize("policy", kv.POLICIES)
 def test_as_stored_is_what_read_returns_after_write(policy):
-    """Prefill attends over ``as_stored`` values instead of reading back the buffer it just wrote: they must
-    be bitwise what ``read`` returns after ``write``; and not the raw values, where the cache rounds them."""
+    """Prefill attends over ``as_stored`` values instead of reading back the buffer it just wrote:
+    they must be bitwise what ``read`` returns after ``write``; and not the raw values, where the
+    cache rounds them."""
     rng = np.random.default_rng(1)
     cache = kv.init_cache(policy, 2, 2, 8, 3, 4)
     k = jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32)
@@ -53,9 +55,10 @@ def test_as_stored_is_what_read_returns_after_write(policy):
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("policy", kv.POLICIES)
 def test_loop_layout_rows_hold_exactly_what_the_exported_layout_holds(policy, batch):
-    """The compiled loop's per-layer cache (keys [B*H, Dh, S], values [B*H, S, Dh]): one token per row, each
-    row at its own slot, lands in the same (layer, row, slot, head) cells, bitwise, as the exported writer
-    puts that row's token there; the layouts differ (so the check can fail) and a shifted write is caught."""
+    """The compiled loop's per-layer cache (keys [B*H, Dh, S], values [B*H, S, Dh]): one token per
+    row, each row at its own slot, lands in the same (layer, row, slot, head) cells, bitwise, as the
+    exported writer puts that row's token there; the layouts differ (so the check can fail) and a
+    shifted write is caught."""
     import jax
 
     rng = np.random.default_rng(0)
@@ -91,7 +94,7 @@ def test_decode_compiles_once_and_fp32_matches_full_forward(trained_run):
     import jax
 
     from tpulab.inference.cache_eval import FP32_LOGIT_ATOL
-    from tpulab.inference.decode import Decoder, ModelFns, pad_prompt
+    from tpulab.model.decode import Decoder, ModelFns, pad_prompt
     from tpulab.train.restore import load_model
 
     fns = ModelFns(load_model(trained_run).model)
@@ -150,9 +153,11 @@ def test_kvcache_command_writes_table_within_bounds(trained_run, tmp_path, capsy
 
 @pytest.mark.slow
 def test_int8_bounds_on_default_model(tmp_path):
-    """The issue's bound on the default model: int8 greedy agreement >= 0.99, loss within 1% of fp32.
+    """The issue's bound on the default model: int8 greedy agreement >= 0.99, loss within 1%
+    of fp32.
 
-    Trains configs/default.yaml for a short run (the bound is about the cache, not the model's quality).
+    Trains configs/default.yaml for a short run (the bound is about the cache, not the model's
+    quality).
     """
     from conftest import REPO
     from tpulab.config import load
@@ -182,15 +187,16 @@ def test_int8_bounds_on_default_model(tmp_path):
 
 @pytest.mark.parametrize("policy", kv.POLICIES)
 def test_decode_step_work_agrees_with_the_compiler_and_the_buffers(policy):
-    """The decode table's per-step FLOPs and bytes (``step_work``) are analytic: its FLOPs must agree with
-    XLA's cost analysis of one loop decode step, its bytes with the actual weight and cache buffers, and both
-    must scale with the batch (a constant, or a count that ignored the cache, fails)."""
+    """The decode table's per-step FLOPs and bytes (``step_work``) are analytic: its FLOPs must
+    agree with XLA's cost analysis of one loop decode step, its bytes with the actual weight and
+    cache buffers, and both must scale with the batch (a constant, or a count that ignored the
+    cache, fails)."""
     import jax
     from flax import nnx
 
     from conftest import tiny_config
-    from tpulab.inference.decode import ModelFns
     from tpulab.inference.speed import step_work
+    from tpulab.model.decode import ModelFns
     from tpulab.model.transformer import Transformer
 
     cfg = tiny_config()

@@ -1,8 +1,11 @@
 """The independent checks, run on a fresh init here (the CLI runs them on trained weights)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import tiny_config
 from tpulab.data.corpus import load_corpus
@@ -30,11 +33,33 @@ def test_causal_check_catches_a_leaky_mask(monkeypatch):
     assert not results[0]["passed"]
 
 
-def test_valid_token_loss_matches_numpy_and_ignores_padding():
+def _loss_check(steps=None):
     cfg = tiny_config()
-    splits = build_splits(load_corpus(None), cfg.data)
-    results = check_loss(_model(), splits.train_windows)
+    steps = steps or make_steps(cfg)
+    windows = build_splits(load_corpus(None), cfg.data).train_windows
+    return check_loss(steps, steps.init(), windows, cfg.data.batch_size)
+
+
+def test_the_steps_loss_matches_numpy_and_ignores_padding():
+    results = _loss_check()
     assert all(r["passed"] for r in results), results
+    assert "Steps.eval" in results[0]["detail"] and "bitwise unchanged" in results[1]["detail"]
+
+
+@pytest.mark.parametrize("which", ["eval", "train", "both"])
+def test_loss_check_fails_on_a_mask_ignoring_loss(which):
+    """Negative control: the real steps fed an all-ones mask (a loss that ignores padding) fail the
+    check of the step they replace, through the jitted functions the loop calls."""
+    steps = make_steps(tiny_config())
+    ones = lambda b: {**b, "mask": jnp.ones_like(b["mask"])}  # noqa: E731
+    bad = dataclasses.replace(
+        steps,
+        eval=(lambda p, b: steps.eval(p, ones(b))) if which != "train" else steps.eval,
+        train=(lambda s, b: steps.train(s, ones(b))) if which != "eval" else steps.train,
+    )
+    eval_row, train_row = _loss_check(bad)
+    assert eval_row["passed"] is (which == "train"), eval_row
+    assert train_row["passed"] is (which == "eval"), train_row
 
 
 def test_masked_xent_reference_on_random_logits():

@@ -118,7 +118,7 @@ def test_register_refuses_tampered_artifacts_and_leaves_no_store(exports, tmp_pa
 
 def test_versions_carry_the_contract_tags_and_the_ledger_chains(flow, exports, trained_run):
     from tpulab.checkpoint.files import sha256_file
-    from tpulab.inference.decode import Decoder
+    from tpulab.model.decode import Decoder
     from tpulab.ops.behaviour import evaluate
     from tpulab.train.restore import load_model
 
@@ -204,8 +204,9 @@ def test_promotion_refused_on_a_forged_digest_tag(store, tmp_path, tag, words):
 
 
 def test_resume_verdict_and_training_run_are_found_only_for_this_run(tmp_path):
+    from tpulab.tracking.store import RUN_FILE
+
     from tpulab.ops.registry import open_registry, resume_verdict, training_run_id
-    from tpulab.tracking.mlflow_hook import RUN_FILE
 
     run = tmp_path / "out" / "run"
     run.mkdir(parents=True)

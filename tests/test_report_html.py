@@ -1,5 +1,6 @@
-"""report.html in a real headless Chromium: it loads with no console error, every image decodes, nothing is
-fetched from the network; and it says what report.md says. Chromium comes from Debian's packages."""
+"""report.html in a real headless Chromium: it loads with no console error, every image decodes,
+nothing is fetched from the network; and it says what report.md says. Chromium comes from Debian's
+packages, installed by the setup (.ci/run), never by a test; without it these tests fail."""
 
 import html
 import json
@@ -24,35 +25,33 @@ CHROMIUM_FLAGS = [
     "--enable-logging=stderr",
     "--v=0",
 ]
-# Injected into a copy of the page only (the report itself has no script and its CSP forbids one): collects
-# errors, CSP violations and console.error calls, then reports every image's decode state into the DOM.
+# Injected into a copy of the page only (the report itself has no script and its CSP forbids one):
+# collects errors, CSP violations and console.error calls, then reports every image's decode state
+# into the DOM.
 CHECKER = """<script>
 window.__errs = [];
-window.addEventListener('error', e => __errs.push('error: ' + (e.message || (e.target && e.target.src) || 'resource')), true);
+window.addEventListener('error',
+  e => __errs.push('error: ' + (e.message || (e.target && e.target.src) || 'resource')), true);
 document.addEventListener('securitypolicyviolation', e => __errs.push('csp: ' + e.blockedURI));
-const ce = console.error; console.error = (...a) => { __errs.push('console: ' + a.join(' ')); ce(...a); };
+const ce = console.error;
+console.error = (...a) => { __errs.push('console: ' + a.join(' ')); ce(...a); };
 window.addEventListener('load', () => { const imgs = [...document.images];
-  const r = {errors: __errs, images: imgs.length, decoded: imgs.filter(i => i.complete && i.naturalWidth > 0).length};
-  const p = document.createElement('pre'); p.id = 'tpulab-check'; p.textContent = JSON.stringify(r);
+  const r = {errors: __errs, images: imgs.length,
+             decoded: imgs.filter(i => i.complete && i.naturalWidth > 0).length};
+  const p = document.createElement('pre'); p.id = 'tpulab-check';
+  p.textContent = JSON.stringify(r);
   document.body.appendChild(p); });
 </script>"""
 
 
 @pytest.fixture(scope="module")
 def chromium():
+    """A claimed check that cannot run is a failure, not a skip: install Chromium in the setup."""
     path = shutil.which("chromium")
-    if path is None and shutil.which("apt-get"):
-        subprocess.run(
-            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"],
-            capture_output=True,
-            timeout=900,
-            env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
-        )
-        path = shutil.which("chromium")
     if path is None:
-        pytest.skip(
-            "Debian's chromium package is not installed and `apt-get install chromium` failed here "
-            "(no root or no package index)"
+        pytest.fail(
+            "chromium is not installed: .ci/run installs Debian's package "
+            "(apt-get install -y --no-install-recommends chromium); run that setup first"
         )
     return path
 
@@ -88,7 +87,7 @@ def test_report_html_loads_clean_in_chromium(chromium, trained_run, tmp_path):
     assert result.returncode == 0, result.stderr
     md, page = (run / "report.md").read_text(), run / "report.html"
     body = page.read_text()
-    # same content: every heading and every image of the Markdown is in the page; images are embedded
+    # same content: every heading and every image of the Markdown is in the page, images embedded
     for heading in re.findall(r"^#+ (.*)$", md, re.M):
         assert html.escape(re.sub(r"[`*]", "", heading), quote=False) in re.sub(
             r"</?(code|strong)>", "", body
@@ -105,8 +104,8 @@ def test_report_html_loads_clean_in_chromium(chromium, trained_run, tmp_path):
 
 
 def test_browser_check_catches_broken_and_fetched_images(chromium, tmp_path):
-    """Negative controls for the check itself: an image fetched from the network (blocked offline and by the
-    page's policy) and an image whose data does not decode must both be reported."""
+    """Negative controls for the check itself: an image fetched from the network (blocked offline
+    and by the page's policy) and an image whose data does not decode must both be reported."""
     from tpulab.evidence.html import render_html
 
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
@@ -118,3 +117,35 @@ def test_browser_check_catches_broken_and_fetched_images(chromium, tmp_path):
     assert any("192.0.2.1" in e for e in check["errors"])
     missing = render_html("![gone](nope.png)", tmp_path)
     assert "missing image: nope.png" in missing and "<img" not in missing
+
+
+def test_without_chromium_the_browser_tests_fail_not_skip(tmp_path):
+    """Control of the fixture: with no chromium on PATH the browser test errors out naming the
+    setup step (in CI a skipped claimed check would read as a pass)."""
+    import os
+    import sys
+
+    from conftest import REPO
+
+    test = "tests/test_report_html.py::test_browser_check_catches_broken_and_fetched_images"
+    env = {**os.environ, "PATH": str(tmp_path)}  # an empty dir: no chromium, no apt-get
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            test,
+            f"--basetemp={tmp_path / 'inner'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode != 0, out.stdout
+    assert "chromium is not installed" in out.stdout and "1 error" in out.stdout, out.stdout
+    assert "skipped" not in out.stdout, out.stdout

@@ -1,4 +1,5 @@
-"""The kill/resume proof end to end, with real processes and SIGKILL, and the controls that show it can fail."""
+"""The kill/resume proof end to end, with real processes and SIGKILL, and the controls that show
+it can fail."""
 
 import json
 import os
@@ -40,6 +41,15 @@ def test_prove_resume_is_bitwise_identical(tmp_path):
         verdict["resumed_from_step"] in (10, 20) and verdict["steps_redone"] > 0
     )  # killed between checkpoints
     assert (tmp_path / "proof" / "overlay.png").stat().st_size > 10_000
+    # the resumed process compiled from a fresh, empty cache (JAX's own events), as on a new machine
+    caches = verdict["compile_cache"]
+    resumed = caches["processes"]["resumed"]
+    assert caches["resumed_cache"].startswith("cold") and resumed["cold"] is True
+    assert resumed["hits"] == 0 and resumed["misses"] > 0 and resumed["cold_confirmed"] is True
+    assert resumed["entries_at_first_lookup"] == 0
+    assert resumed["entries_after"] == resumed["misses"]
+    assert caches["processes"]["killed"]["requests"] > 0
+    assert resumed["cache_dir"] != caches["processes"]["killed"]["cache_dir"]
 
 
 @pytest.mark.parametrize("part", ["rng", "data"])
@@ -55,9 +65,10 @@ def test_negative_control_resume_without_part_is_caught(tmp_path, part):
 
 
 def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
-    """Negative control for the whole-state verdict: with dropout off, a resume that drops the dropout key
-    logs exactly the reference losses (the key is never used), so the curves match; only the final-state
-    comparison sees the different key, and the verdict must say NOT identical, naming the rng leaf."""
+    """Negative control for the whole-state verdict: with dropout off, a resume that drops the
+    dropout key logs exactly the reference losses (the key is never used), so the curves match; only
+    the final-state comparison sees the different key, and the verdict must say NOT identical,
+    naming the rng leaf."""
     result = run_cli(
         "prove-resume",
         "--run-dir",
@@ -68,10 +79,15 @@ def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
         "model.dropout=0.0",
         "--skip-restore",
         "rng",
+        "--warm-resume-cache",
     )
     assert result.returncode == 1, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert verdict["curves_identical"] is True and verdict["max_abs_diff"] == 0.0
+    # the warm path (control of the cold one): the resumed process loaded the killed run's programs
+    resumed = verdict["compile_cache"]["processes"]["resumed"]
+    assert resumed["hits"] > 0 and resumed["cold"] is False and "cold_confirmed" not in resumed
+    assert resumed["entries_at_first_lookup"] > 0
     assert verdict["final_state_identical"] is False and verdict["identical"] is False
     assert "rng" in verdict["first_differing_leaf"]
 
@@ -80,19 +96,17 @@ def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(t
     """Step 30's save is issued but its completion marker is never written (as if the process died
     while the async save was in flight); the kill lands after step 31. Depending on timing, Orbax's
     own write of step 30 is still in its temporary dir or finished but unmarked; either way the
-    resume must not use it, must keep an unmarked one aside, and must match the reference bitwise."""
+    resume must not use it, must keep an unmarked one aside, and must match the reference
+    bitwise."""
     from tpulab.proofs.state import final_state_verdict
 
-    hooked = lambda d: [
-        sys.executable,
-        str(REPO / "tests" / "hooked_train.py"),
-        "--config",
-        str(TINY),  # noqa: E731
-        "--run-dir",
-        str(d),
-        "--withhold-commit",
-        "30",
-    ]
+    def hooked(d):
+        return [
+            sys.executable,
+            str(REPO / "tests" / "hooked_train.py"),
+            *("--config", str(TINY), "--run-dir", str(d), "--withhold-commit", "30"),
+        ]
+
     verdict = prove_resume(
         hooked, tmp_path / "proof", steps=40, kill_at=31, compare_state=final_state_verdict
     )

@@ -1,4 +1,5 @@
-"""The bridge stage of `tpulab capstone`: three kill/resume proofs, the negative control, the comparison."""
+"""The bridge stage of `tpulab capstone`: three kill/resume proofs, the negative control, the
+comparison."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from pathlib import Path
 
 from tpulab.bridge.config import BridgeConfig
 
-# Small enough for ~1.5 minutes on 2 CPU cores; augmentation and dropout on, so the generator state matters.
+# Small enough for ~1.5 minutes on 2 CPU cores; augmentation and dropout on, so the generator state
+# matters.
 PROOF_CONFIG = BridgeConfig(n=128, steps=24, checkpoint_every=8, augment=0.1, dropout=0.1)
 PROOFS = (("torch", "eager"), ("torchax", "eager"), ("torchax", "jit"))
 
 
 def capstone_stage(out_dir: str | Path) -> str:
-    """Run the bridge proofs and the comparison under out_dir/bridge; return the report's Markdown section."""
+    """Run the bridge proofs and the comparison under out_dir/bridge; return the report's Markdown
+    section."""
     from tpulab.bridge.compare import compare
     from tpulab.bridge.prove import prove
 
@@ -41,25 +44,28 @@ def capstone_stage(out_dir: str | Path) -> str:
     cmp = compare(BridgeConfig(), root / "compare", env=env)
 
     rel = lambda p: p.relative_to(out_dir).as_posix()  # noqa: E731
+    shown = ("n", "d", "hidden", "lr", "steps", "checkpoint_every", "augment", "dropout")
     lines = [
         "## Bridge capstone: a torch MLP through torchax, killed, resumed, compared",
         "",
-        f"Proof config: {json.dumps({k: getattr(PROOF_CONFIG, k) for k in ('n', 'd', 'hidden', 'lr', 'steps', 'checkpoint_every', 'augment', 'dropout')})}, float32.",
+        f"Proof config: {json.dumps({k: getattr(PROOF_CONFIG, k) for k in shown})}, float32.",
         "",
         "| run | verdict | killed after | resumed from | report | overlay |",
         "|---|---|---|---|---|---|",
     ]
     for label, v, d in rows:
         state = (
-            "bitwise identical"
+            "bitwise identical (curves and final state)"
             if v["identical"]
-            else f"NOT identical (step {v['first_differing_step']})"
+            else f"NOT identical (step {v['first_differing_step']}, state "
+            f"{v['first_differing_leaf'] or 'identical'})"
         )
         if v.get("negative_control"):
             state += ": caught" if not v["identical"] else ": NOT caught"
         lines.append(
             f"| {label} | {state} | {v['kill_step']} | {v['resumed_from_step']} | "
-            f"[report]({rel(d / 'proof' / 'report.md')}) | [overlay]({rel(d / 'proof' / 'overlay.png')}) |"
+            f"[report]({rel(d / 'proof' / 'report.md')}) | "
+            f"[overlay]({rel(d / 'proof' / 'overlay.png')}) |"
         )
     lines += [
         "",

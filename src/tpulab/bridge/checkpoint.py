@@ -1,7 +1,7 @@
 """Bridge checkpoints: one directory per step, written whole or not at all, verified before use.
 
     RUN/checkpoints/step_00000010/
-        state.pt              torch.save of {model, optimizer, step, rng, [device_rng]} (CPU tensors only)
+        state.pt              torch.save of {model, optimizer, step, rng, [device_rng]} (CPU only)
         meta.json             backend, method, config, step, torch/torchax versions, rng_saved
         tpulab_manifest.json  sha256 of both files; written last: the completion marker
 
@@ -90,7 +90,8 @@ def read_meta(path: Path) -> dict:
 def check_identity(
     meta: dict, path: Path, backend: str, method: str, cfg: BridgeConfig, force: bool
 ) -> list[str]:
-    """Refuse a checkpoint from another backend, method or config unless forced; return what differed."""
+    """Refuse a checkpoint from another backend, method or config unless forced; return what
+    differed."""
     from tpulab.config import to_dict
 
     diffs = []
@@ -123,7 +124,8 @@ def check_identity(
 
 
 def load_state(path: Path) -> dict:
-    """Verify the manifest again (the file may have changed since ``latest``), then load CPU tensors."""
+    """Verify the manifest again (the file may have changed since ``latest``), then load CPU
+    tensors."""
     verify_manifest(path)
     try:
         return torch.load(
@@ -133,3 +135,36 @@ def load_state(path: Path) -> dict:
         raise CheckpointError(
             f"{path}/state.pt cannot be loaded: {type(e).__name__}: {str(e).splitlines()[0]}"
         ) from None
+
+
+def final_state_verdict(reference_dir: str | Path, run_dir: str | Path) -> dict:
+    """The two runs' newest checkpoints compared bitwise, whole: model weights, optimizer state
+    (torch Adam's moments and step counts, or optax's leaves), step and every saved generator state
+    (torch's CPU generator, the augmentation generator, the device key). Equal curves can hide a
+    different optimizer moment or a generator that has not been drawn from yet."""
+    from tpulab.checkpoint.compare import compare_trees
+
+    paths = {}
+    for d in (reference_dir, run_dir):
+        path = latest(d)
+        if path is None:
+            raise CheckpointError(f"{d} holds no bridge checkpoint to compare")
+        paths[d] = path
+    ref, run = load_state(paths[reference_dir]), load_state(paths[run_dir])
+    if ref["step"] != run["step"]:
+        raise CheckpointError(
+            f"final checkpoints are at different steps: {ref['step']} ({paths[reference_dir]}) vs "
+            f"{run['step']} ({paths[run_dir]})"
+        )
+    n, first = compare_trees(ref, run)
+    parts = [
+        k if not isinstance(v, dict) or k == "model" else f"{k} ({', '.join(v)})"
+        for k, v in ref.items()
+    ]
+    return {
+        "final_state_identical": first is None,
+        "first_differing_leaf": first,
+        "leaves_compared": n,
+        "final_state_step": int(run["step"]),
+        "final_state_compared": "; ".join(parts),
+    }

@@ -1,10 +1,12 @@
-"""`tpulab bridge prove-resume`: the shared kill/resume proof (tpulab.proofs.driver) on a bridge trainer."""
+"""`tpulab bridge prove-resume`: the shared kill/resume proof (tpulab.proofs.driver) on a bridge
+trainer, with the whole final state compared bitwise (``checkpoint.final_state_verdict``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+from tpulab.bridge import checkpoint as C
 from tpulab.bridge.config import BridgeConfig, check_backend_method, cli_flag
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
@@ -14,7 +16,8 @@ from tpulab.proofs.driver import prove_resume, tpulab_argv
 def train_argv(
     cfg: BridgeConfig, backend: str, method: str, run_dir: Path, *, restore_rng: bool = True
 ) -> list[str]:
-    """argv of a child that trains (or resumes) ``cfg`` in ``run_dir``: `python -m tpulab.cli bridge train ...`."""
+    """argv of a child that trains (or resumes) ``cfg`` in ``run_dir``:
+    `python -m tpulab.cli bridge train ...`."""
     args = ["bridge", "train", "--backend", backend, "--method", method, "--run-dir", str(run_dir)]
     for f in dataclasses.fields(cfg):
         args += [cli_flag(f.name), repr(getattr(cfg, f.name))]
@@ -41,8 +44,10 @@ def prove(
     restore_rng: bool = True,
     timeout_s: float = 600,
     env: dict | None = None,
+    warm_resume_cache: bool = False,
 ) -> dict:
-    """Run the proof into run_dir/proof (verdict.json, overlay.png, report.md); return the verdict."""
+    """Run the proof into run_dir/proof (verdict.json, overlay.png, report.md); return the
+    verdict."""
     from tpulab.bridge.backends import torch_xla_problem
     from tpulab.bridge.report import write_proof_report
 
@@ -66,6 +71,7 @@ def prove(
         timeout_s=timeout_s,
         env=env,
         title=f"bridge {label}",
+        compare_state=C.final_state_verdict,
         extra={
             "backend": backend,
             "method": method,
@@ -73,6 +79,7 @@ def prove(
             "restore_rng": restore_rng,
             "negative_control": not restore_rng,
         },
+        warm_resume_cache=warm_resume_cache,
     )
     write_proof_report(proof_dir, verdict)
     return verdict

@@ -1,4 +1,5 @@
-"""Half-page provenance reports: what ran where (as the backend reported it), and what the proof found."""
+"""Half-page provenance reports: what ran where (as the backend reported it), and what the proof
+found."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 from tpulab.evidence import metrics as M
 from tpulab.evidence.provenance import describe_hardware, git_commit
+from tpulab.proofs.driver import verdict_text
 
 METHOD_NOTES = {
     (
@@ -27,7 +29,10 @@ METHOD_NOTES = {
 def device_line(device: dict) -> str:
     """The device as the backend reported it; TPU only when JAX/XLA said tpu."""
     if device.get("backend") == "torch-cpu":
-        return f"CPU ({device.get('device_kind')}) via torch, {device.get('torch_threads')} thread(s), not a TPU"
+        return (
+            f"CPU ({device.get('device_kind')}) via torch, {device.get('torch_threads')} "
+            "thread(s), not a TPU"
+        )
     return describe_hardware(device)
 
 
@@ -42,22 +47,33 @@ def shapes(cfg: dict) -> str:
     return f"x ({n}, {d}), y ({n}, 1); MLP Linear({d}, {h}), ReLU{drop}, Linear({h}, 1)"
 
 
+def _cache_line(verdict: dict) -> str:
+    c = verdict.get("compile_cache")
+    if not c:
+        return "not recorded"
+    r = c["processes"].get("resumed", {})
+    if r.get("requests") is None:
+        return f"{c['resumed_cache']}; no JAX compile (torch alone)"
+    return f"{c['resumed_cache']}: {r['hits']} hits, {r['misses']} misses"
+
+
 def write_proof_report(proof_dir: Path, verdict: dict) -> str:
     rec = start_record(Path(verdict["reference_dir"]))
     cfg, dev, ver = rec.get("config", {}), rec.get("device", {}), rec.get("versions", {})
     backend, method = verdict["backend"], verdict["method"]
     state = (
-        "**bitwise identical**"
+        "**bitwise identical** (curves and final state)"
         if verdict["identical"]
-        else f"**NOT identical** (first differing step {verdict['first_differing_step']}, "
-        f"max |diff| {verdict['max_abs_diff']:.3g})"
+        else f"**NOT identical**: {verdict_text(verdict)}"
     )
     control = ""
     if verdict.get("negative_control"):
         control = (
             "\nNegative control: the checkpoints leave the generator state out, so the resumed run "
             "redraws augmentation noise (and dropout masks) from the seeds. The proof must say NOT "
-            f"identical; it says {'NOT identical: caught' if not verdict['identical'] else 'identical: NOT caught'}.\n"
+            "identical; it says "
+            + ("NOT identical: caught" if not verdict["identical"] else "identical: NOT caught")
+            + ".\n"
         )
     workarounds = rec.get("torchax_workarounds")
     lines = [
@@ -68,14 +84,22 @@ def write_proof_report(proof_dir: Path, verdict: dict) -> str:
         f"| device | {device_line(dev)} |",
         f"| dtype | {rec.get('dtype', '?')} |",
         f"| shapes | {shapes(cfg) if cfg else '?'} |",
-        f"| data | full batch, seed {cfg.get('seed')}, augment sigma {cfg.get('augment')}, dropout {cfg.get('dropout')} |",
-        f"| optimizer | Adam, lr {cfg.get('lr')}, {cfg.get('steps')} steps, checkpoint every {cfg.get('checkpoint_every')} |",
+        f"| data | full batch, seed {cfg.get('seed')}, augment sigma {cfg.get('augment')}, "
+        f"dropout {cfg.get('dropout')} |",
+        f"| optimizer | Adam, lr {cfg.get('lr')}, {cfg.get('steps')} steps, checkpoint every "
+        f"{cfg.get('checkpoint_every')} |",
         f"| bridge / method | {backend} / {method}: {METHOD_NOTES.get((backend, method), '')} |",
-        f"| versions | torch {ver.get('torch')}, torchax {ver.get('torchax')}, jax {ver.get('jax')}, jaxlib {ver.get('jaxlib')} |",
-        f"| torchax workarounds | {', '.join(workarounds) if workarounds else 'none' if backend == 'torchax' else 'n/a'} |",
+        f"| versions | torch {ver.get('torch')}, torchax {ver.get('torchax')}, jax "
+        f"{ver.get('jax')}, jaxlib {ver.get('jaxlib')} |",
+        "| torchax workarounds | "
+        + (", ".join(workarounds) if workarounds else "none" if backend == "torchax" else "n/a")
+        + " |",
         f"| commit | {git_commit() or 'unknown'} |",
-        f"| verdict | {state} over {verdict['steps_compared']} steps; SIGKILL after step {verdict['kill_step']}, "
-        f"fresh process resumed from step {verdict['resumed_from_step']} ({verdict['steps_redone']} steps redone) |",
+        f"| verdict | {state}; {verdict['steps_compared']} steps; SIGKILL after step "
+        f"{verdict['kill_step']}, fresh process resumed from step "
+        f"{verdict['resumed_from_step']} ({verdict['steps_redone']} steps redone) |",
+        f"| final state compared | {verdict.get('final_state_compared', 'not compared')} |",
+        f"| resumed process's compile cache | {_cache_line(verdict)} |",
         control,
         "![reference, killed and resumed curves](overlay.png)",
         "",

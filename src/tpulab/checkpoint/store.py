@@ -33,7 +33,8 @@ from tpulab.checkpoint.files import MANIFEST, manifest_digest, verify_manifest, 
 from tpulab.errors import CheckpointError
 
 FORMAT = "tpulab-transformer-checkpoint-v1"
-TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax writes step N into "N.orbax-checkpoint-tmp-<id>", then renames it
+# Orbax writes step N into "N.orbax-checkpoint-tmp-<id>", then renames it.
+TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 def _warn(msg: str) -> None:
@@ -49,7 +50,7 @@ def step_dirs(directory: Path) -> dict[int, Path]:
 
 
 def tmp_dirs(directory: Path) -> list[Path]:
-    """Orbax temporary dirs: saves a kill cut short before Orbax renamed them. Never a checkpoint."""
+    """Orbax temporary dirs: saves a kill cut short before Orbax renamed them. Never checkpoints."""
     return (
         sorted(p for p in directory.iterdir() if TMP_MARK in p.name) if directory.is_dir() else []
     )
@@ -74,19 +75,22 @@ class Scan:
 
     @property
     def usable(self) -> bool:
-        """A verified step exists, or nothing was ever committed (only a save cut short, or nothing)."""
+        """A verified step exists, or nothing was ever committed (only a save cut short, or
+        nothing at all)."""
         return self.latest is not None or all(r.incomplete for r in self.rejected)
 
     def refusal(self) -> str:
         return (
-            f"no checkpoint in {self.directory} passes verification ({self.rejected[0].reason}); refusing to "
+            f"no checkpoint in {self.directory} passes verification "
+            f"({self.rejected[0].reason}); refusing to "
             "start over (use --force to train from scratch; refused checkpoints are kept)"
         )
 
 
 def scan(directory: str | Path) -> Scan:
-    """Read-only. Only the newest step may lack its marker (an interrupted save): saves are committed in
-    order, each before the next starts, so an older step without one is corruption, not an interruption."""
+    """Read-only. Only the newest step may lack its marker (an interrupted save): saves are
+    committed in order, each before the next starts, so an older step without one is corruption, not
+    an interruption."""
     directory = Path(directory).absolute()
     rejected = []
     steps = sorted(step_dirs(directory).items(), reverse=True)
@@ -103,7 +107,8 @@ def scan(directory: str | Path) -> Scan:
             reason = (
                 str(e)
                 if not unmarked or i == 0
-                else f"{path} has no {MANIFEST} but is not the newest step (corrupt, not an interrupted save)"
+                else f"{path} has no {MANIFEST} but is not the newest step "
+                "(corrupt, not an interrupted save)"
             )
             rejected.append(Rejected(step, path, reason, unmarked and i == 0))
     return Scan(directory, None, rejected, tmp_dirs(directory))
@@ -114,7 +119,8 @@ def read_meta(step_dir: Path) -> dict:
 
 
 def _root_cause(e: BaseException) -> str:
-    """The first OS-level reason in an exception chain (ENOSPC inside Orbax's wrappers), else the first line."""
+    """The first OS-level reason in an exception chain (ENOSPC inside Orbax's wrappers), else the
+    first line."""
     seen = e
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
@@ -132,33 +138,100 @@ def _root_cause(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:200]
 
 
-class _OrbaxErrorsReported(logging.Filter):
-    """Orbax logs each background save failure with a traceback from several threads (hundreds of lines);
-    the store turns that failure into one line naming the run dir and the last valid checkpoint, so
-    Orbax's own ERROR records are dropped while a store is open."""
+def _from_orbax(record: logging.LogRecord) -> bool:
+    text = (
+        record.pathname
+        + str(record.msg)
+        + "".join(str(a) for a in (record.args or ()) if isinstance(a, str))
+    )
+    exc = record.exc_info[1] if record.exc_info else None
+    return f"{os.sep}orbax{os.sep}" in text or "orbax" in repr(exc) or "orbax-checkpoint" in text
+
+
+def _record_cause(record: logging.LogRecord) -> str:
+    """What ``_root_cause`` names for the failure a log record reports."""
+    if record.exc_info and record.exc_info[1] is not None:
+        return _root_cause(record.exc_info[1])
+    try:
+        return _root_cause(Exception(record.getMessage()))
+    except Exception:  # noqa: BLE001 - a record whose arguments do not format reports nothing known
+        return ""
+
+
+class _OrbaxEchoes(logging.Filter):
+    """Drops Orbax's own ERROR records of the save failure the store reports, and nothing else.
+
+    Orbax logs one failed save several times with tracebacks (5 records, each dozens of lines, in
+    test_hardening's disk-full run with async saves) *before* the store hears of the failure at
+    its next wait, and the store reports that failure as one line. So while
+    a save is in flight, Orbax's ERROR records are held: if the save fails, those with the store's
+    root cause (e.g. "No space left on device") are echoes, dropped and counted (the count ends the
+    store's failure line); the rest, and all held records of a save that succeeds, go to the log
+    when the save ends. After a failure, later echoes (late writes, asyncio at exit) are dropped
+    and counted too. Outside a save, every record passes at once.
+    """
 
     LOGGERS = (
         "absl",
         "asyncio",
     )  # asyncio: "exception was never retrieved" of Orbax's failed writes, at exit
 
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+        self._saving = False
+        self._held: list[logging.LogRecord] = []
+        self.cause: str | None = None  # the root cause of the failure the store reported
+        self.dropped = 0
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
+        if (
+            record.levelno < logging.ERROR
+            or getattr(record, "_tpulab_released", False)
+            or not _from_orbax(record)
+        ):
             return True
-        text = (
-            record.pathname
-            + str(record.msg)
-            + "".join(str(a) for a in (record.args or ()) if isinstance(a, str))
-        )
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (
-            f"{os.sep}orbax{os.sep}" in text or "orbax" in repr(exc) or "orbax-checkpoint" in text
-        )
+        with self._lock:
+            if self.cause is not None:
+                echo = _record_cause(record) == self.cause
+                self.dropped += echo
+                return not echo
+            if self._saving:
+                self._held.append(record)
+                return False
+        return True
+
+    def saving(self) -> None:
+        """A save starts: hold Orbax's error records until it ends."""
+        with self._lock:
+            self._saving = True
+
+    def saved(self) -> None:
+        """The save ended without a failure: what was held was no echo of one."""
+        with self._lock:
+            held, self._held, self._saving = self._held, [], False
+        _emit(held)
+
+    def failed(self, cause: str) -> None:
+        """The store reported a failure with this root cause: drop its echoes, pass the rest."""
+        with self._lock:
+            self.cause, self._saving = cause, False
+            held, self._held = self._held, []
+            rest = [r for r in held if _record_cause(r) != cause]
+            self.dropped += len(held) - len(rest)
+        _emit(rest)
+
+
+def _emit(records: list[logging.LogRecord]) -> None:
+    """Hand held records to their loggers' handlers, past the store's filter."""
+    for record in records:
+        record._tpulab_released = True
+        logging.getLogger(record.name).handle(record)
 
 
 def _is_closed_loop_echo(u) -> bool:
-    """An unraisable ``RuntimeError: Event loop is closed`` raised by ``call_soon_threadsafe``: a tensorstore
-    write of a failed Orbax save finishing after Orbax closed that save's event loop."""
+    """An unraisable ``RuntimeError: Event loop is closed`` raised by ``call_soon_threadsafe``: a
+    tensorstore write of a failed Orbax save finishing after Orbax closed that save's event loop."""
     if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
         return False
     frames = [f.f_code.co_name for f, _ in traceback.walk_tb(u.exc_traceback)]
@@ -166,10 +239,11 @@ def _is_closed_loop_echo(u) -> bool:
 
 
 def _drop_closed_loop_echoes() -> None:
-    """When a save fails, Orbax closes that save's event loop while other writes are still in flight; as they
-    complete on tensorstore's threads they post to the closed loop, and Python prints each as an unraisable
-    traceback (dozens per run, before or after the store notices the failure). They are echoes of the
-    failure the store reports as one line, so they are dropped; any other unraisable is printed as before."""
+    """When a save fails, Orbax closes that save's event loop while other writes are still in
+    flight; as they complete on tensorstore's threads they post to the closed loop, and Python
+    prints each as an unraisable traceback (dozens per run, before or after the store notices the
+    failure). They are echoes of the failure the store reports as one line, so they are dropped; any
+    other unraisable is printed as before."""
     previous = sys.unraisablehook
     if getattr(previous, "_tpulab_drops_closed_loop_echoes", False):
         return
@@ -185,12 +259,13 @@ def _drop_closed_loop_echoes() -> None:
 class _Manager(ocp.CheckpointManager):
     """Orbax's manager without its own reads of JAX's preemption sync point.
 
-    The sync point is one counter per process: the coordination service stops the job at (the largest
-    counter any process last passed) + 1, so every process must pass the same sequence of values. The
-    trainer reads it once per loop check (tpulab.train.distributed.AgreedPreemption); Orbax would read it
-    too, with the step number, on save and (process 0 only) when an async save finalizes, pulling the
-    counters apart so that the agreed point could be one no process ever reads: a SIGTERM'd job would
-    train on to its end. The trainer decides when to save; Orbax never needs to.
+    The sync point is one counter per process: the coordination service stops the job at (the
+    largest counter any process last passed) + 1, so every process must pass the same sequence of
+    values. The trainer reads it once per loop check (tpulab.train.distributed.AgreedPreemption);
+    Orbax would read it too, with the step number, on save and (process 0 only) when an async save
+    finalizes, pulling the counters apart so that the agreed point could be one no process ever
+    reads: a SIGTERM'd job would train on to its end. The trainer decides when to save; Orbax never
+    needs to.
     """
 
     def reached_preemption(self, step: int) -> bool:
@@ -201,15 +276,15 @@ class CheckpointStore:
     """Async Orbax saves, manifests committed once each save has finished, verified restores.
 
     Open it only after the caller accepted ``scan(directory)`` (identity checked, refusals raised):
-    opening moves refused steps aside and removes Orbax temporary dirs, so a refused resume must never
-    get this far. ``allow_commit(step)`` may withhold a marker (a test's save cut short);
+    opening moves refused steps aside and removes Orbax temporary dirs, so a refused resume must
+    never get this far. ``allow_commit(step)`` may withhold a marker (a test's save cut short);
     ``on_commit(step)`` is told when a marker is written.
 
-    Several processes: every process opens a store and takes part in each Orbax save (its own shards and
-    its own Grain state file); only the ``primary`` process moves refused steps aside (the others wait for
-    it at a barrier) and writes manifests. Orbax finalizes a step (renames its temporary dir) only after
-    every process's part is written, and the manifest is written only after that, so a marker never
-    covers a step some process has not finished.
+    Several processes: every process opens a store and takes part in each Orbax save (its own shards
+    and its own Grain state file); only the ``primary`` process moves refused steps aside (the
+    others wait for it at a barrier) and writes manifests. Orbax finalizes a step (renames its
+    temporary dir) only after every process's part is written, and the manifest is written only
+    after that, so a marker never covers a step some process has not finished.
     """
 
     def __init__(
@@ -244,7 +319,7 @@ class CheckpointStore:
                 "meta": ocp.JsonCheckpointHandler(),
             },
         )
-        self._log_filter = _OrbaxErrorsReported()
+        self._log_filter = _OrbaxEchoes()
         _drop_closed_loop_echoes()
         for name in self._log_filter.LOGGERS:
             logging.getLogger(name).addFilter(self._log_filter)
@@ -255,7 +330,8 @@ class CheckpointStore:
         self._failure: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        # Commits markers soon after Orbax finishes, so a kill between saves loses as little as possible.
+        # Commits markers soon after Orbax finishes, so a kill between saves loses as little as
+        # possible.
         self._committer = threading.Thread(
             target=self._commit_loop, name="tpulab-ckpt-commit", daemon=True
         )
@@ -266,11 +342,13 @@ class CheckpointStore:
             try:
                 self.commit_finished()
             except CheckpointError:
-                return  # recorded in self._failure; the training thread raises it at its next save or wait
+                # Recorded in self._failure; the training thread raises it at its next save or wait.
+                return
 
     def _quarantine(self, found: Scan) -> None:
-        """Move refused steps out of Orbax's way (their step numbers are saved again); never delete them.
-        Orbax temporary dirs are half-written saves, never checkpoints: removed, with a warning."""
+        """Move refused steps out of Orbax's way (their step numbers are saved again); never delete
+        them. Orbax temporary dirs are half-written saves, never checkpoints: removed, with a
+        warning."""
         for r in found.rejected:
             _warn(f"refusing checkpoint step {r.step}: {r.reason}")
             self.reject_dir.mkdir(parents=True, exist_ok=True)
@@ -286,12 +364,22 @@ class CheckpointStore:
 
     def _fail(self, what: str, e: BaseException) -> CheckpointError:
         last = f"step {self.latest} in {self.directory}" if self.latest is not None else "none"
-        self._failure = f"{what} in {self.directory.parent} failed: {_root_cause(e)}; last valid checkpoint: {last}"
-        return CheckpointError(self._failure, exit_code=4)
+        cause = _root_cause(e)
+        self._failure = (
+            f"{what} in {self.directory.parent} failed: {cause}; last valid checkpoint: {last}"
+        )
+        self._log_filter.failed(cause)
+        return self._failure_error()
+
+    def _failure_error(self) -> CheckpointError:
+        """The one line, with how many of Orbax's error records of the failure were dropped."""
+        n = self._log_filter.dropped
+        echoes = f"; {n} Orbax error records of this failure suppressed" if n else ""
+        return CheckpointError(self._failure + echoes, exit_code=4)
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
-            raise CheckpointError(self._failure, exit_code=4)
+            raise self._failure_error()
 
     def save(self, step: int, state: Any, data_iter: Any | None, meta: dict) -> None:
         """Save ``step`` in the background; ``data_iter`` None writes a model without a data
@@ -299,6 +387,7 @@ class CheckpointStore:
         # Orbax would wait for the previous save inside save() anyway; waiting here lets its
         # marker go first.
         self.wait()
+        self._log_filter.saving()
         items = {
             "state": ocp.args.StandardSave(state),
             "meta": ocp.args.JsonSave({**meta, "format": FORMAT, "step": step}),
@@ -314,7 +403,8 @@ class CheckpointStore:
             self._last_saved = step
 
     def commit_finished(self) -> None:
-        """Write manifests for saves that Orbax has finalized (non-blocking; called from both threads)."""
+        """Write manifests for saves that Orbax has finalized (non-blocking; called from the
+        training thread and the committer)."""
         with self._lock:
             if (
                 not self._uncommitted
@@ -326,20 +416,28 @@ class CheckpointStore:
                 self.manager.check_for_errors()  # a failed async save never gets a marker
             except Exception as e:  # noqa: BLE001
                 raise self._fail(f"saving checkpoint step {self._uncommitted[-1]}", e) from None
+            ended = False  # a save known to have finished: its held Orbax records were no echoes
             for step in self._uncommitted:
                 if not self._allow_commit(step):
+                    ended = True
                     continue
                 if not self.primary:  # process 0 writes the marker; the step is committed for all
                     self.latest = max(self.latest or 0, step)
+                    ended = True
                     continue
-                if self.step_dir(step).is_dir():  # may already be garbage-collected by keep-N
+                # No dir: garbage-collected by keep-N, or an async save that failed and whose error
+                # Orbax raises only at the next wait (then its held records are echoes).
+                if self.step_dir(step).is_dir():
                     try:
                         write_manifest(self.step_dir(step), {"step": step})
                     except OSError as e:
                         raise self._fail(f"committing checkpoint step {step}", e) from None
                     self.latest = max(self.latest or 0, step)
                     self._on_commit(step)
+                    ended = True
             self._uncommitted.clear()
+            if ended:  # under the lock: the next save cannot start before this
+                self._log_filter.saved()
 
     def wait(self) -> None:
         """Block until in-flight saves are finished and committed; raise one line if any failed."""
@@ -358,7 +456,8 @@ class CheckpointStore:
         return manifest_digest(self.step_dir(step))
 
     def restore(self, step: int, abstract_state: Any, data_iter: Any | None) -> Any:
-        """Verify again (it may have changed since the scan), then restore into the abstract target."""
+        """Verify again (it may have changed since the scan), then restore into the abstract
+        target."""
         verify_manifest(self.step_dir(step))
         check_fits(self.step_dir(step), abstract_state)
         args = {"state": ocp.args.StandardRestore(abstract_state)}
@@ -373,8 +472,9 @@ class CheckpointStore:
         return restored["state"]
 
     def close(self) -> None:
-        """Finish and commit in-flight saves, stop the committer, shut Orbax down. Safe on every error path:
-        the manager is closed even when the wait failed, so no background thread outlives the error."""
+        """Finish and commit in-flight saves, stop the committer, shut Orbax down. Safe on every
+        error path: the manager is closed even when the wait failed, so no background thread
+        outlives the error."""
         try:
             self.wait()
         finally:
@@ -386,9 +486,10 @@ class CheckpointStore:
                 if self._failure is None:
                     raise
             finally:
-                if (
-                    self._failure is None
-                ):  # after a failure the process is about to exit on our one line
+                # After a failure the process is about to exit on our one line: the filter stays,
+                # to drop the echoes still to come.
+                if self._failure is None:
+                    self._log_filter.saved()
                     for name in self._log_filter.LOGGERS:
                         logging.getLogger(name).removeFilter(self._log_filter)
 
@@ -404,8 +505,9 @@ def _barrier(name: str) -> None:
 
 
 def _flat_shapes(tree: Any) -> dict[tuple[str, ...], tuple]:
-    """path -> (shape, dtype) with each path component as a plain string, so a restore target (NamedTuples,
-    nnx.State) and Orbax's stored metadata (nested dicts) name the same leaf the same way."""
+    """path -> (shape, dtype) with each path component as a plain string, so a restore target
+    (NamedTuples, nnx.State) and Orbax's stored metadata (nested dicts) name the same leaf the same
+    way."""
     import jax
 
     def part(k):
@@ -421,8 +523,9 @@ def _flat_shapes(tree: Any) -> dict[tuple[str, ...], tuple]:
 
 
 def check_fits(step_dir: Path, abstract_state: Any) -> None:
-    """Compare the stored shapes and dtypes with the restore target before restoring, so a checkpoint of
-    another model is refused in one line instead of failing inside Orbax's background restore threads."""
+    """Compare the stored shapes and dtypes with the restore target before restoring, so a
+    checkpoint of another model is refused in one line instead of failing inside Orbax's background
+    restore threads."""
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(
@@ -446,7 +549,8 @@ def check_fits(step_dir: Path, abstract_state: Any) -> None:
 
 
 def read_state(step_dir: str | Path, abstract_state: Any) -> Any:
-    """Restore only the ``state`` item of a verified step, read-only (no manager, nothing moved or written)."""
+    """Restore only the ``state`` item of a verified step, read-only (no manager, nothing moved or
+    written)."""
     step_dir = Path(step_dir)
     verify_manifest(step_dir)
     check_fits(step_dir, abstract_state)

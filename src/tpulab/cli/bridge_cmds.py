@@ -1,15 +1,20 @@
-"""`tpulab bridge ...`: the small MLP through a PyTorch-to-XLA bridge (train, prove-resume, compare)."""
+"""`tpulab bridge ...`: the small MLP through a PyTorch-to-XLA bridge (train, prove-resume,
+compare)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from tpulab.cli.train_cmds import checked_path, path_arg
+from tpulab.cli.train_cmds import add_warm_resume_cache_arg, checked_path, path_arg
 
 BACKEND_HELP = (
     "torch (plain PyTorch on CPU, the reference), torchax (torch on JAX), torch_xla (TPU VMs only)"
 )
-METHOD_HELP = "eager (torch autograd + torch.optim.Adam) or jit (torchax only: functional jitted step, optax.adam)"
+METHOD_HELP = (
+    "eager (torch autograd + torch.optim.Adam) or jit (torchax only: functional jitted step, "
+    "optax.adam)"
+)
 
 
 def _config_args(p: argparse.ArgumentParser, steps_default: int | None = None) -> None:
@@ -64,6 +69,7 @@ def register(sub) -> None:
     p.add_argument(
         "--hold-after-step", type=int, help=argparse.SUPPRESS
     )  # the proof driver's fixed kill point
+    p.add_argument("--cache-stats", type=Path, help=argparse.SUPPRESS)  # the proof driver's
     _config_args(p)
     from tpulab.cli.train_cmds import add_tracking_args
 
@@ -88,6 +94,7 @@ def register(sub) -> None:
     p.add_argument(
         "--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS
     )
+    add_warm_resume_cache_arg(p)
     _config_args(p)
     p.set_defaults(handler=_prove)
 
@@ -110,6 +117,10 @@ def _train(args) -> int:
     from tpulab.train.hooks import HoldAfter
 
     cfg = _config(args)
+    if args.cache_stats and args.backend != "torch":  # torch alone compiles nothing through JAX
+        from tpulab.proofs.cache import record_cache_events
+
+        record_cache_events(args.cache_stats)
     tracker = tracker_for(
         args,
         args.run_dir,
@@ -134,15 +145,14 @@ def _train(args) -> int:
         if tracker is not None:
             tracker.close(status="FAILED")
         raise
-    if tracker is not None:
-        tracker.on_end({"final_step": out["steps"]})
     how = (
         f"resumed from step {out['resumed_from']}"
         if out["resumed_from"] is not None
         else "from scratch"
     )
     print(
-        f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); run dir {out['run_dir']}"
+        f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); "
+        f"run dir {out['run_dir']}"
     )
     return 0
 
@@ -159,14 +169,14 @@ def _prove(args) -> int:
         kill_at=args.kill_at,
         restore_rng=args.restore_rng,
         timeout_s=args.timeout,
+        warm_resume_cache=args.warm_resume_cache,
     )
-    state = (
-        "bitwise identical"
-        if verdict["identical"]
-        else f"NOT identical (first differing step {verdict['first_differing_step']})"
-    )
+    from tpulab.proofs.driver import verdict_text
+
     print(
-        f"{args.backend}/{args.method}: {state}; killed after step {verdict['kill_step']}, resumed from "
+        f"{args.backend}/{args.method}: "
+        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: "
+        f"{verdict_text(verdict)}; killed after step {verdict['kill_step']}, resumed from "
         f"{verdict['resumed_from_step']}; see {args.run_dir / 'proof'}"
     )
     return (

@@ -7,7 +7,7 @@ import sys
 
 from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import TpulabError
-from tpulab.inference.policies import POLICIES as _POLICIES
+from tpulab.model.policies import POLICIES as _POLICIES
 
 
 def _paths_checked(handler):
@@ -15,7 +15,7 @@ def _paths_checked(handler):
     (``Path("")`` would silently mean the current directory)."""
 
     def run(args) -> int:
-        for name in ("run_dir", "out", "artifacts", "key_file"):
+        for name in ("run_dir", "out", "artifacts", "key_file", "trace_log", "drift_reference"):
             value = getattr(args, name, None)
             if value is not None:
                 setattr(args, name, checked_path(value, "--" + name.replace("_", "-")))
@@ -36,7 +36,8 @@ def _kvcache(args) -> int:
 
 
 def _export(args) -> int:
-    from tpulab.inference.export import MANIFEST, export_artifacts
+    from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
+    from tpulab.inference.export import export_artifacts
     from tpulab.train.restore import load_model
 
     manifest = export_artifacts(
@@ -44,38 +45,44 @@ def _export(args) -> int:
     )
     for a in manifest["artifacts"]:
         print(f"{a['file']}  {a['sha256'][:16]}  platforms={','.join(a['platforms'])}")
-    print(f"wrote {args.out / MANIFEST} (checkpoint step {manifest['source']['checkpoint_step']})")
+    step = manifest["source"]["checkpoint_step"]
+    print(f"wrote {args.out / ARTIFACT_MANIFEST} (checkpoint step {step})")
     return 0
 
 
 def _verify(args) -> int:
-    from tpulab.inference.export import read_key, verification_table, verify_export
+    from tpulab.inference.checkpoint_match import verification_table
+    from tpulab.inference.trust import read_key, verify_export
 
     result = verify_export(args.artifacts, args.run_dir, read_key(args.key_file))
     print(verification_table(result))
     if not result["passed"]:
         failed = [r["artifact"] for r in result["rows"] if not r["passed"]]
         raise TpulabError(f"verification failed for {', '.join(failed)}", exit_code=1)
-    print(f"all {len(result['rows'])} endpoints match checkpoint step {result['checkpoint_step']}")
+    src = result["checkpoint_source"]
+    print(
+        f"all {len(result['rows'])} endpoints match checkpoint step {result['checkpoint_step']} "
+        f"of {src['run_dir']} (run dir given by the {src['given_by']})"
+    )
     return 0
 
 
 def _generate(args) -> int:
     from tpulab.inference.generate import generate_text
-    from tpulab.inference.sampling import SamplingConfig, prompt_ids
+    from tpulab.model.sampling import SamplingConfig, prompt_ids
 
     _check_generate(args)
     cfg = SamplingConfig(
         max_new=args.max_new, temperature=args.temperature, top_k=args.top_k, seed=args.seed
     )
     if args.artifacts is not None:
-        from tpulab.inference.export import load_verified, read_key
+        from tpulab.inference.trust import load_verified, read_key
 
         art = load_verified(args.artifacts, args.run_dir, read_key(args.key_file))
         print(f"artifacts {art.root}: verified ({art.verification['mode']})", file=sys.stderr)
         engine = art.engine(args.cache)
     else:
-        from tpulab.inference.decode import Decoder
+        from tpulab.model.decode import Decoder
         from tpulab.train.restore import load_model
 
         if args.key_file is not None:
@@ -93,15 +100,31 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from tpulab.inference.serve import ServeConfig, serve
+    from tpulab.inference.serve import ServeConfig
+    from tpulab.ops.serving import serve
 
     cfg = ServeConfig(
         max_batch=args.max_batch,
         batch_window_ms=args.batch_window_ms,
         max_queue=args.max_queue,
         request_timeout_s=args.request_timeout,
+        body_timeout_s=args.body_timeout,
+        drain_timeout_s=args.drain_timeout,
+        ready_timeout_s=args.ready_timeout,
     )
-    serve(args.artifacts, args.host, args.port, cfg, run_dir=args.run_dir, key_file=args.key_file)
+    serve(
+        artifacts=args.artifacts,
+        model_uri=args.model,
+        host=args.host,
+        port=args.port,
+        cfg=cfg,
+        run_dir=args.run_dir,
+        key_file=args.key_file,
+        tracking_uri=args.tracking_uri,
+        poll_interval_s=args.poll_interval,
+        trace_log=args.trace_log,
+        drift_reference=args.drift_reference,
+    )
     return 0
 
 
@@ -156,7 +179,8 @@ def register(sub) -> None:
         "--run-dir",
         type=path_arg,
         default=None,
-        help="where the checkpoint lives (default: the run dir recorded in the manifest)",
+        help="the checkpoint to check against (default: the run dir the manifest names); "
+        "required with --key-file",
     )
     p.add_argument(
         "--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key"
@@ -188,9 +212,29 @@ def register(sub) -> None:
     p.set_defaults(handler=_paths_checked(_generate))
 
     p = sub.add_parser(
-        "serve", help="HTTP generation service over verified artifacts (FastAPI + uvicorn)"
+        "serve",
+        help="HTTP generation service over verified artifacts or a registered model version "
+        "(FastAPI + uvicorn)",
     )
-    p.add_argument("--artifacts", type=path_arg, required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--artifacts", type=path_arg, help="a verified export dir")
+    which.add_argument(
+        "--model",
+        metavar="models:/NAME@ALIAS",
+        help="a registry version: models:/NAME@ALIAS (followed while serving: a rollback is "
+        "swapped in) or models:/NAME/VERSION",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        help="the registry's MLflow store with --model (default: $MLFLOW_TRACKING_URI, else "
+        "sqlite:///<parent of --run-dir, else the current dir>/mlruns.db)",
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=10.0,
+        help="with --model NAME@ALIAS: seconds between reads of the alias",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument(
@@ -214,6 +258,34 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--request-timeout", type=float, default=60.0, help="server-side limit per request (s)"
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=10.0, help="time to send a request body (s): 408"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        help="after SIGTERM, how long requests in flight may take (s); then 503 and exit 0",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="not ready (verified, compiled, probed) this long after start: exit 1 (s)",
+    )
+    p.add_argument(
+        "--trace-log",
+        type=path_arg,
+        default="serve_traces.jsonl",
+        help="one JSON line per generate request (default: ./serve_traces.jsonl)",
+    )
+    p.add_argument(
+        "--drift-reference",
+        type=path_arg,
+        default=None,
+        help="text file or dir of *.txt the prompt drift statistic compares against (default: "
+        "the training documents of the artifacts' run dir)",
     )
     p.set_defaults(handler=_paths_checked(_serve))
 

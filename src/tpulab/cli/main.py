@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         cloud_cmds,
         inference_cmds,
         ops_cmds,
+        ops_image_cmds,
         perf_cmds,
         posttrain_cmds,
         scale_cmds,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         cloud_cmds,
         track_cmds,
         ops_cmds,
+        ops_image_cmds,
         posttrain_cmds,
     ):
         module.register(sub)

@@ -29,13 +29,13 @@ def _err(line: str) -> None:
 def _register(args) -> int:
     import json
 
-    from tpulab.inference.export import MANIFEST
+    from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
     from tpulab.ops.registry import register, store_uri
 
     artifacts = checked_path(args.artifacts, "--artifacts")
     verdict = checked_path(args.resume_verdict, "--resume-verdict") if args.resume_verdict else None
     try:  # the trainer's store is beside the run dir the artifacts came from
-        run_dir = json.loads((artifacts / MANIFEST).read_text())["source"]["run_dir"]
+        run_dir = json.loads((artifacts / ARTIFACT_MANIFEST).read_text())["source"]["run_dir"]
     except (OSError, ValueError, KeyError, TypeError):
         run_dir = None  # register() names the problem
     _compiles_cached()

@@ -70,6 +70,11 @@ def cmd_train(args) -> int:
     from tpulab.train.hooks import HoldAfter
     from tpulab.train.loop import train
 
+    if args.cache_stats:  # a proof's child: its compilation-cache hits and misses, from now on
+        from tpulab.proofs.cache import record_cache_events
+
+        record_cache_events(args.cache_stats)
+
     joined = initialize_from_env(
         args.init_timeout
     )  # a launched or TPU-slice process joins its job; otherwise a no-op
@@ -129,18 +134,37 @@ def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
     )
     if not stall:
         return
+    from tpulab.train.watchdog import STARTUP_S  # no jax: --help stays quick
+
     g.add_argument(
         "--stall-timeout",
         type=float,
         metavar="S",
-        help="seconds without a completed step that count as a stall (default: 20x the median step "
-        "time, at least 120 s); start-up and compile get 900 s until 3 steps were measured",
+        help="seconds without a completed step that count as a stall, from the first step on "
+        "(default: 20x the median step time, at least 120 s; 300 s with several processes)",
+    )
+    g.add_argument(
+        "--stall-startup-timeout",
+        type=float,
+        metavar="S",
+        default=STARTUP_S,
+        help="seconds allowed for start-up: restore, compile and the first step (default: "
+        f"{STARTUP_S:g})",
     )
     g.add_argument(
         "--stall-exit",
         action="store_true",
-        help="on a stall, exit with code 75 after dumping stacks (so a supervisor restarts the "
-        "run)",
+        help="on a stall, exit with code 75 after dumping stacks "
+        "(so a supervisor restarts the run)",
+    )
+
+
+def add_warm_resume_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--warm-resume-cache",
+        action="store_true",
+        help="let each resumed process share the compilation cache of the runs before it (faster); "
+        "by default it gets a fresh, empty one, as after a preemption onto a new machine",
     )
 
 
@@ -170,12 +194,15 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
     from tpulab.tracking.progress import LogLines
     from tpulab.train.watchdog import MULTIPROCESS_STALL_S, STALL_EXIT_CODE, StallWatchdog
 
-    timeout = args.stall_timeout or (MULTIPROCESS_STALL_S if distributed else None)
+    timeout = args.stall_timeout
+    if timeout is None and distributed:
+        timeout = MULTIPROCESS_STALL_S
     return [
         StallWatchdog(
             run_dir,
             exit_code=STALL_EXIT_CODE if (args.stall_exit or distributed) else None,
             timeout_s=timeout,
+            startup_s=args.stall_startup_timeout,
             records=jax.process_index() == 0,
         ),
         LogLines(),
@@ -218,6 +245,7 @@ def cmd_prove_resume(args) -> int:
         kill_at=args.kill_at,
         skip_restore=tuple(args.skip_restore),
         compile_cache=args.compile_cache,
+        warm_resume_cache=args.warm_resume_cache,
     )
     print(
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; "
@@ -234,7 +262,12 @@ def cmd_chaos(args) -> int:
     from tpulab.proofs.chaos import run_chaos
 
     verdict = run_chaos(
-        config, run_dir, kills=args.kills, seed=args.seed, compile_cache=args.compile_cache
+        config,
+        run_dir,
+        kills=args.kills,
+        seed=args.seed,
+        compile_cache=args.compile_cache,
+        warm_resume_cache=args.warm_resume_cache,
     )
     print(
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random "
@@ -317,6 +350,7 @@ def register(sub) -> None:
     p.add_argument(
         "--hold-after-step", type=int, help=argparse.SUPPRESS
     )  # the proof driver's fixed kill point
+    p.add_argument("--cache-stats", type=Path, help=argparse.SUPPRESS)  # the proof driver's
     add_tracking_args(p)
     p.add_argument(
         "--init-timeout",
@@ -356,6 +390,7 @@ def register(sub) -> None:
     p.add_argument(
         "--stall-timeout", type=float, default=10.0, help="with --processes: watchdog timeout (s)"
     )
+    add_warm_resume_cache_arg(p)
     p.set_defaults(handler=cmd_prove_resume)
 
     p = sub.add_parser(
@@ -367,6 +402,7 @@ def register(sub) -> None:
         "--kills", type=int, default=5, help="random SIGKILLs before the run may finish (default 5)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    add_warm_resume_cache_arg(p)
     p.set_defaults(handler=cmd_chaos)
 
     p = sub.add_parser(

@@ -13,11 +13,18 @@ MAX_BATCH_SIZE = (
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Corpus, split and batching. The corpus identity (a content hash) is checked on resume, not the path."""
+    """Corpus, split and batching. On resume the corpus identity (a content hash) is checked, not
+    the path."""
 
     path: str | None = field(
         None,
         "text file or directory of *.txt; null = the shipped Shakespeare corpus",
+        resume_mutable=True,
+    )
+    contract: str | None = field(
+        None,
+        "data contract JSON the corpus is checked against before step 0 (tpulab contract record); "
+        "null = the shipped contract for the shipped corpus, no check for a user corpus",
         resume_mutable=True,
     )
     seq_len: int = field(
@@ -33,6 +40,8 @@ class DataConfig:
     def __post_init__(self):
         if self.path is not None:
             check_path(self.path, "data.path")
+        if self.contract is not None:
+            check_path(self.contract, "data.contract")
         check(self.seq_len > 0, f"data.seq_len={self.seq_len} must be positive")
         check(self.batch_size > 0, f"data.batch_size={self.batch_size} must be positive")
         check_int(self.seq_len, "data.seq_len", 1, INT32_MAX)
@@ -41,7 +50,7 @@ class DataConfig:
             0.0 < self.val_fraction < 1.0,
             f"data.val_fraction={self.val_fraction} must be in (0, 1)",
         )
-        # Grain refuses shuffle seeds outside uint32; the split seed gets the same range for symmetry.
+        # Grain refuses shuffle seeds outside uint32; the split seed gets the same range too.
         check_int(self.split_seed, "data.split_seed", 0, UINT32_MAX, "a uint32")
         check_int(
             self.shuffle_seed, "data.shuffle_seed", 0, UINT32_MAX, "a uint32, as Grain requires"

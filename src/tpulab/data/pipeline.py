@@ -42,7 +42,8 @@ def window_hashes(windows: np.ndarray) -> list[str]:
 def split_documents(
     corpus: Corpus, cfg: DataConfig
 ) -> tuple[tuple[Document, ...], tuple[Document, ...]]:
-    """(train, validation) whole documents; validation is a seeded choice of ceil(fraction * n) >= 1."""
+    """(train, validation) whole documents; validation is a seeded choice of ceil(fraction * n)
+    >= 1."""
     n = len(corpus.documents)
     if n < 2:
         raise TpulabError(
@@ -88,7 +89,8 @@ def build_splits(corpus: Corpus, cfg: DataConfig) -> Splits:
     val_w = val_w[keep]
     if len(train_w) < cfg.batch_size:
         raise TpulabError(
-            f"corpus has {len(train_w)} training windows, fewer than data.batch_size={cfg.batch_size}"
+            f"corpus has {len(train_w)} training windows, fewer than "
+            f"data.batch_size={cfg.batch_size}"
         )
     if len(val_w) == 0:
         raise TpulabError("the validation documents yield no windows")
@@ -96,7 +98,8 @@ def build_splits(corpus: Corpus, cfg: DataConfig) -> Splits:
 
 
 def to_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
-    """[B, S+1] windows -> inputs, targets [B, S] int32 and mask [B, S] float32 (0 where the target is PAD)."""
+    """[B, S+1] windows -> inputs, targets [B, S] int32 and mask [B, S] float32 (0 where the
+    target is PAD)."""
     targets = windows[:, 1:]
     return {
         "inputs": windows[:, :-1],
@@ -110,11 +113,12 @@ def train_dataset(
 ) -> grain.IterDataset:
     """Shuffled (reshuffled each epoch), repeated, batched windows; each process reads its own rows.
 
-    The shuffled stream is cut into process-sized blocks and process p takes blocks p, p+P, p+2P, ...:
-    global batch g is blocks gP .. gP+P-1, so the processes' rows of a step are disjoint and together
-    are exactly the batch one process would draw (any process count, epoch boundaries included), and
-    each process reads only its own windows. Its position (``next_index`` = steps taken) is the same
-    in every process. The iterator's ``get_state``/``set_state`` is stored per process by the checkpoint.
+    The shuffled stream is cut into process-sized blocks and process p takes blocks p, p+P, p+2P,
+    ...: global batch g is blocks gP .. gP+P-1, so the processes' rows of a step are disjoint and
+    together are exactly the batch one process would draw (any process count, epoch boundaries
+    included), and each process reads only its own windows. Its position (``next_index`` = steps
+    taken) is the same in every process. The iterator's ``get_state``/``set_state`` is stored per
+    process by the checkpoint.
     """
     if cfg.batch_size % process_count:
         raise TpulabError(
@@ -135,9 +139,11 @@ def train_dataset(
 def eval_batches(
     windows: np.ndarray, batch_size: int, max_batches: int
 ) -> list[dict[str, np.ndarray]]:
-    """The fixed, unshuffled validation batches (the first ``max_batches`` full batches, at least one)."""
-    n = max(1, min(max_batches, len(windows) // batch_size))
+    """The fixed, unshuffled validation batches: the first ``max_batches`` full batches, or with
+    fewer windows than one batch a single batch of all of them, filled up with PAD rows (mask 0:
+    they add nothing to the NLL sum or the token count), so every window counts exactly once."""
     if len(windows) < batch_size:
-        reps = -(-batch_size // len(windows))
-        windows = np.concatenate([windows] * reps)
+        fill = np.full((batch_size - len(windows), windows.shape[1]), PAD, dtype=windows.dtype)
+        return [to_batch(np.concatenate([windows, fill]))]
+    n = min(max_batches, len(windows) // batch_size)
     return [to_batch(windows[i * batch_size : (i + 1) * batch_size]) for i in range(n)]

@@ -1,8 +1,9 @@
-"""Goodput: where the wall time of a run went, over every process lifetime, the killed ones included.
+"""Goodput: where the wall time of a run went, over every process lifetime, the killed ones
+included.
 
-Input is only the run dir's metrics.jsonl (one ``start`` record per process lifetime, step records with
-``wall_s`` since that process entered ``train()``, ``eval`` events, and an ``end`` event with the loop's
-``phases_s`` when the lifetime ended normally). Buckets:
+Input is only the run dir's metrics.jsonl (one ``start`` record per process lifetime, step records
+with ``wall_s`` since that process entered ``train()``, ``eval`` events, and an ``end`` event with
+the loop's ``phases_s`` when the lifetime ended normally). Buckets:
 
 - productive: step time of steps that count (each step once)
 - startup_compile: the first process's start-up (corpus, init) and first step (XLA compile)
@@ -11,11 +12,14 @@ Input is only the run dir's metrics.jsonl (one ``start`` record per process life
 - redone_steps: steps a killed process trained beyond the checkpoint the next process resumed from
 - kill_tail: time between a killed process's last record and the kill (known only from the driver)
 
-goodput = productive / total. A killed lifetime has no ``end`` event: its time is split from the gaps
-between its step records (the median gap is step time; the excess of a gap around an eval or a
-checkpoint step goes to eval or checkpoint; data waiting cannot be told apart there and stays in the
-step time), and it ends at its last record. Process start-up before ``train()`` (Python imports) is
-in no bucket.
+goodput = productive / total, where total is the measured wall time (each lifetime's ``end``
+event's ``wall_s``, or its last record's, plus the kill tail), not the buckets' sum;
+``unaccounted_s`` is what the buckets leave of it (a few ms between the loop's last phase lap and
+its end event). A killed lifetime has no ``end`` event: its time is split from the gaps between its
+step records (the median gap is step time; the excess of a gap around an eval or a checkpoint step
+goes to eval or checkpoint; data waiting cannot be told apart there and stays in the step time),
+and it ends at its last record. Process start-up before ``train()`` (Python imports) is in no
+bucket.
 """
 
 from __future__ import annotations
@@ -50,11 +54,12 @@ def _save_every(run_dir: Path) -> int | None:
 
 
 def account(records: list[dict], save_every: int | None = None, kill_tail_s: float = 0.0) -> dict:
-    """The arithmetic, on parsed records (see the module docstring). ``kill_tail_s``: time the driver saw
-    killed processes live beyond what their records show (chaos: kill moments minus logged time)."""
+    """The arithmetic, on parsed records (see the module docstring). ``kill_tail_s``: time the
+    driver saw killed processes live beyond what their records show (chaos: kill moments minus
+    logged time)."""
     starts = M.starts(records)
     totals = dict.fromkeys(BUCKETS, 0.0)
-    lifetimes = []
+    lifetimes, walls = [], []
     for i, start in enumerate(starts):
         seg = start["segment"]
         resumed = start.get("resumed_from") is not None
@@ -111,6 +116,7 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
             b["productive"] -= b["redone_steps"]
         for k in BUCKETS:
             totals[k] += b[k]
+        walls.append(total)
         lifetimes.append(
             {
                 "segment": seg,
@@ -124,11 +130,14 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
             }
         )
     totals["kill_tail"] += max(0.0, kill_tail_s)
-    total = sum(totals.values())
+    # The wall time as measured (each lifetime's end event, or its last record, plus the kill tail),
+    # not the buckets' own sum: what the buckets fail to cover shows up as unaccounted.
+    total = sum(walls) + max(0.0, kill_tail_s)
     return {
         "total_s": round(total, 4),
         "goodput": (totals["productive"] / total) if total > 0 else 0.0,
         "buckets_s": {k: round(v, 4) for k, v in totals.items()},
+        "unaccounted_s": round(total - sum(totals.values()), 4),
         "restart_s": round(sum(totals[k] for k in RESTART), 4),
         "lifetimes": lifetimes,
         "killed_lifetimes": sum(1 for lt in lifetimes if not lt["ended"]),
@@ -143,9 +152,10 @@ def goodput(run_dir: str | Path, kill_tail_s: float = 0.0) -> dict:
 
 
 def chaos_kill_tail(victim: str | Path, kill_log: list[dict]) -> float:
-    """Time the chaos driver saw its killed processes live beyond their last metrics record: the sum of
-    kill moments (seconds after each start) minus the logged time of the killed lifetimes. Includes
-    lifetimes killed before they wrote any record and the Python start-up of each killed process."""
+    """Time the chaos driver saw its killed processes live beyond their last metrics record: the
+    sum of kill moments (seconds after each start) minus the logged time of the killed lifetimes.
+    Includes lifetimes killed before they wrote any record and the Python start-up of each killed
+    process."""
     g = account(M.read_records(victim), _save_every(Path(victim)))
     logged = sum(lt["total_s"] for lt in g["lifetimes"] if not lt["ended"])
     return max(0.0, sum(float(k.get("at_s", 0.0)) for k in kill_log) - logged)
@@ -160,28 +170,30 @@ LABELS = {
     "restart_startup": "restart: start-up, restore, first step of resumed processes",
     "redone_steps": "restart: steps redone after a resume",
     "kill_tail": "restart: killed after the last record",
+    "unaccounted": "in no bucket (measured wall time minus the buckets)",
 }
 
 
 def markdown(g: dict, title: str = "Goodput") -> str:
+    shown = {**g["buckets_s"], "unaccounted": g.get("unaccounted_s", 0.0)}
     rows = [
         f"| {LABELS[k]} | {v:.2f} s | {100 * v / g['total_s']:.1f}% |"
-        for k, v in g["buckets_s"].items()
-        if g["total_s"] > 0 and (v > 0 or k == "productive")
+        for k, v in shown.items()
+        if g["total_s"] > 0 and (v > 0 or k == "productive" or (k == "unaccounted" and v))
     ]
     return "\n".join(
         [
             f"### {title}",
             "",
-            f"**goodput {100 * g['goodput']:.1f}%** (productive step time / wall time) over {len(g['lifetimes'])} process "
-            f"lifetime(s), {g['killed_lifetimes']} of them killed; wall time {g['total_s']:.2f} s, of which "
-            f"{g['restart_s']:.2f} s lost to restarts.",
+            f"**goodput {100 * g['goodput']:.1f}%** (productive step time / wall time) over "
+            f"{len(g['lifetimes'])} process lifetime(s), {g['killed_lifetimes']} of them killed; "
+            f"wall time {g['total_s']:.2f} s, of which {g['restart_s']:.2f} s lost to restarts.",
             "",
             "| where the time went | seconds | share |",
             "|---|---|---|",
             *rows,
             "",
-            "Killed lifetimes are split from their step records (no end event); Python start-up before `train()` is "
-            "not counted.",
+            "Killed lifetimes are split from their step records (no end event); Python start-up "
+            "before `train()` is not counted.",
         ]
     )

@@ -1,10 +1,13 @@
-"""What a run actually consumed: sha256 of every training window drawn and every evaluation window read.
+"""What a run consumed: sha256 of every training window drawn and every evaluation window read.
 
 The data checks compare these records with the validation documents instead of rebuilding the split
-and comparing it with itself, so a leak in what the loop really fed the model (a validation window in a
-training batch, a training window in an evaluation batch) makes them fail. One file per process
-(``windows.p<index>.jsonl``): ``{"eval": [...]}`` once per process lifetime, then ``{"step": s, "train":
-[...]}`` per step; a step redone after a resume appears again with the same hashes.
+and comparing it with itself, so a leak in what the loop really fed the model (a validation window
+in a training batch, a training window in an evaluation batch) makes them fail. One file per process
+(``windows.p<index>.jsonl``): ``{"eval": [...]}`` once per process lifetime, then ``{"step": s,
+"train": [...]}`` per step; a step redone after a resume appears again with the same hashes. A kill
+can tear only the last line a lifetime wrote: the next lifetime starts on a fresh line, so a torn
+line is the file's last or the one before a lifetime's ``eval`` record; any other unreadable line is
+corruption, and the reader reports it.
 """
 
 from __future__ import annotations
@@ -31,10 +34,22 @@ def batch_windows(batch: dict) -> np.ndarray:
 
 class WindowLedger:
     def __init__(self, run_dir: str | Path, process_index: int = 0):
-        self._f = open(Path(run_dir) / f"windows.p{process_index}.jsonl", "a", buffering=1)
+        path = Path(run_dir) / f"windows.p{process_index}.jsonl"
+        self._f = open(path, "a", buffering=1)
+        if self._f.tell() > 0:
+            with open(path, "rb") as f:
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":  # a kill tore the last line: keep its fragment on its own
+                    self._f.write("\n")
 
     def record_eval(self, batches: list[dict]) -> None:
-        hashes = [h for b in batches for h in window_sha256(batch_windows(b))]
+        """Rows with no valid target (a partial last batch's padding) are no window: left out."""
+        hashes = [
+            h
+            for b in batches
+            for h, used in zip(window_sha256(batch_windows(b)), np.asarray(b["mask"]).any(axis=1))
+            if used
+        ]
         self._f.write(json.dumps({"eval": hashes}) + "\n")
 
     def record_train(self, step: int, batch: dict) -> None:
@@ -46,22 +61,66 @@ class WindowLedger:
         self._f.close()
 
 
+def _parse(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    ok = isinstance(rec, dict) and (
+        isinstance(rec.get("eval"), list)
+        or (isinstance(rec.get("step"), int) and isinstance(rec.get("train"), list))
+    )
+    return rec if ok else None
+
+
 def read_ledger(run_dir: str | Path) -> dict:
-    """{"train": {step: [hashes of all processes]}, "eval": set of hashes, "files": n}. Torn lines are skipped."""
+    """{"train": {step: [hashes of all processes]}, "eval": set of hashes, "files": n,
+    "per_process": [{step: [hashes]} per file], "torn": [where], "corrupt": [where]}; ``where`` is
+    ``file:line``. Torn lines (see the module docstring) are skipped; corrupt ones are skipped and
+    listed, for the checks to fail on."""
     train: dict[int, list[str]] = {}
     evals: set[str] = set()
+    per_process: list[dict[int, list[str]]] = []
+    torn: list[str] = []
+    corrupt: list[str] = []
     files = sorted(Path(run_dir).glob(PATTERN))
     for path in files:
         per_file: dict[int, list[str]] = {}
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if "eval" in rec:
+        lines = path.read_text().splitlines()
+        parsed = [_parse(line) for line in lines]
+        for i, (line, rec) in enumerate(zip(lines, parsed)):
+            if rec is None:
+                if not line.strip():
+                    continue
+                last_of_lifetime = i + 1 == len(lines) or (
+                    parsed[i + 1] is not None and "eval" in parsed[i + 1]
+                )
+                (torn if last_of_lifetime else corrupt).append(f"{path.name}:{i + 1}")
+            elif "eval" in rec:
                 evals.update(rec["eval"])
-            elif "train" in rec:
+            else:
                 per_file[rec["step"]] = rec["train"]  # a redone step: the later record wins
         for step, hashes in per_file.items():
             train.setdefault(step, []).extend(hashes)
-    return {"train": train, "eval": evals, "files": len(files)}
+        per_process.append(per_file)
+    return {
+        "train": train,
+        "eval": evals,
+        "files": len(files),
+        "per_process": per_process,
+        "torn": torn,
+        "corrupt": corrupt,
+    }
+
+
+def coverage(ledger: dict, steps: int, rows: int) -> dict:
+    """Steps 1..``steps`` each with exactly ``rows`` recorded windows (over all processes)."""
+    missing = [s for s in range(1, steps + 1) if s not in ledger["train"]]
+    short = [
+        s for s in range(1, steps + 1) if s in ledger["train"] and len(ledger["train"][s]) != rows
+    ]
+    return {
+        "missing_steps": missing,
+        "wrong_row_count_steps": short,
+        "complete": not (missing or short),
+    }

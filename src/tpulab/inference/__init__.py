@@ -1,4 +1,4 @@
-"""KV-cache prefill/decode, cache precisions, jax.export endpoints, generation and serving.
+"""Exported endpoints, generation front ends and serving, on the model layer's KV-cache decode.
 
 Public names are imported lazily so ``import tpulab.inference`` stays cheap for the CLI.
 """
@@ -8,20 +8,15 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "KVCache": "cache",
-    "POLICIES": "cache",
-    "Decoder": "decode",
-    "ModelFns": "decode",
-    "SamplingConfig": "sampling",
     "generate_text": "generate",
     "generate_batch": "generate",
     "Request": "generate",
     "KVEvalConfig": "cache_eval",
     "write_kvcache_report": "cache_eval",
     "export_artifacts": "export",
-    "open_artifacts": "export",
-    "verify_export": "export",
-    "load_verified": "export",
+    "open_artifacts": "artifacts",
+    "verify_export": "trust",
+    "load_verified": "trust",
     "decode_speed": "speed",
     "capstone_stage": "capstone",
 }

@@ -23,8 +23,8 @@ import numpy as np
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.config import check, field
 from tpulab.data.tokenizer import PAD
-from tpulab.inference import cache as kv
-from tpulab.inference.decode import ModelFns
+from tpulab.model import kvcache as kv
+from tpulab.model.decode import ModelFns
 from tpulab.progress import progress
 
 # FP32 cached decode vs the full forward: same math, different summation order/shapes in the
@@ -61,7 +61,8 @@ def heldout_windows(config, n: int) -> np.ndarray:
 
 
 def _teacher_forced(fns: ModelFns, policy: str, params, tokens_bt, prompt_len: int):
-    """Cached-path logits [B, T, V]: prefill ``prompt_len`` tokens, then decode the rest one by one."""
+    """Cached-path logits [B, T, V]: prefill ``prompt_len`` tokens, then decode the rest one by
+    one."""
     b, t = tokens_bt.shape
     logits_bpv, cache = fns.forward_cached(
         params, fns.shape.init(policy, b), tokens_bt[:, :prompt_len], 0

@@ -1,4 +1,5 @@
-"""The inference section of the capstone report: KV-cache table, decode speed, export + verification."""
+"""The inference section of the capstone report: KV-cache table, decode speed, export and its
+verification."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ INT8_MAX_LOSS_RATIO = 0.01
 
 
 def bounds(result: dict) -> dict:
-    """Whether fp32 matches the full forward to its tolerance and int8 stays within the issue's bounds."""
+    """Whether fp32 matches the full forward to its tolerance and int8 stays within the issue's
+    bounds."""
     rows = {r["precision"]: r for r in result["rows"]}
     loss_rel = (
         abs(rows["int8"]["heldout_loss"] - rows["fp32"]["heldout_loss"])
@@ -32,7 +34,8 @@ def bounds(result: dict) -> dict:
 
 
 def capstone_stage(run_dir: Path, out_dir: Path) -> str:
-    """Run the KV-cache table, the decode-speed benchmark, export, and verification in a fresh process.
+    """Run the KV-cache table, the decode-speed benchmark, export, and verification (in a fresh
+    process, against ``run_dir``).
 
     Writes ``out_dir/kvcache/``, ``out_dir/export/`` and ``out_dir/inference.md``; returns that
     Markdown, whose links are relative to ``out_dir.parent`` (where the capstone report lives).
@@ -56,7 +59,17 @@ def capstone_stage(run_dir: Path, out_dir: Path) -> str:
     manifest = export_artifacts(restored, run_dir, art)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "tpulab.cli", "verify-export", str(art)],
+            # --run-dir: checked against the run this capstone trained, named here, not the run
+            # dir the artifacts' manifest names (the record says which: checkpoint_source).
+            [
+                sys.executable,
+                "-m",
+                "tpulab.cli",
+                "verify-export",
+                str(art),
+                "--run-dir",
+                str(run_dir),
+            ],
             capture_output=True,
             text=True,
             timeout=900,
@@ -73,18 +86,24 @@ def capstone_stage(run_dir: Path, out_dir: Path) -> str:
         [
             "## Inference: KV cache and exported endpoints",
             "",
-            f"Checkpoint step {restored.step} (manifest `{restored.checkpoint_digest[:16]}`), on {result['hardware']}; "
-            f"jax {env['packages']['jax']}, jaxlib {env['packages']['jaxlib']}. Dtypes: weights {d['weights']}, "
-            f"activations {d['activations']}, accumulation {d['accumulation']}, int8 scales {d['int8_scales']}. "
-            f"Held-out windows {result['shapes']['heldout_windows']}, prompt {result['shapes']['prompt_len']} tokens, "
+            f"Checkpoint step {restored.step} (manifest `{restored.checkpoint_digest[:16]}`), "
+            f"on {result['hardware']}; jax {env['packages']['jax']}, "
+            f"jaxlib {env['packages']['jaxlib']}. Dtypes: weights {d['weights']}, "
+            f"activations {d['activations']}, accumulation {d['accumulation']}, "
+            f"int8 scales {d['int8_scales']}. "
+            f"Held-out windows {result['shapes']['heldout_windows']}, "
+            f"prompt {result['shapes']['prompt_len']} tokens, "
             f"cache length {result['shapes']['cache_len']}.",
             "",
             markdown_table(result),
             "",
-            f"FP32 cached decode vs full forward: max |logit diff| within {result['fp32_logit_atol']:g}: "
+            "FP32 cached decode vs full forward: max |logit diff| within "
+            f"{result['fp32_logit_atol']:g}: "
             f"{'yes' if checks['fp32_logit_diff_within_atol'] else 'NO'}. INT8 greedy agreement >= "
-            f"{INT8_MIN_GREEDY_AGREEMENT}: {'yes' if checks['int8_greedy_agreement_ok'] else 'NO'}; INT8 held-out loss "
-            f"within {INT8_MAX_LOSS_RATIO:.0%} of FP32: {'yes' if checks['int8_loss_ok'] else 'NO'} "
+            f"{INT8_MIN_GREEDY_AGREEMENT}: "
+            f"{'yes' if checks['int8_greedy_agreement_ok'] else 'NO'}; "
+            f"INT8 held-out loss within {INT8_MAX_LOSS_RATIO:.0%} of FP32: "
+            f"{'yes' if checks['int8_loss_ok'] else 'NO'} "
             f"({checks['int8_loss_rel_to_fp32']:.2e} relative).",
             "",
             f"![KV-cache precisions]({out_dir.name}/kvcache/kvcache.png)",
@@ -93,7 +112,8 @@ def capstone_stage(run_dir: Path, out_dir: Path) -> str:
             "",
             speed_table(speed),
             "",
-            f"Exported {len(manifest['artifacts'])} endpoints to `{out_dir.name}/export/` (platforms "
+            f"Exported {len(manifest['artifacts'])} endpoints to `{out_dir.name}/export/` "
+            "(platforms "
             f"{', '.join(manifest['artifacts'][0]['platforms'])}; weights passed as arguments). "
             f"`tpulab verify-export` in a fresh process: **{'PASS' if verified else 'FAIL'}**.",
             "",

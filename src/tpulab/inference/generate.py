@@ -19,8 +19,8 @@ import numpy as np
 
 from tpulab.data.tokenizer import PAD
 from tpulab.errors import TpulabError
-from tpulab.inference.decode import Engine, pad_prompt
-from tpulab.inference.sampling import SamplingConfig, key_data, prompt_ids, sample_tokens
+from tpulab.model.decode import Engine, pad_prompt
+from tpulab.model.sampling import SamplingConfig, key_data, prompt_ids, sample_tokens
 
 __all__ = [
     "SamplingConfig",
@@ -65,8 +65,9 @@ class Request:
 
 
 def batch_arrays(requests: Sequence[Request], width: int, batch: int) -> tuple:
-    """Right-padded tokens [batch, width], lengths, max_new, temperature, top_k, keys for ``requests``;
-    rows past ``len(requests)`` are idle (max_new 0: the loop never waits for them)."""
+    """Right-padded tokens [batch, width], lengths, max_new, temperature, top_k, keys for
+    ``requests``; rows past ``len(requests)`` are idle (max_new 0: the loop never waits for
+    them)."""
     if not 0 < len(requests) <= batch:
         raise TpulabError(f"{len(requests)} requests for a batch of {batch}")
     if max(len(r.ids) for r in requests) > width:
@@ -88,7 +89,9 @@ def batch_arrays(requests: Sequence[Request], width: int, batch: int) -> tuple:
     return tokens, lengths, max_new, temp, top_k, keys
 
 
-def generate_batch(engine, requests: Sequence[Request], stop_token: int = -1) -> list[list[int]]:
+def generate_batch(
+    engine: Engine, requests: Sequence[Request], stop_token: int = -1
+) -> list[list[int]]:
     """New token ids for every request, in one dispatch of the engine's compiled loop."""
     width = engine.width_for(max(len(r.ids) for r in requests))
     args = batch_arrays(requests, width, engine.batch_for(len(requests)))

@@ -10,9 +10,10 @@ warm-up that compiles every shape it uses, best of ``repeats``:
 - **recompute**: no cache; the full forward over the prefix padded up to a multiple of ``bucket``
   tokens for every new token (a handful of compiles, cost growing with the context).
 
-``batch_table`` measures the compiled loop's tokens/s against batch size for each cache precision, with
-what bounds each decode step: its arithmetic (achieved GFLOP/s) and the bytes it must read (every weight
-and the whole cache, once), next to the least time this host takes to read that many bytes.
+``batch_table`` measures the compiled loop's tokens/s against batch size for each cache precision,
+with what bounds each decode step: its arithmetic (achieved GFLOP/s) and the bytes it must read
+(every weight and the whole cache, once), next to the least time this host takes to read that many
+bytes.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpulab.data.tokenizer import PAD
-from tpulab.inference import cache as kv
-from tpulab.inference.decode import Decoder, ModelFns
+from tpulab.model import kvcache as kv
 from tpulab.model.config import matmul_params
+from tpulab.model.decode import Decoder, ModelFns
 
 
 def _greedy_next(fns: ModelFns, params, tokens_bt, pos):
-    """No cache: the full forward over the (padded) prefix, argmax at position ``pos - 1``, written at ``pos``."""
+    """No cache: the full forward over the (padded) prefix, argmax at position ``pos - 1``, written
+    at ``pos``."""
     logits_btv = fns.full_logits(params, tokens_bt)
     nxt = jnp.argmax(
         jax.lax.dynamic_index_in_dim(logits_btv, pos - 1, axis=1, keepdims=False), axis=-1
@@ -53,7 +55,8 @@ def measure(
     bucket: int = 32,
     repeats: int = 3,
 ) -> dict:
-    """Best-of-``repeats`` tokens/s for both paths on one prompt of ``prompt_len`` tokens (batch 1)."""
+    """Best-of-``repeats`` tokens/s for both paths on one prompt of ``prompt_len`` tokens (batch
+    1)."""
     s = fns.shape.max_len
     if prompt_len + new_tokens > s:
         raise ValueError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds {s}")
@@ -96,8 +99,8 @@ def measure(
     def run_loop():
         return dec.generate(*loop_args)[0][:, :new_tokens]
 
-    # Interleaved repeats (loop, step, recompute, loop, ...), best of each: on a shared machine a burst
-    # of load then hits all three paths alike instead of whichever happened to run during it.
+    # Interleaved repeats (loop, step, recompute, loop, ...), best of each: on a shared machine a
+    # burst of load then hits all three paths alike instead of whichever happened to run during it.
     fns_ = (run_loop, run_cached, run_nocache)
     outs = [
         np.asarray(jax.block_until_ready(fn())) for fn in fns_
@@ -127,7 +130,8 @@ def measure(
 def decode_speed(
     source, prompt_lens: tuple[int, ...] | None = None, new_tokens: int | None = None, **kw
 ) -> list[dict]:
-    """Rows for two prompt lengths (default: 1/8 and 1/2 of the cache length, 1/4 of it new tokens)."""
+    """Rows for two prompt lengths (default: 1/8 and 1/2 of the cache length, 1/4 of it new
+    tokens)."""
     fns = ModelFns(source.model)
     s = fns.shape.max_len
     prompt_lens = prompt_lens or (max(1, s // 8), s // 2)
@@ -144,16 +148,17 @@ def speed_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['prompt_len']} | {r['new_tokens']} | {r['loop_tokens_per_s']:.0f} | "
-            f"{r['cached_tokens_per_s']:.0f} | {r['recompute_tokens_per_s']:.0f} | {r['loop_vs_step']:.1f}x | "
+            f"{r['cached_tokens_per_s']:.0f} | {r['recompute_tokens_per_s']:.0f} | "
+            f"{r['loop_vs_step']:.1f}x | "
             f"{r['loop_vs_recompute']:.1f}x | {r['speedup']:.1f}x | {r['same_tokens']} |"
         )
     return "\n".join(lines)
 
 
 def read_seconds(nbytes: float, repeats: int = 50) -> float:
-    """The least time one jitted XLA reduction takes to read ``nbytes`` of fp32 once (best of ``repeats``,
-    one dispatch included): a floor for any program that must read that many bytes, as a batch-1 decode
-    step reads every weight and its whole cache."""
+    """The least time one jitted XLA reduction takes to read ``nbytes`` of fp32 once (best of
+    ``repeats``, one dispatch included): a floor for any program that must read that many bytes, as
+    a batch-1 decode step reads every weight and its whole cache."""
     x = jnp.ones((max(1, int(nbytes) // 512), 128), jnp.float32)
     total = jax.jit(lambda a: jnp.sum(a, axis=0))
     jax.block_until_ready(total(x))
@@ -166,9 +171,10 @@ def read_seconds(nbytes: float, repeats: int = 50) -> float:
 
 
 def step_work(fns: ModelFns, policy: str, batch: int) -> dict:
-    """What one compiled-loop decode step of ``batch`` rows must do: FLOPs (2 per matmul parameter per row,
-    plus the two attention products over all S cache slots, which the loop computes masked or not) and
-    bytes read (every weight, and every layer's keys and values for all rows, in the cache's storage)."""
+    """What one compiled-loop decode step of ``batch`` rows must do: FLOPs (2 per matmul parameter
+    per row, plus the two attention products over all S cache slots, which the loop computes masked
+    or not) and bytes read (every weight, and every layer's keys and values for all rows, in the
+    cache's storage)."""
     cfg, s = fns.cfg, fns.shape.max_len
     flops = batch * (2 * matmul_params(cfg) + 4 * cfg.n_layers * s * cfg.d_model)
     weights = sum(x.nbytes for x in fns.params.values())
@@ -181,8 +187,9 @@ def step_work(fns: ModelFns, policy: str, batch: int) -> dict:
 def measure_batch(
     fns: ModelFns, policy: str, batch: int, prompt_len: int, new_tokens: int, repeats: int = 3
 ) -> dict:
-    """Compiled-loop decode tokens/s for ``batch`` greedy rows: the time of a run with ``new_tokens`` new
-    tokens minus that of a run with 1 (prefill and dispatch cancel), over ``batch * (new_tokens - 1)``."""
+    """Compiled-loop decode tokens/s for ``batch`` greedy rows: the time of a run with
+    ``new_tokens`` new tokens minus that of a run with 1 (prefill and dispatch cancel), over ``batch
+    * (new_tokens - 1)``."""
     dec = Decoder(fns, policy)
     width = dec.width_for(prompt_len)
     tokens = np.full((batch, width), PAD, np.int32)
@@ -252,7 +259,8 @@ def batch_table(
 
 def batch_markdown(rows: list[dict]) -> str:
     lines = [
-        "| cache | batch | decode tok/s | ms per decode step | vs batch 1 | GFLOP/s | MB read per step | "
+        "| cache | batch | decode tok/s | ms per decode step | vs batch 1 | GFLOP/s | "
+        "MB read per step | "
         "ms to read them once | end-to-end tok/s (with prefill) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -260,8 +268,9 @@ def batch_markdown(rows: list[dict]) -> str:
     for r in rows:
         rel = f"{r['tokens_per_s'] / one[r['cache']]:.1f}x" if r["cache"] in one else "-"
         lines.append(
-            f"| {r['cache']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.3f} | {rel} | "
-            f"{r['gflops_per_s']:.1f} | {r['bytes_per_step'] / 1e6:.2f} | {r['read_floor_ms']:.3f} | "
+            f"| {r['cache']} | {r['batch']} | {r['tokens_per_s']:.0f} | "
+            f"{r['ms_per_step']:.3f} | {rel} | {r['gflops_per_s']:.1f} | "
+            f"{r['bytes_per_step'] / 1e6:.2f} | {r['read_floor_ms']:.3f} | "
             f"{r['end_to_end_tokens_per_s']:.0f} |"
         )
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 Pre-norm blocks with RoPE causal self-attention and a GELU MLP. Attention is split into
 ``project_qkv`` (projections + RoPE) and ``attend`` (scores, mask, softmax, values) so that the
-training forward and the KV-cache decode path (``tpulab.inference``) share one implementation.
+training forward and the KV-cache decode path (``tpulab.model.decode``) share one implementation.
 Norms, softmax and logits run in the accumulation dtype (fp32) whatever the compute dtype.
 """
 
@@ -31,12 +31,14 @@ def _rope_table(n: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndar
 def rope_tables(
     positions_bt: jax.Array | None, head_dim: int, base: float, max_len: int, t: int | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables for integer positions [B, T] -> [B, T, head_dim/2]; positions None: 0..t-1 -> [1, t, head_dim/2].
+    """cos/sin tables for integer positions [B, T] -> [B, T, head_dim/2]; positions None:
+    0..t-1 -> [1, t, head_dim/2].
 
-    Looked up in one fp32 table per shape, computed in float64 on the host, so every path (training,
-    full forward, prefill, decode) rotates a position by the same numbers; in a program the table is a
-    constant (computed inside the train step, XLA:CPU evaluated sin/cos again in each fusion that read them,
-    for every head and batch row: about 6% of a default-config step). Positions must lie in [0, max_len).
+    Looked up in one fp32 table per shape, computed in float64 on the host, so every path
+    (training, full forward, prefill, decode) rotates a position by the same numbers; in a program
+    the table is a constant (computed inside the train step, XLA:CPU evaluated sin/cos again in each
+    fusion that read them, for every head and batch row: about 6% of a default-config step).
+    Positions must lie in [0, max_len).
     """
     cos, sin = _rope_table(max(max_len, t or 0), head_dim, float(base))
     if positions_bt is None:
@@ -55,15 +57,16 @@ def apply_rope(x_bthd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax
 
 
 def causal_mask(q_len: int, k_len: int, q_offset: int | jax.Array = 0) -> jax.Array:
-    """[q_len, k_len] bool: query i (at absolute position q_offset + i) sees keys 0..q_offset + i."""
+    """[q_len, k_len] bool: query i (at absolute position q_offset + i) sees keys 0..q_offset+i."""
     q_pos = jnp.arange(q_len)[:, None] + q_offset
     return jnp.arange(k_len)[None, :] <= q_pos
 
 
 def mask_bias(mask, dtype) -> jax.Array:
-    """0 where ``mask`` is True, the dtype's lowest value elsewhere: added to attention scores it hides a key
-    exactly as a select would (exp underflows to 0), and the backward pass of an add is the identity
-    where a select's needs a select of its own over every score (measured: about 3% of a default step)."""
+    """0 where ``mask`` is True, the dtype's lowest value elsewhere: added to attention scores it
+    hides a key exactly as a select would (exp underflows to 0), and the backward pass of an add is
+    the identity where a select's needs a select of its own over every score (measured: about 3% of
+    a default step)."""
     return jnp.where(mask, jnp.zeros((), dtype), jnp.finfo(dtype).min)
 
 
@@ -81,8 +84,8 @@ class RMSNorm(nnx.Module):
 class Dense(nnx.Linear):
     """``nnx.Linear`` applied to rows ``[N, D]`` (leading axes flattened, then restored).
 
-    Same parameters and math; but on XLA:CPU the weight gradient of a ``[B, T, D]`` input lowers to a
-    transposed copy plus a dot over two contracting axes, while ``[N, D]`` gives one plain GEMM
+    Same parameters and math; but on XLA:CPU the weight gradient of a ``[B, T, D]`` input lowers to
+    a transposed copy plus a dot over two contracting axes, while ``[N, D]`` gives one plain GEMM
     (measured: about 15% of a default-config train step). ``lora`` is None unless
     ``tpulab.model.lora.add_adapters`` gave this projection an adapter, whose output it adds.
     """
@@ -124,7 +127,8 @@ class Attention(nnx.Module):
     def project_qkv(
         self, x_btd: jax.Array, positions_bt: jax.Array | None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q, k, v as [B, T, H, Dh]; RoPE already applied to q and k (positions None: 0..T-1 in every row)."""
+        """q, k, v as [B, T, H, Dh]; RoPE already applied to q and k (positions None: 0..T-1 in
+        every row)."""
         b, t, _ = x_btd.shape
         qkv = self.qkv(x_btd).reshape(b, t, 3, self.cfg.n_heads, self.cfg.head_dim)
         q_bthd, k_bthd, v_bthd = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -143,7 +147,8 @@ class Attention(nnx.Module):
         deterministic: bool,
         rngs: nnx.Rngs | None,
     ) -> jax.Array:
-        """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s. Returns [B, T, D]."""
+        """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s. Returns
+        [B, T, D]."""
         acc = self.prec.accum_dtype
         scores_bhts = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc)
         e_bhts, sum_bht = self.weights(scores_bhts, mask_bts)
@@ -156,21 +161,22 @@ class Attention(nnx.Module):
         )
 
     def weights(self, scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Softmax over the last axis of raw q.k products [B, H, ..., S] (accumulation dtype), scaled by
-        1/sqrt(Dh), left unnormalized: ``exp(z - max z)`` and its sum over S. ``mask`` [B, ..., S] (no head
-        axis) is True where a key is visible. Callers divide by the sum after the product with the values,
-        on Dh elements per query instead of S (as flash attention does): dividing the probabilities first
-        made XLA:CPU write the sum broadcast to every score, per layer, forward and backward (measured: a
-        default-config step 97 -> 88-90 ms). Shared with the decode loop's attention
-        (``tpulab.inference.decode``), which lays its products out differently."""
+        """Softmax over the last axis of raw q.k products [B, H, ..., S] (accumulation dtype),
+        scaled by 1/sqrt(Dh), left unnormalized: ``exp(z - max z)`` and its sum over S. ``mask``
+        [B, ..., S] (no head axis) is True where a key is visible. Callers divide by the sum after
+        the product with the values, on Dh elements per query instead of S (as flash attention
+        does): dividing the probabilities first made XLA:CPU write the sum broadcast to every score,
+        per layer, forward and backward (measured: a default-config step 97 -> 88-90 ms). Shared
+        with the decode loop's attention (``tpulab.model.decode``), which lays its products out
+        differently."""
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         z = scores * scale + mask_bias(mask, self.prec.accum_dtype)[:, None]
         e = jnp.exp(z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True)))
         return e, jnp.sum(e, axis=-1)
 
     def project_out(self, heads: jax.Array, b: int, t: int) -> jax.Array:
-        """Per-head outputs (accumulation dtype, B*T*D elements in [B, T, H, Dh] order) -> [B, T, D] through
-        the output projection."""
+        """Per-head outputs (accumulation dtype, B*T*D elements in [B, T, H, Dh] order) -> [B, T, D]
+        through the output projection."""
         return self.out(heads.astype(self.prec.compute_dtype).reshape(b, t, self.cfg.d_model))
 
     def __call__(self, x_btd, positions_bt, *, deterministic: bool, rngs: nnx.Rngs | None):
@@ -204,7 +210,8 @@ class Block(nnx.Module):
         return x_btd + self.resid_dropout(branch_btd, deterministic=deterministic, rngs=rngs)
 
     def apply(self, x_btd, attn_fn, *, deterministic: bool, rngs: nnx.Rngs | None):
-        """The block around any attention: ``attn_fn(normed x) -> (out [B, T, D], aux)``; returns (x, aux).
+        """The block around any attention: ``attn_fn(normed x) -> (out [B, T, D], aux)``; returns
+        (x, aux).
 
         Training passes full causal attention; the KV-cache path passes attention that also writes
         its cache (returned as ``aux``), so both share this one block structure.
@@ -259,9 +266,27 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
         x_btd = self.embed(tokens_bt)
+        apply_block = _REMAT[self.cfg.remat]
         for block in self.blocks:
-            x_btd = block(x_btd, positions_bt, deterministic=deterministic, rngs=rngs)
+            x_btd = apply_block(block, x_btd, positions_bt, deterministic, rngs)
         return self.logits(x_btd)
+
+
+def _call_block(block: Block, x_btd, positions_bt, deterministic: bool, rngs):
+    return block(x_btd, positions_bt, deterministic=deterministic, rngs=rngs)
+
+
+# ``model.remat``: how the train step's backward pass gets each block's activations. "none" is the
+# plain call (the default program, unchanged); the others wrap the block in ``nnx.remat``
+# (``jax.checkpoint``, with the policy named), so the forward keeps less and the backward
+# recomputes the rest. ``deterministic`` is a Python bool and stays static.
+_REMAT = {
+    "none": _call_block,
+    "block": nnx.remat(_call_block, static_argnums=(3,)),
+    "dots_saveable": nnx.remat(
+        _call_block, static_argnums=(3,), policy=jax.checkpoint_policies.dots_saveable
+    ),
+}
 
 
 def param_count(model: nnx.Module) -> int:

@@ -107,7 +107,7 @@ def _log_softmax(logits_v: np.ndarray) -> np.ndarray:
 def held_out_nll(engine, text: str) -> tuple[float, int]:
     """(sum of -log p over the scored bytes, bytes scored): [BOS] + text teacher-forced through
     prefill (one token) and one decode per byte, as a server would step it."""
-    from tpulab.inference.decode import pad_prompt
+    from tpulab.model.decode import pad_prompt
 
     ids = [BOS, *text.encode("utf-8")][: engine.max_len]
     first = pad_prompt(np.array(ids[:1], np.int32), engine.max_len, engine.batch)
@@ -135,7 +135,7 @@ def evaluate(engine) -> dict:
     """Run the suite on ``engine``: scores, every item's output, the suite's sha256, provenance."""
     from tpulab.evidence.provenance import git_commit, jax_devices, package_versions
     from tpulab.inference.generate import Request, generate_batch
-    from tpulab.inference.sampling import SamplingConfig
+    from tpulab.model.sampling import SamplingConfig
 
     s = engine.max_len
     prompts = [*SPEAKERS, *(p for p, _ in COMPLETIONS)]

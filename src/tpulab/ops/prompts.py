@@ -16,7 +16,7 @@ import hashlib
 import re
 
 from tpulab.errors import TpulabError
-from tpulab.inference.sampling import MAX_PROMPT_CHARS
+from tpulab.model.sampling import MAX_PROMPT_CHARS
 from tpulab.ops import registry as R
 from tpulab.ops import tags as T
 

@@ -38,8 +38,8 @@ from tpulab.data.tokenizer import BOS
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import TpulabError
 from tpulab.evidence.provenance import environment
-from tpulab.inference.decode import Decoder
 from tpulab.inference.generate import Request, SamplingConfig, generate_batch
+from tpulab.model.decode import Decoder
 from tpulab.train.restore import Restored, load_model
 
 BUILDER = "tpulab-pairs-v1"

@@ -1,17 +1,21 @@
-"""`tpulab chaos`: SIGKILL a run at random wall-clock moments, resume it each time, compare everything.
+"""`tpulab chaos`: SIGKILL a run at random moments, resume it each time, compare everything.
 
-The held kill of ``prove-resume`` is readable but gentle: the process pauses after step K, so background
-saves finish before the kill. Here nothing is held and no marker is withheld: a victim process is
-killed N times at moments drawn from a seeded RNG (during start-up, restore, a step, or a save in
-flight), a fresh process resumes after each kill, and the last one trains to the end. Then every logged
-step of every process lifetime is compared with an uninterrupted reference (``==`` on float32), and so
-is the final whole state (``proofs.state``). A kill counts as landing mid-save when the checkpoint dir
-held an Orbax temporary dir or a step without its completion marker at the moment of the kill.
+The held kill of ``prove-resume`` is readable but gentle: the process pauses after step K, so
+background saves finish before the kill. Here nothing is held and no marker is withheld: a victim
+process is killed N times at moments drawn from a seeded RNG (during start-up, restore, a step, or a
+save in flight), a fresh process resumes after each kill, and the last one trains to the end. Then
+every logged step of every process lifetime is compared with an uninterrupted reference (``==`` on
+float32), and so is the final whole state (``proofs.state``). A kill counts as landing mid-save
+when the checkpoint dir held, at the moment of the kill, an Orbax temporary dir or a step without
+its completion marker that the killed lifetime started (leftovers of an earlier lifetime's cut save
+do not count).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -20,21 +24,34 @@ from tpulab.checkpoint.files import MANIFEST, atomic_write_json
 from tpulab.checkpoint.store import TMP_MARK, scan
 from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
+from tpulab.proofs import cache
 from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
 from tpulab.proofs.state import final_state_verdict
 from tpulab.proofs.transformer import train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
 
 
-def saves_in_flight(ckpt_dir: Path) -> list[str]:
-    """Names of Orbax temporary dirs and unmarked step dirs: evidence of a save cut short."""
+def saves_in_flight(ckpt_dir: Path) -> dict[str, tuple[int, int]]:
+    """Orbax temporary dirs and unmarked step dirs (evidence of a save cut short), each with the
+    inode and mtime that tell one save's dir from a later one of the same name."""
     if not ckpt_dir.is_dir():
-        return []
-    return sorted(
-        p.name
-        for p in ckpt_dir.iterdir()
-        if TMP_MARK in p.name or (p.is_dir() and p.name.isdigit() and not (p / MANIFEST).exists())
-    )
+        return {}
+    out = {}
+    for p in ckpt_dir.iterdir():
+        if TMP_MARK in p.name or (p.is_dir() and p.name.isdigit() and not (p / MANIFEST).exists()):
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # renamed or removed by the live process meanwhile
+                continue
+            out[p.name] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
+def saves_started_since(before: dict[str, tuple[int, int]], ckpt_dir: Path) -> list[str]:
+    """Saves in flight now that were not there, unchanged, in ``before`` (taken before the lifetime
+    started): a previous lifetime's cut-short save, still there when a kill lands during start-up
+    (before the store clears it away), is not a kill during this lifetime's save."""
+    return sorted(n for n, ident in saves_in_flight(ckpt_dir).items() if before.get(n) != ident)
 
 
 def run_chaos(
@@ -45,8 +62,13 @@ def run_chaos(
     seed: int = 0,
     compile_cache: Path | None = None,
     timeout_s: float = 900,
+    warm_resume_cache: bool = False,
 ) -> dict:
-    """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict."""
+    """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict.
+
+    The reference and the first victim lifetime use ``compile_cache`` (or the default); every later
+    lifetime is a resume and gets a fresh, empty compilation cache, unless ``warm_resume_cache``.
+    Each process's cache hits and misses are recorded (``proofs.cache``)."""
     if kills < 1:
         raise TpulabError(f"--kills {kills} must be at least 1")
     chaos_dir = Path(out_dir) / "chaos"
@@ -54,20 +76,31 @@ def run_chaos(
         raise TpulabError(f"{chaos_dir} already holds a chaos run; use a fresh --run-dir")
     steps = config.train.steps
     config_path = write_child_config(config, chaos_dir / "config.yaml")
-    argv = lambda d: train_child_argv(config_path, d, compile_cache=compile_cache)  # noqa: E731
-    env = None
+    stats_dir = chaos_dir / "compile-cache"
+    stats_dir.mkdir()
+
+    def argv(run_dir: Path, role: str) -> list[str]:
+        return [
+            *train_child_argv(config_path, run_dir),
+            cache.FLAG,
+            str(stats_dir / f"{role}.json"),
+        ]
+
+    env = {**os.environ, **(cache.cache_env(compile_cache) if compile_cache else {})}
+    processes: dict[str, dict] = {}
 
     reference, victim = chaos_dir / "reference", chaos_dir / "victim"
     t0 = time.monotonic()
-    run_to_completion(argv(reference), chaos_dir / "reference.log", env, timeout_s, "reference run")
+    run_to_completion(
+        argv(reference, "reference"), chaos_dir / "reference.log", env, timeout_s, "reference run"
+    )
     t_ref = time.monotonic() - t0
+    processes["reference"] = cache.read_stats(stats_dir / "reference.json")
     walls = [r["wall_s"] for r in M.read_records(reference) if "loss" in r]
     step_s = max(1e-3, (walls[-1] - walls[0]) / max(1, len(walls) - 1)) if len(walls) > 1 else 0.05
 
     rng = random.Random(seed)
-    observed_startup: list[
-        float
-    ] = []  # a victim lifetime's time from spawn to its first logged step
+    observed_startup: list[float] = []  # a victim lifetime's time from spawn to its first step
     victim.mkdir(parents=True)
     kill_log: list[dict] = []
     t_victim = time.monotonic()
@@ -75,23 +108,29 @@ def run_chaos(
         lifetime = len(kill_log)
         log_path = chaos_dir / f"victim-{lifetime}.log"
         n_before = len(M.read_records(victim))  # this lifetime's records come after these
-        finished = (
-            scan(victim / "checkpoints").latest or 0
-        ) >= steps  # a kill landed after the final save
-        with Proc(argv(victim), log_path, env) as proc:
+        saves_before = saves_in_flight(victim / "checkpoints")  # leftovers of earlier lifetimes
+        # a kill landed after the final save
+        finished = (scan(victim / "checkpoints").latest or 0) >= steps
+        role = f"lifetime-{lifetime}"
+        cold = lifetime > 0 and not warm_resume_cache  # every lifetime after a kill is a resume
+        fresh = cache.fresh_cache(stats_dir, role) if cold else None
+        lifetime_env = {**env, **cache.cache_env(fresh)} if fresh else env
+        with Proc(argv(victim, role), log_path, lifetime_env) as proc:
             if lifetime < kills and not finished:
-                # Wall-clock moments are drawn within the start-up a victim lifetime was *seen* to take (the
-                # reference's, with a cold compile cache or a loaded machine, can exceed a whole warm run).
+                # Wall-clock moments are drawn within the start-up a victim lifetime was *seen* to
+                # take (the reference's, with a cold compile cache or a loaded machine, can exceed
+                # a whole warm run).
                 plan = _draw_moment(
                     rng, victim, steps, min(observed_startup) if observed_startup else None, step_s
                 )
                 t_start = time.monotonic()
                 if not _wait_for(proc, victim, plan, n_before, t_start, timeout_s):
                     raise TpulabError(
-                        f"victim process {lifetime} ended (exit {proc.p.returncode}) before its drawn "
-                        f"kill moment ({plan}): {proc.tail(1)} (log: {log_path})"
+                        f"victim process {lifetime} ended (exit {proc.p.returncode}) before its "
+                        f"drawn kill moment ({plan}): {proc.tail(1)} (log: {log_path})"
                     )
                 proc.kill(signal.SIGKILL)
+                processes[role] = _lifetime_cache(stats_dir / f"{role}.json", fresh, lifetime)
                 if "first_step_s" in plan:
                     observed_startup.append(plan.pop("first_step_s"))
                 logged = M.curve(M.read_records(victim)[n_before:])
@@ -99,8 +138,10 @@ def run_chaos(
                     {
                         **plan,
                         "at_s": round(time.monotonic() - t_start, 3),
-                        "in_flight": saves_in_flight(victim / "checkpoints"),
+                        "in_flight": saves_started_since(saves_before, victim / "checkpoints"),
+                        "leftovers": sorted(saves_before),
                         "last_logged_step": max(logged) if logged else None,
+                        "compile_cache": processes[role],
                     }
                 )  # by this lifetime
                 continue
@@ -114,6 +155,7 @@ def run_chaos(
                 raise TpulabError(
                     f"victim process {lifetime} exited with {rc}: {proc.tail(1)} (log: {log_path})"
                 )
+            processes[role] = _lifetime_cache(stats_dir / f"{role}.json", fresh, lifetime)
             break
     t_victim = time.monotonic() - t_victim
 
@@ -129,6 +171,12 @@ def run_chaos(
         signal="SIGKILL",
         steps=steps,
         timings={"reference_s": round(t_ref, 2), "victim_s": round(t_victim, 2)},
+        compile_cache={
+            "resumed_cache": "warm (one shared cache)"
+            if warm_resume_cache
+            else "cold (fresh, empty) for every lifetime after a kill",
+            "processes": processes,
+        },
         summary=_summary(verdict),
     )
     atomic_write_json(chaos_dir / "verdict.json", verdict)
@@ -136,13 +184,21 @@ def run_chaos(
     return verdict
 
 
+def _lifetime_cache(stats: Path, fresh: Path | None, lifetime: int) -> dict:
+    """A lifetime's cache counts; its fresh cache dir (if any) is removed once counted."""
+    out = cache.read_stats(stats, fresh, cold=fresh is not None if lifetime else None)
+    if fresh is not None:
+        shutil.rmtree(fresh)
+    return out
+
+
 def _draw_moment(
     rng: random.Random, victim: Path, steps: int, startup_s: float | None, step_s: float
 ) -> dict:
-    """A kill moment: one in five a pure wall-clock delay from process start, within the start-up time seen
-    so far (imports, compile, restore), else a random step after the newest committed checkpoint plus a
-    random fraction of a step (so a kill can land anywhere in a step, or while a background save is in
-    flight). Drawn so the run always has steps left to be killed in."""
+    """A kill moment: one in five a pure wall-clock delay from process start, within the start-up
+    time seen so far (imports, compile, restore), else a random step after the newest committed
+    checkpoint plus a random fraction of a step (so a kill can land anywhere in a step, or while a
+    background save is in flight). Drawn so the run always has steps left to be killed in."""
     if startup_s is not None and rng.random() < 0.2:
         return {"phase": "wall-clock", "delay_s": round(rng.uniform(0.0, startup_s), 3)}
     lo = (scan(victim / "checkpoints").latest or 0) + 1
@@ -177,23 +233,26 @@ def _wait_for(
 
 
 def judge_segments(reference: Path, victim: Path, steps: int) -> dict:
-    """Every step each process lifetime logged equals the reference; together they cover every step."""
+    """Every step each process lifetime logged equals the reference; together they cover every
+    step. The first differing step is the earliest of any lifetime, with the lifetime named."""
     ref = M.curve(M.read_records(reference))
     recs = M.read_records(victim)
     seg_ids = [s["segment"] for s in M.starts(recs)]
-    worst, first, covered, compared = 0.0, None, set(), 0
-    for seg in seg_ids:
+    worst, first, first_lifetime, covered, compared = 0.0, None, None, set(), 0
+    for i, seg in enumerate(seg_ids):
         c = compare_curves(ref, M.curve(recs, segment=seg))
         compared += c["steps_compared"]
         covered |= set(M.curve(recs, segment=seg))
         worst = max(worst, c["max_abs_diff"]) if c["steps_compared"] else worst
-        if first is None and c["first_differing_step"] is not None:
-            first = c["first_differing_step"]
+        step = c["first_differing_step"]
+        if step is not None and (first is None or step < first):
+            first, first_lifetime = step, i
     missing = [s for s in range(1, steps + 1) if s not in covered or s not in ref]
     return {
         "curves_identical": first is None and not missing and compared > 0,
         "max_abs_diff": worst,
         "first_differing_step": first,
+        "first_differing_lifetime": first_lifetime,
         "missing_steps": missing[:10],
         "steps_compared": compared,
         "logged_segments": len(seg_ids),
@@ -203,11 +262,12 @@ def judge_segments(reference: Path, victim: Path, steps: int) -> dict:
 
 def _summary(v: dict) -> str:
     curves = (
-        f"{v['steps_compared']} logged steps across {v['logged_segments']} logged lifetimes equal the reference "
-        "bitwise"
+        f"{v['steps_compared']} logged steps across {v['logged_segments']} logged lifetimes equal "
+        "the reference bitwise"
         if v["curves_identical"]
-        else f"losses differ (first at step {v['first_differing_step']}, max |diff| {v['max_abs_diff']:.3g}, "
-        f"missing steps {v['missing_steps']})"
+        else f"losses differ (first at step {v['first_differing_step']}, in lifetime "
+        f"{v['first_differing_lifetime']}; max |diff| {v['max_abs_diff']:.3g}, missing steps "
+        f"{v['missing_steps']})"
     )
     state = (
         "final state bitwise identical"

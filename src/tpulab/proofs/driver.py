@@ -1,20 +1,22 @@
 """The kill/resume proof, shared by both capstones.
 
 A reference run trains N steps in its own process. A second run with the same config is started
-in a subprocess, held right after step K (its trainer's hidden ``--hold-after-step K`` flag installs
-the ``HoldAfter`` hook, so the kill lands between checkpoints at a known step) and killed with
-SIGKILL: no handler runs, nothing is flushed or saved. A fresh process then resumes from the newest
-valid checkpoint and trains to N. The per-step losses of both segments are compared with the
-reference exactly (``==`` on the float32 values), and the overlay is plotted. Trainers only need to
-(1) log per-step ``loss`` to metrics.jsonl through ``MetricsLog`` with ``resumed_from`` in its start
-record and (2) accept ``--hold-after-step``. ``tpulab chaos`` (proofs.chaos) kills at random moments
-instead, with no hold.
+in a subprocess, held right after step K (its trainer's hidden ``--hold-after-step K`` flag
+installs the ``HoldAfter`` hook, so the kill lands between checkpoints at a known step) and killed
+with SIGKILL: no handler runs, nothing is flushed or saved. A fresh process, with a fresh, empty
+compilation cache (``proofs.cache``), then resumes from the newest valid checkpoint and trains to N.
+The per-step losses of each segment are compared with the reference exactly (``==`` on the float32
+values), each on its own, and the overlay is plotted. Trainers only need to (1) log per-step
+``loss`` to metrics.jsonl through ``MetricsLog`` with ``resumed_from`` in its start record and (2)
+accept ``--hold-after-step`` and ``--cache-stats``. ``tpulab chaos`` (proofs.chaos) kills at random
+moments instead, with no hold.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from pathlib import Path
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
+from tpulab.proofs import cache
 
 HOLD_FLAG = "--hold-after-step"  # every trainer the driver starts accepts it (hidden from --help)
 
@@ -90,7 +93,8 @@ def run_to_completion(
 def run_and_kill(
     argv: list[str], run_dir: Path, log_path: Path, env: dict, kill_at: int, timeout_s: float
 ) -> int:
-    """Start a run held after ``kill_at``; SIGKILL it once that step is logged. Returns the last logged step."""
+    """Start a run held after ``kill_at``; SIGKILL it once that step is logged.
+    Returns the last logged step."""
     with Proc([*argv, HOLD_FLAG, str(kill_at)], log_path, env) as proc:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -131,14 +135,18 @@ def prove_resume(
     title: str = "kill/resume proof",
     extra: dict | None = None,
     compare_state: Callable[[Path, Path], dict] | None = None,
+    warm_resume_cache: bool = False,
 ) -> dict:
     """Run the whole proof and write proof_dir/verdict.json and proof_dir/overlay.png.
 
     ``command(run_dir)`` returns the argv of a trainer that trains ``steps`` steps in ``run_dir``,
     resuming from its newest valid checkpoint when there is one. ``reference_dir`` reuses an
     uninterrupted run that already finished (the capstone's main run) instead of training one.
-    ``compare_state(reference_dir, run_dir)`` adds the whole-state verdict (``final_state_identical``);
-    then ``identical`` needs both the curves and the final state to match.
+    ``compare_state(reference_dir, run_dir)`` adds the whole-state verdict
+    (``final_state_identical``); then ``identical`` needs both the curves and the final state to
+    match. The reference and killed runs use the cache ``env`` names (or the default); the resumed
+    process gets a fresh, empty compilation cache, as on a new machine, unless ``warm_resume_cache``
+    (then it shares theirs). Every child records its cache hits and misses (``proofs.cache``).
     """
     proof_dir = Path(proof_dir)
     if not 0 < kill_at < steps:
@@ -146,6 +154,14 @@ def prove_resume(
     proof_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **(env or {})}
     timings = {}
+    stats_dir = proof_dir / "compile-cache"
+    stats_dir.mkdir(exist_ok=True)
+    counted = lambda argv, role: [*argv, cache.FLAG, str(stats_dir / f"{role}.json")]  # noqa: E731
+    if warm_resume_cache:
+        resume_cache, resume_env = None, env
+    else:
+        resume_cache = cache.fresh_cache(stats_dir, "resumed")
+        resume_env = {**env, **cache.cache_env(resume_cache)}
 
     if reference_dir is None:
         reference_dir = proof_dir / "reference"
@@ -154,7 +170,11 @@ def prove_resume(
         reference_dir.mkdir(parents=True)
         t0 = time.monotonic()
         run_to_completion(
-            command(reference_dir), proof_dir / "reference.log", env, timeout_s, "reference run"
+            counted(command(reference_dir), "reference"),
+            proof_dir / "reference.log",
+            env,
+            timeout_s,
+            "reference run",
         )
         timings["reference_s"] = time.monotonic() - t0
     reference_dir = Path(reference_dir)
@@ -165,13 +185,39 @@ def prove_resume(
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     kill_step = run_and_kill(
-        command(run_dir), run_dir, proof_dir / "killed.log", env, kill_at, timeout_s
+        counted(command(run_dir), "killed"),
+        run_dir,
+        proof_dir / "killed.log",
+        env,
+        kill_at,
+        timeout_s,
     )
     at_kill = checkpoint_listing(run_dir)
     timings["killed_run_s"] = time.monotonic() - t0
     t0 = time.monotonic()
-    run_to_completion(command(run_dir), proof_dir / "resumed.log", env, timeout_s, "resumed run")
+    run_to_completion(
+        counted(command(run_dir), "resumed"),
+        proof_dir / "resumed.log",
+        resume_env,
+        timeout_s,
+        "resumed run",
+    )
     timings["resumed_run_s"] = time.monotonic() - t0
+    caches = {
+        "resumed_cache": "warm (shared with the reference and killed runs)"
+        if warm_resume_cache
+        else "cold (fresh, empty)",
+        "processes": {
+            role: cache.read_stats(stats_dir / f"{role}.json")
+            for role in ("reference", "killed")
+            if (stats_dir / f"{role}.json").exists()
+        },
+    }
+    caches["processes"]["resumed"] = cache.read_stats(
+        stats_dir / "resumed.json", resume_cache, cold=not warm_resume_cache
+    )
+    if resume_cache is not None:
+        shutil.rmtree(resume_cache)  # a cache, not evidence: its entry count is recorded
 
     verdict = judge(reference_dir, run_dir, steps=steps, kill_step=kill_step)
     if compare_state is not None:
@@ -179,6 +225,7 @@ def prove_resume(
         verdict["identical"] = verdict["curves_identical"] and verdict["final_state_identical"]
     verdict.update(
         timings=timings,
+        compile_cache=caches,
         reference_dir=str(reference_dir),
         run_dir=str(run_dir),
         checkpoints_at_kill=at_kill,
@@ -190,6 +237,8 @@ def prove_resume(
 
 
 def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> dict:
+    """Each segment against the reference on its own: a killed run that already drifted from the
+    reference (run-to-run nondeterminism) is reported before the kill, not blamed on the resume."""
     ref = M.curve(M.read_records(reference_dir))
     recs = M.read_records(run_dir)
     segs = M.starts(recs)
@@ -207,11 +256,16 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
     whole = compare_curves(ref, {**killed, **resumed})
     missing = [s for s in range(1, steps + 1) if s not in ref or s not in {**killed, **resumed}]
     identical = before["identical"] and after["identical"] and not missing
+    firsts = [
+        s for s in (before["first_differing_step"], after["first_differing_step"]) if s is not None
+    ]
     return {
         "identical": identical,
         "curves_identical": identical,
         "max_abs_diff": max(before["max_abs_diff"], after["max_abs_diff"]),
-        "first_differing_step": after["first_differing_step"] or before["first_differing_step"],
+        "first_differing_step": min(firsts, default=None),
+        "first_differing_step_before_kill": before["first_differing_step"],
+        "first_differing_step_after_resume": after["first_differing_step"],
         "steps_compared": whole["steps_compared"],
         "steps_compared_after_resume": after["steps_compared"],
         "steps_redone": max(0, kill_step - resumed_from),
@@ -223,12 +277,31 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
     }
 
 
+def where_curves_differ(verdict: dict) -> str:
+    """Which segment differs first: before the kill (the runs diverged on their own) or after it."""
+    before = verdict.get("first_differing_step_before_kill")
+    after = verdict.get("first_differing_step_after_resume")
+    parts = []
+    if before is not None:
+        parts.append(
+            f"the killed run already differs from the reference at step {before}, before the kill "
+            "(run-to-run, not the resume)"
+        )
+    if after is not None:
+        parts.append(f"the resumed run differs from step {after}")
+    if verdict.get("missing_steps"):
+        parts.append(f"steps missing: {verdict['missing_steps']}")
+    return "; ".join(parts)
+
+
 def verdict_text(verdict: dict) -> str:
     """One sentence that says what was compared and how it came out."""
     curves = (
         f"per-step losses bitwise identical over {verdict['steps_compared']} steps"
         if verdict.get("curves_identical", verdict["identical"])
-        else f"per-step losses NOT identical (max |diff| {verdict['max_abs_diff']:.3g})"
+        else f"per-step losses NOT identical (max |diff| {verdict['max_abs_diff']:.3g}"
+        + (f": {where}" if (where := where_curves_differ(verdict)) else "")
+        + ")"
     )
     if "final_state_identical" not in verdict:
         return curves + " (final state not compared)"
@@ -263,8 +336,9 @@ def plot_overlay(
     labels: tuple[str, str, str] | None = None,
     marks: tuple[str, str] = ("checkpoint", "kill"),
 ) -> None:
-    """Two panels: the three curves overlaid (checkpoint and kill marked), and |resumed - reference|.
-    ``labels`` (reference, first segment, second segment) and ``marks`` rename them for other proofs."""
+    """Two panels: the three curves overlaid (checkpoint and kill marked) and
+    |resumed - reference|. ``labels`` (reference, first segment, second segment) and ``marks``
+    rename them for other proofs."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,9 +1,10 @@
 """Whole-state verdicts: two runs' final checkpoints compared leaf by leaf, bitwise.
 
-Equal loss curves can hide a different state (a dropout key nobody used yet, an Adam moment that has
-not shown up in the loss). This compares everything a checkpoint holds: parameters, both Adam moments
-and the count, the step, the dropout key (``TrainState``) and the Grain data position (the ``data``
-item's files), with each run's newest verified checkpoint restored read-only.
+Equal loss curves can hide a different state (a dropout key nobody used yet, an Adam moment that
+has not shown up in the loss). This compares everything a checkpoint holds: parameters, both Adam
+moments and the count, the step, the dropout key (``TrainState``) and the Grain data position (the
+``data`` item's files), with each run's newest verified checkpoint restored read-only. A checkpoint
+without a data position is refused: two empty positions would hash alike and compare equal.
 """
 
 from __future__ import annotations
@@ -14,38 +15,48 @@ import jax
 
 from tpulab.checkpoint.compare import compare_trees
 from tpulab.checkpoint.files import sha256_file
-from tpulab.errors import TpulabError
+from tpulab.errors import CheckpointError
 from tpulab.train.restore import load_model
 
 COMPARED = "parameters, Adam moments (mu, nu) and count, step, dropout key, Grain data position"
+DATA_POSITION = "data position (Grain iterator state)"
 
 
 def data_position(step_dir: Path) -> dict[str, str]:
     """sha256 of every file of the checkpoint's Grain iterator state (one per process). Orbax's
-    commit_success.txt names the directory it was written to, not the state, so it is left out."""
-    root = step_dir / "data"
-    return {
-        str(p.relative_to(root)): sha256_file(p)
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != "commit_success.txt"
-    }
+    commit_success.txt names the directory it was written to, not the state, so it is left out.
+    Raises when there is no state file, or one is empty."""
+    root = Path(step_dir) / "data"
+    files = (
+        sorted(p for p in root.rglob("*") if p.is_file() and p.name != "commit_success.txt")
+        if root.is_dir()
+        else []
+    )
+    if not files:
+        raise CheckpointError(f"checkpoint {step_dir} holds no Grain data position ({root})")
+    empty = [p for p in files if p.stat().st_size == 0]
+    if empty:
+        raise CheckpointError(f"checkpoint {step_dir} has an empty Grain data position: {empty[0]}")
+    return {str(p.relative_to(root)): sha256_file(p) for p in files}
 
 
 def final_state_verdict(reference_dir: Path, run_dir: Path) -> dict:
     ref, run = load_model(reference_dir), load_model(run_dir)
     if ref.step != run.step:
-        raise TpulabError(
+        raise CheckpointError(
             f"final checkpoints are at different steps: {ref.step} ({reference_dir}) vs "
             f"{run.step} ({run_dir})"
         )
     n, first = compare_trees(jax.device_get(ref.state), jax.device_get(run.state))
-    data_same = data_position(ref.checkpoint_dir) == data_position(run.checkpoint_dir)
-    if first is None and not data_same:
-        first = "data position (Grain iterator state)"
+    ref_pos, run_pos = data_position(ref.checkpoint_dir), data_position(run.checkpoint_dir)
+    if first is None and ref_pos != run_pos:
+        differ = sorted(k for k in set(ref_pos) | set(run_pos) if ref_pos.get(k) != run_pos.get(k))
+        first = f"{DATA_POSITION}: {differ[0]}"
     return {
         "final_state_identical": first is None,
         "first_differing_leaf": first,
         "leaves_compared": n,
+        "data_position_files": len(run_pos),
         "final_state_step": run.step,
         "final_state_compared": COMPARED,
     }

@@ -1,7 +1,7 @@
 """The Transformer's kill/resume proof (`tpulab prove-resume`) on top of the shared driver.
 
-Children get the run's config as a written ``config.yaml`` (never the parent's command line), so every
-process of a proof trains exactly the same run.
+Children get the run's config as a written ``config.yaml`` (never the parent's command line), so
+every process of a proof trains exactly the same run.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import yaml
 from tpulab.checkpoint.files import atomic_write_bytes
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
+from tpulab.proofs.cache import cache_env
 from tpulab.proofs.driver import prove_resume, tpulab_argv
 from tpulab.proofs.state import final_state_verdict
 from tpulab.train.config import RunConfig
@@ -52,7 +53,8 @@ def default_kill_step(steps: int, save_every: int) -> int:
 
 
 def check_kill_step(kill_at: int, steps: int, save_every: int) -> None:
-    """Refuse up front a kill that no checkpoint precedes: the resume would have nothing to resume from."""
+    """Refuse up front a kill that no checkpoint precedes: the resume would have nothing to resume
+    from."""
     if not 0 < kill_at < steps:
         raise TpulabError(f"--kill-at {kill_at} must be between 1 and steps-1 ({steps - 1})")
     if kill_at <= save_every:
@@ -70,8 +72,11 @@ def prove_transformer_resume(
     kill_at: int | None = None,
     skip_restore: tuple[str, ...] = (),
     compile_cache: Path | None = None,
+    warm_resume_cache: bool = False,
 ) -> dict:
-    """Write out_dir/proof/{verdict.json, overlay.png}: per-step losses and the final whole state compared."""
+    """Write out_dir/proof/{verdict.json, overlay.png}: per-step losses and the final whole state
+    compared. ``compile_cache`` is the reference and killed runs' cache (through the environment, so
+    the driver can give the resumed process its own fresh one unless ``warm_resume_cache``)."""
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
     check_kill_step(kill_at, steps, save_every)
@@ -81,12 +86,14 @@ def prove_transformer_resume(
     config_path = write_child_config(config, proof_dir / "config.yaml")
     extra = [a for part in skip_restore for a in ("--skip-restore", part)]
     return prove_resume(
-        lambda d: train_child_argv(config_path, d, compile_cache=compile_cache, extra=extra),
+        lambda d: train_child_argv(config_path, d, extra=extra),
         proof_dir,
         steps=steps,
         kill_at=kill_at,
         reference_dir=reference_dir,
+        env=cache_env(compile_cache) if compile_cache is not None else None,
         title="Transformer kill/resume",
         compare_state=final_state_verdict,
         extra={"skip_restore": list(skip_restore)},
+        warm_resume_cache=warm_resume_cache,
     )

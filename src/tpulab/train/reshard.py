@@ -1,20 +1,25 @@
-"""``tpulab reshard``: move a run's newest checkpoint onto another mesh / process count, verified bitwise.
+"""``tpulab reshard``: move a run's newest checkpoint onto another mesh / process count, verified
+bitwise.
 
-The state is restored by Orbax straight into the new layout's shardings (the sharding table applied to
-the new mesh), then gathered and compared byte for byte with a second, fully replicated restore of the
-same checkpoint, so a resharding that moved or mixed up a shard is caught. The Grain position is the
-same in every process by construction (tpulab.data.pipeline: process p reads blocks p, p+P, ... of one
-shuffled stream, ``next_index`` = steps taken), so it carries over to any process count: the saved
-per-process positions are checked equal and set on the new processes' iterators. The new run dir gets
-the config with the new mesh, and a checkpoint (same step, manifest, topology) that ``tpulab train``
-resumes from.
+The state is restored by Orbax straight into the new layout's shardings (the sharding table applied
+to the new mesh), then gathered and compared byte for byte with a second, fully replicated restore
+of the same checkpoint, so a resharding that moved or mixed up a shard is caught; after the save,
+the new checkpoint is read back in the new layout and compared with that restore again (and its
+data positions with the saved one), so ``bitwise_equal`` is a comparison of what was written. The
+Grain position is the same in every process by construction (tpulab.data.pipeline: process p reads
+blocks p, p+P, ... of one shuffled stream, ``next_index`` = steps taken), so it carries over to any
+process count: the saved per-process positions are checked equal and set on the new processes'
+iterators. The new run dir gets the config with the new mesh, and a checkpoint (same step,
+manifest, topology) that ``tpulab train`` resumes from.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -50,8 +55,24 @@ def data_positions(step_dir: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
+def read_back(
+    step_dir: Path, abstract: Any, expected: Any, position: dict
+) -> tuple[int, str | None]:
+    """(leaves compared, first difference) of checkpoint ``step_dir`` restored into ``abstract``'s
+    layout and gathered, against ``expected`` (host arrays), and of every process's saved data
+    position against ``position``."""
+    n, first = compare_trees(_gathered(read_state(step_dir, abstract)), expected)
+    if first is None:
+        saved = data_positions(step_dir)
+        bad = [i for i, pos in enumerate(saved) if pos != position]
+        if bad:
+            first = f"data position (Grain iterator state) of process {bad[0]}"
+    return n, first
+
+
 def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None = None) -> dict:
-    """Reshard checkpoint ``step`` (default: the newest valid one) of ``src_run`` into the new run dir ``dst_run``."""
+    """Reshard checkpoint ``step`` (default: the newest valid one) of ``src_run`` into the new run
+    dir ``dst_run``."""
     step_dir = checkpoint_dir(src_run, step)
     dst_run = Path(dst_run)
     if (dst_run / "checkpoints").exists() and any((dst_run / "checkpoints").iterdir()):
@@ -73,8 +94,8 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
         abstract,
     )
-    whole = read_state(step_dir, replicated)
-    n, first = compare_trees(_gathered(state), _gathered(whole))
+    whole = _gathered(read_state(step_dir, replicated))
+    n, first = compare_trees(_gathered(state), whole)
     if first is not None:
         raise CheckpointError(f"resharded leaf {first} differs from the saved one; nothing written")
     if int(_gathered(state.step)) != step:
@@ -114,12 +135,23 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
         store.wait()
     finally:
         store.close()
+    # What was written, read back in the new layout, against the source's replicated restore: a
+    # store that wrote anything else (a moved shard, a stale buffer, another position) is caught.
+    n_back, differ = read_back(store.step_dir(step), abstract, whole, positions[0])
+    if differ is not None:
+        if primary:
+            shutil.rmtree(store.step_dir(step), ignore_errors=True)
+        raise CheckpointError(
+            f"the resharded checkpoint read back from {dst_run} differs from {step_dir} at "
+            f"{differ}; removed it"
+        )
     result = {
         "step": step,
         "from": _describe(meta.get("topology")),
         "to": _describe(here),
         "leaves": n,
-        "bitwise_equal": True,
+        "leaves_read_back": n_back,
+        "bitwise_equal": differ is None,
         "out": str(dst_run),
         "source_checkpoint": str(step_dir),
     }
@@ -137,4 +169,7 @@ def _describe(t: dict | None) -> str:
     if not t:
         return "an unrecorded topology"
     m = t["mesh"]
-    return f"{t['process_count']} proc x {t['device_count']} dev {{data:{m['data']}, fsdp:{m['fsdp']}}}"
+    return (
+        f"{t['process_count']} proc x {t['device_count']} dev "
+        f"{{data:{m['data']}, fsdp:{m['fsdp']}}}"
+    )

@@ -15,7 +15,7 @@ carry two different masks.
 from __future__ import annotations
 
 from tpulab.data import preference
-from tpulab.data.corpus import load_corpus
+from tpulab.data.contract import load_checked
 from tpulab.train.objectives.base import DataSource, Objective
 from tpulab.train.objectives.sft import load_base
 
@@ -36,7 +36,7 @@ class Pairwise(Objective):
         super().__init__(config)
         self.base = load_base(config)
         obj, data = config.objective, config.data
-        corpus = load_corpus(data.path) if obj.data is None else None
+        corpus = load_checked(data) if obj.data is None else None
         self.prefs = preference.load(obj.data, corpus, data)
         self.train_rows = preference.encode(self.prefs.train, data.seq_len)
         self.eval_rows = preference.encode(self.prefs.eval, data.seq_len)

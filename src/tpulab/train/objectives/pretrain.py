@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpulab.data.corpus import load_corpus
+from tpulab.data.contract import load_checked
 from tpulab.data.pipeline import Splits, build_splits, eval_batches, train_dataset
 from tpulab.train.objectives.base import DataSource, Objective
 from tpulab.train.step import make_steps
@@ -13,7 +13,7 @@ class Pretrain(Objective):
 
     def __init__(self, config):
         super().__init__(config)
-        self.splits: Splits = build_splits(load_corpus(config.data.path), config.data)
+        self.splits: Splits = build_splits(load_checked(config.data), config.data)
 
     def data(self) -> DataSource:
         cfg, splits = self.config, self.splits

@@ -10,13 +10,14 @@ pretraining, with masks that cover each response and its stop byte only
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
 
 from tpulab.checkpoint.store import read_meta
 from tpulab.data import dialogue
-from tpulab.data.corpus import load_corpus
+from tpulab.data.contract import load_checked
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import TpulabError
 from tpulab.train.adapters import lora_graph
@@ -36,6 +37,8 @@ def load_base(config, key: str = "init") -> Restored:
         raise TpulabError(f"objective.{key} {init} was trained with another tokenizer")
     for section in ("model", "precision"):
         have, want = getattr(base.config, section), getattr(config, section)
+        if section == "model":  # rematerialisation changes memory, not the model
+            have = dataclasses.replace(have, remat=want.remat)
         if have != want:
             diff = [
                 f"{section}.{k}: {getattr(have, k)!r} there, {getattr(want, k)!r} here"
@@ -56,7 +59,7 @@ class SFT(Objective):
         self.base = load_base(config)
         obj, data = config.objective, config.data
         if obj.data is None:
-            self.dialogue = dialogue.from_plays(load_corpus(data.path), data)
+            self.dialogue = dialogue.from_plays(load_checked(data), data)
         else:
             self.dialogue = dialogue.from_jsonl(obj.data, data)
         self.train_rows = dialogue.encode(self.dialogue.train, data.seq_len)

@@ -61,7 +61,8 @@ class SamplingConfig:
         check(max_new > 0, f"max_new={max_new} must be positive")
         check(
             t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
-            f"temperature={t:g} must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
+            f"temperature={t:g} must be 0 (greedy) or in "
+            f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
         )
         check(0 <= top_k <= VOCAB_SIZE, f"top_k={top_k} must be in [0, {VOCAB_SIZE}]")
         check(0 <= seed <= MAX_SEED, f"seed={seed} must be an integer in [0, 2**63 - 1]")
@@ -87,7 +88,8 @@ def encode_prompt(prompt) -> np.ndarray:
 
 
 def prompt_ids(prompt, max_len: int, max_new: int) -> np.ndarray:
-    """[BOS] + UTF-8 bytes, checked to be non-empty valid text that leaves room for ``max_new`` tokens."""
+    """[BOS] + UTF-8 bytes, checked to be non-empty valid text that leaves room for ``max_new``
+    tokens."""
     ids = np.concatenate([[BOS], encode_prompt(prompt)]).astype(np.int32)
     if len(ids) + max_new > max_len:
         raise TpulabError(
@@ -98,8 +100,8 @@ def prompt_ids(prompt, max_len: int, max_new: int) -> np.ndarray:
 
 
 def key_data(seed: int) -> np.ndarray:
-    """uint32[2] threefry key data for a 63-bit seed (hi, lo words: what ``jax.random.key`` makes of it
-    with 64-bit integers), built on the host so no x64 mode is needed."""
+    """uint32[2] threefry key data for a 63-bit seed (hi, lo words: what ``jax.random.key`` makes of
+    it with 64-bit integers), built on the host so no x64 mode is needed."""
     return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
 
 
@@ -107,11 +109,13 @@ def sample_tokens(
     logits_bv: jax.Array, keys_b2: jax.Array, step, temperature_b: jax.Array, top_k_b: jax.Array
 ) -> jax.Array:
     """Next token per row [B] int32: argmax where temperature is 0, else a draw from
-    softmax(logits / t) restricted to the top_k largest logits (0 = all), keyed by fold_in(key, step).
+    softmax(logits / t) restricted to the top_k largest logits (0 = all), keyed by
+    fold_in(key, step).
 
-    The draw (a threefry key per row) runs only when some row samples, and the sort behind top-k only
-    when some sampling row asks for it (``lax.cond``): in an all-greedy decode loop they were about a
-    tenth of every step on XLA:CPU. Whichever branch runs computes exactly what it did unconditionally."""
+    The draw (a threefry key per row) runs only when some row samples, and the sort behind top-k
+    only when some sampling row asks for it (``lax.cond``): in an all-greedy decode loop they were
+    about a tenth of every step on XLA:CPU. Whichever branch runs computes exactly what it did
+    unconditionally."""
     logits = logits_bv.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling_b = temperature_b > 0

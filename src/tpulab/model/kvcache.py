@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpulab.errors import TpulabError
-from tpulab.inference.policies import POLICIES, Policy  # noqa: F401 - re-exported
+from tpulab.model.policies import POLICIES, Policy  # noqa: F401 - re-exported
 
 _STORAGE = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
 SCALE_DTYPE = jnp.float32
@@ -28,7 +28,8 @@ INT8_MAX = 127
 
 
 class KVCache(NamedTuple):
-    """Keys/values ``[L, B, S, H, Dh]`` in the storage dtype; int8 adds fp32 scales ``[L, B, S, H, 1]``."""
+    """Keys/values ``[L, B, S, H, Dh]`` in the storage dtype; int8 adds fp32 scales
+    ``[L, B, S, H, 1]``."""
 
     k: jax.Array
     v: jax.Array
@@ -36,7 +37,8 @@ class KVCache(NamedTuple):
     v_scale: jax.Array | None = None
 
 
-# Exported endpoints take and return a KVCache; registering it lets a fresh process deserialize them.
+# Exported endpoints take and return a KVCache; registering it lets a fresh process deserialize
+# them. The serialized name predates the move to the model layer: artifacts written before load.
 jax.export.register_namedtuple_serialization(KVCache, serialized_name="tpulab.inference.KVCache")
 
 
@@ -94,8 +96,9 @@ def _put(buf: jax.Array, layer: int, x_bt: jax.Array, start) -> jax.Array:
 
 
 def write(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, start) -> KVCache:
-    """Store T new keys/values at slots start..start+T-1 of one layer (start must keep them in range:
-    dynamic_update_slice clamps rather than fails, so callers bound positions on the host)."""
+    """Store T new keys/values at slots start..start+T-1 of one layer (start must keep them in
+    range: dynamic_update_slice clamps rather than fails, so callers bound positions on the
+    host)."""
     if cache.k_scale is None:
         return KVCache(_put(cache.k, layer, k_bthd, start), _put(cache.v, layer, v_bthd, start))
     (qk, sk), (qv, sv) = quantize_int8(k_bthd), quantize_int8(v_bthd)
@@ -107,9 +110,9 @@ def write(cache: KVCache, layer: int, k_bthd: jax.Array, v_bthd: jax.Array, star
     )
 
 
-# The compiled decode loop's own layout (``to_loop_layout``): per layer, batch and heads merged into one
-# leading axis (row b, head h at b*H + h), keys transposed [B*H, Dh, S], values [B*H, S, Dh]; int8 scales
-# [B*H, 1, S] and [B*H, S, 1] (they broadcast over Dh).
+# The compiled decode loop's own layout (``to_loop_layout``): per layer, batch and heads merged into
+# one leading axis (row b, head h at b*H + h), keys transposed [B*H, Dh, S], values [B*H, S, Dh];
+# int8 scales [B*H, 1, S] and [B*H, S, 1] (they broadcast over Dh).
 _LOOP_AXES = {
     "k": (0, 2, 3, 1),
     "v": (0, 2, 1, 3),
@@ -119,12 +122,13 @@ _LOOP_AXES = {
 
 
 def to_loop_layout(cache: KVCache) -> KVCache:
-    """[L, B, S, H, Dh] -> the compiled decode loop's layout, once per request: each field a tuple of L
-    per-layer arrays, keys as [B*H, Dh, S] and values as [B*H, S, Dh]. Then both attention products are
-    plain batched GEMMs over one batch axis that read the cache where it lies: in the exported order
-    XLA:CPU transposed every layer's keys and values per step, slicing a layer out of the stacked buffer
-    copied it, and a size-1 batch axis made it update the buffer twice (together most of a decode step at
-    the demo size). The exported endpoints keep the [L, B, S, H, Dh] contract."""
+    """[L, B, S, H, Dh] -> the compiled decode loop's layout, once per request: each field a tuple
+    of L per-layer arrays, keys as [B*H, Dh, S] and values as [B*H, S, Dh]. Then both attention
+    products are plain batched GEMMs over one batch axis that read the cache where it lies: in the
+    exported order XLA:CPU transposed every layer's keys and values per step, slicing a layer out of
+    the stacked buffer copied it, and a size-1 batch axis made it update the buffer twice (together
+    most of a decode step at the demo size). The exported endpoints keep the [L, B, S, H, Dh]
+    contract."""
 
     def per_layer(f, a):
         return tuple(
@@ -145,8 +149,9 @@ def _loop_tail(field: str, shape) -> tuple[int, int]:
 def write_loop(
     cache: KVCache, layer: int, k_bhd: jax.Array, v_bhd: jax.Array, pos_b: jax.Array
 ) -> KVCache:
-    """Store one token per row, row b at slot ``pos_b[b]``, into one layer of a loop-layout cache: one scatter
-    of B*H rows into that layer's own buffers, in place inside the loop (callers keep positions in range)."""
+    """Store one token per row, row b at slot ``pos_b[b]``, into one layer of a loop-layout cache:
+    one scatter of B*H rows into that layer's own buffers, in place inside the loop (callers keep
+    positions in range)."""
     b, h = k_bhd.shape[:2]
     pos_b = pos_b.astype(jnp.int32)
 
@@ -170,8 +175,8 @@ def write_loop(
 
 
 def read(cache: KVCache, layer: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """All S slots of one layer's keys and values, dequantized to ``dtype``: [B, S, H, Dh] each; in the loop
-    layout keys [B*H, Dh, S] and values [B*H, S, Dh]."""
+    """All S slots of one layer's keys and values, dequantized to ``dtype``: [B, S, H, Dh] each; in
+    the loop layout keys [B*H, Dh, S] and values [B*H, S, Dh]."""
     if cache.k_scale is None:
         return cache.k[layer].astype(dtype), cache.v[layer].astype(dtype)
     return (
@@ -189,7 +194,8 @@ def as_stored(cache: KVCache, x: jax.Array, dtype) -> jax.Array:
 
 
 def bytes_per_token(cache: KVCache) -> float:
-    """Bytes of the actual buffers (all layers, keys, values and scales) per (sequence, token slot)."""
+    """Bytes of the actual buffers (all layers, keys, values and scales) per (sequence, token
+    slot)."""
     leaves = jax.tree.leaves(cache)
     _, b, s = cache.k.shape[:3]
     return float(sum(np.dtype(x.dtype).itemsize * x.size for x in leaves)) / (b * s)
@@ -212,8 +218,8 @@ class CacheShape:
         return init_cache(policy, self.n_layers, batch, self.max_len, self.n_heads, self.head_dim)
 
     def nbytes(self, policy: str, batch: int) -> int:
-        """Bytes of the cache for ``batch`` sequences of ``max_len`` slots (all layers, keys, values and
-        scales), from the shapes alone."""
+        """Bytes of the cache for ``batch`` sequences of ``max_len`` slots (all layers, keys, values
+        and scales), from the shapes alone."""
         return int(
             bytes_per_token(jax.eval_shape(lambda: self.init(policy, 1))) * batch * self.max_len
         )

@@ -1,4 +1,5 @@
-"""The KV-cache precisions, in one place and free of heavy imports (the CLI reads them for --help)."""
+"""The KV-cache precisions, in one place and free of heavy imports (the CLI reads them for
+--help)."""
 
 from __future__ import annotations
 

@@ -20,15 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tpulab.inference import cache as kv
+from tpulab.model import kvcache as kv
 from tpulab.model.transformer import Transformer, causal_mask
 
 Params = dict[str, jax.Array]
 
 
 def _attend_one(attn, q_b1hd, kt_xds, v_xsd, visible_bs) -> jax.Array:
-    """``Attention.attend`` for one query per row over a loop-layout cache (keys [B*H, Dh, S], values
-    [B*H, S, Dh], visible where ``visible_bs``): both products are plain batched GEMMs; returns [B, 1, D]."""
+    """``Attention.attend`` for one query per row over a loop-layout cache (keys [B*H, Dh, S],
+    values [B*H, S, Dh], visible where ``visible_bs``): both products are plain batched GEMMs;
+    returns [B, 1, D]."""
     acc = attn.prec.accum_dtype
     b, _, h, d = q_b1hd.shape
     scores_x1s = jnp.einsum(
@@ -49,7 +50,9 @@ def _name(path) -> str:
 
 
 class Engine(Protocol):
-    """What generation needs: jitted here, or deserialized jax.export endpoints (``export.py``)."""
+    """What generation and the service call: ``Decoder`` (jitted here) or ``runner.ExportedEngine``
+    (deserialized jax.export endpoints). ``batch`` is the step path's batch; the loop runs any
+    batch at ``batch_for(n)`` rows and ``width_for(longest prompt)`` columns."""
 
     policy: str
     max_len: int
@@ -58,6 +61,19 @@ class Engine(Protocol):
     def prefill(self, tokens_bs, length) -> tuple[jax.Array, kv.KVCache]: ...
 
     def decode(self, cache: kv.KVCache, token_b, pos) -> tuple[jax.Array, kv.KVCache]: ...
+
+    def generate(
+        self, tokens_bs, lengths_b, max_new_b, temperature_b, top_k_b, keys_b2, stop_token
+    ) -> tuple[jax.Array, jax.Array]: ...
+
+    def batch_for(self, n: int) -> int: ...
+
+    def width_for(self, n: int) -> int: ...
+
+    def compiled_variants(self) -> dict[str, int]:
+        """Executables held, per jitted endpoint name ("generate": one per batch and width
+        bucket)."""
+        ...
 
 
 class ModelFns:
@@ -81,7 +97,8 @@ class ModelFns:
         )
 
     def full_logits(self, params: Params, tokens_bt: jax.Array) -> jax.Array:
-        """The training forward (no cache), deterministic: the reference every cached path is judged by."""
+        """The training forward (no cache), deterministic: the reference every cached path is
+        judged by."""
         return self.model(params)(tokens_bt)
 
     def forward_cached(
@@ -92,14 +109,15 @@ class ModelFns:
         start,
         last_b: jax.Array | None = None,
     ) -> tuple[jax.Array, kv.KVCache]:
-        """Logits [B, T, V] for tokens at positions start..start+T-1, and the cache with them written;
-        with ``last_b`` (one index per row) only those positions' logits, [B, V].
+        """Logits [B, T, V] for tokens at positions start..start+T-1, and the cache with them
+        written; with ``last_b`` (one index per row) only those positions' logits, [B, V].
 
-        Each block's attention writes its keys and values into the cache and attends over exactly what
-        the cache stores (so every cache precision attends over what it keeps), masked causally. A prefill
-        (``start`` the constant 0) attends over its own T keys only, since no query sees past them (a
-        64-token prompt on a 512-slot cache: 8x less than T x S), as computed, not read back from the
-        buffer it just wrote (``kv.as_stored``: the same values without the round trip)."""
+        Each block's attention writes its keys and values into the cache and attends over exactly
+        what the cache stores (so every cache precision attends over what it keeps), masked
+        causally. A prefill (``start`` the constant 0) attends over its own T keys only, since no
+        query sees past them (a 64-token prompt on a 512-slot cache: 8x less than T x S), as
+        computed, not read back from the buffer it just wrote (``kv.as_stored``: the same values
+        without the round trip)."""
         b, t = tokens_bt.shape
         prefill = isinstance(start, int) and start == 0
         positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -129,13 +147,14 @@ class ModelFns:
     def decode_rows(
         self, params: Params, cache: kv.KVCache, token_b: jax.Array, pos_b: jax.Array
     ) -> tuple[jax.Array, kv.KVCache]:
-        """One token per row, row b at position ``pos_b[b]``, on a loop-layout cache (``kv.to_loop_layout``):
-        logits [B, V] and the cache with each row's keys and values written at its slot.
+        """One token per row, row b at position ``pos_b[b]``, on a loop-layout cache
+        (``kv.to_loop_layout``): logits [B, V] and the cache with each row's keys and values written
+        at its slot.
 
-        ``forward_cached``'s math for T = 1 (write this token's key and value, attend over slots <= pos)
-        with a cache laid out for it: per layer, keys [B*H, Dh, S] and values [B*H, S, Dh], so attention is
-        two plain batched GEMMs on the buffers where they lie and each update is in place (no per-step
-        copy or transposition of any layer; see ``kv.to_loop_layout``).
+        ``forward_cached``'s math for T = 1 (write this token's key and value, attend over slots <=
+        pos) with a cache laid out for it: per layer, keys [B*H, Dh, S] and values [B*H, S, Dh], so
+        attention is two plain batched GEMMs on the buffers where they lie and each update is in
+        place (no per-step copy or transposition of any layer; see ``kv.to_loop_layout``).
         """
         model = self.model(params)
         positions_b1 = pos_b.astype(jnp.int32)[:, None]
@@ -153,8 +172,9 @@ class ModelFns:
         return model.logits(x_b1d)[:, 0], cache
 
     def prefill_rows(self, policy: str, params: Params, tokens_bs: jax.Array, lengths_b: jax.Array):
-        """Ragged prefill: row b holds its prompt in slots 0..lengths_b[b]-1 (right-padded, positions
-        from 0, causal mask), so each row computes exactly what it would alone; logits at each row's end."""
+        """Ragged prefill: row b holds its prompt in slots 0..lengths_b[b]-1 (right-padded,
+        positions from 0, causal mask), so each row computes exactly what it would alone; logits at
+        each row's end."""
         cache = self.shape.init(policy, tokens_bs.shape[0])
         return self.forward_cached(params, cache, tokens_bs, 0, last_b=lengths_b - 1)
 
@@ -170,17 +190,17 @@ class ModelFns:
         keys_b2: jax.Array,
         stop_token: jax.Array,
     ) -> tuple[jax.Array, jax.Array]:
-        """Prefill and every decode step as one program: a ``lax.while_loop`` that samples on device.
+        """Prefill and every decode step as one program: a ``lax.while_loop`` sampling on device.
 
         ``tokens_bs`` is [B, P] with any P <= S (prompts right-padded to a width bucket, so prefill
         computes P positions, not S). Returns tokens [B, S] (row b's new tokens in columns 0..n_b-1,
-        PAD after) and n [B]. A row stops
-        after ``max_new_b`` tokens or after emitting ``stop_token`` (pass -1 for none); the loop ends
-        when every row has stopped. Callers bound ``lengths_b + max_new_b <= S`` on the host; positions
-        are clamped here so a stopped row can never write out of range.
+        PAD after) and n [B]. A row stops after ``max_new_b`` tokens or after emitting
+        ``stop_token`` (pass -1 for none); the loop ends when every row has stopped. Callers bound
+        ``lengths_b + max_new_b <= S`` on the host; positions are clamped here so a stopped row can
+        never write out of range.
         """
         from tpulab.data.tokenizer import PAD
-        from tpulab.inference.sampling import sample_tokens
+        from tpulab.model.sampling import sample_tokens
 
         s = self.shape.max_len
         logits_bv, cache = self.prefill_rows(policy, params, tokens_bs, lengths_b)
@@ -217,7 +237,8 @@ class ModelFns:
         return out_bs, n_b
 
     def prefill(self, policy: str, params: Params, tokens_bs: jax.Array, length: jax.Array):
-        """tokens [B, S] (the prompt in slots 0..length-1, anything after) -> (next-token logits [B, V], cache)."""
+        """tokens [B, S] (the prompt in slots 0..length-1, anything after) ->
+        (next-token logits [B, V], cache)."""
         b = tokens_bs.shape[0]
         last_b = jnp.broadcast_to(jnp.asarray(length, jnp.int32) - 1, (b,))
         return self.forward_cached(params, self.shape.init(policy, b), tokens_bs, 0, last_b=last_b)
@@ -228,8 +249,8 @@ class ModelFns:
         return logits_b1v[:, 0], cache
 
     def example_args(self, endpoint: str, policy: str, batch, prompt_width=None) -> tuple:
-        """Abstract arguments of an endpoint (for jax.export and input checks); ``batch`` and the loop's
-        ``prompt_width`` may be symbolic dimensions."""
+        """Abstract arguments of an endpoint (for jax.export and input checks); ``batch`` and the
+        loop's ``prompt_width`` may be symbolic dimensions."""
         sds = jax.ShapeDtypeStruct
         params = {n: sds(x.shape, x.dtype) for n, x in self.params.items()}
         scalar = sds((), jnp.int32)
@@ -308,7 +329,8 @@ class Decoder:
         return width_bucket(n, self.max_len)
 
     def compiled_variants(self) -> dict[str, int]:
-        """How many executables each jitted endpoint holds (1 each, per batch bucket for generate)."""
+        """Executables each jitted endpoint holds (1 each; generate: one per batch and width
+        bucket)."""
         return {
             "prefill": self._prefill._cache_size(),
             "decode": self._decode._cache_size(),
@@ -323,10 +345,11 @@ WIDTH_STEP = 64  # past 2 * WIDTH_STEP tokens, prompt widths grow in steps of th
 
 
 def width_bucket(n: int, max_len: int, smallest: int = 16) -> int:
-    """The prompt width a batch whose longest prompt has ``n`` tokens is padded to, at most the cache
-    length: a power of two (at least ``smallest``) up to 128, then the next multiple of 64. Prefill cost
-    follows the prompt (a 448-token prompt padded to 512 cost a third more prefill: its attention part
-    grows with the square) while compiles stay few (10 widths for a 512-slot cache, 4 for 128)."""
+    """The prompt width a batch whose longest prompt has ``n`` tokens is padded to, at most the
+    cache length: a power of two (at least ``smallest``) up to 128, then the next multiple of 64.
+    Prefill cost follows the prompt (a 448-token prompt padded to 512 cost a third more prefill: its
+    attention part grows with the square) while compiles stay few (10 widths for a 512-slot cache, 4
+    for 128)."""
     w = (
         max(smallest, batch_bucket(n))
         if n <= 2 * WIDTH_STEP

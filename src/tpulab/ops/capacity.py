@@ -1,0 +1,377 @@
+"""Capacity: what one replica sustains at a p99 target, how many a load needs, and a measured check.
+
+The model (docs/operations.md, "Capacity"), from closed-loop tables (``serve-bench``, or the
+single-replica rows of ``measure``):
+
+- a replica's capacity at a p99 target T is the highest throughput among its measured rows whose
+  p99 latency is at most T: measured points only, never extrapolated;
+- replicas for a load of L requests/s with headroom h: ``ceil(L / (capacity * (1 - h)))``;
+- Little's law on every row: requests in flight = throughput x mean latency must equal the number
+  of clients of a closed loop (each always has one request out); the ratio is reported, and a row
+  far from 1 was not a steady state (or lost time outside the requests);
+- R replicas behind a round-robin client driven by R x c clients: each replica sees c of them, so
+  the pair sustains ``R * X1(c)`` at the p99 of ``X1(c)``, provided each replica has its own core.
+
+``measure`` checks the last point: it starts R real services (``tpulab serve``, each process
+pinned to its own core), measures one replica alone at c clients (with the client pinned to that
+replica's core, as each core carries a replica and a share of the client in the R-replica run),
+then all R behind one round-robin client at R x c clients, and compares.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import math
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tpulab.config import check, field
+from tpulab.errors import TpulabError
+
+
+def rows_from(table: dict, server: str = "batching") -> list[dict]:
+    """The closed-loop rows of one server (``serve_bench.json``) or the single-replica rows of a
+    capacity measurement (``capacity.json``)."""
+    if "single" in table:
+        return list(table["single"])
+    rows = [r for r in table.get("rows", []) if str(r.get("server", "")).startswith(server)]
+    if not rows:
+        raise TpulabError(f"the table has no rows of a {server!r} server")
+    return rows
+
+
+def load_table(path: str | Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise TpulabError(f"capacity table {path}: {e.strerror or e}") from None
+    except ValueError:
+        raise TpulabError(f"capacity table {path} is not JSON") from None
+
+
+def capacity_at(rows: list[dict], p99_ms: float) -> dict:
+    """The measured row with the highest throughput whose p99 meets the target."""
+    ok = [r for r in rows if r["latency_p99_ms"] <= p99_ms]
+    if not ok:
+        best = min(rows, key=lambda r: r["latency_p99_ms"])
+        raise TpulabError(
+            f"no measured point meets p99 <= {p99_ms:g} ms (the best: {best['latency_p99_ms']:.1f}"
+            f" ms at {best['clients']} clients)"
+        )
+    return max(ok, key=lambda r: r["requests_per_s"])
+
+
+def replicas_for(load_rps: float, capacity_rps: float, headroom: float) -> int:
+    """Replicas that carry ``load_rps`` with each run at ``1 - headroom`` of its capacity."""
+    if not (0 <= headroom < 1):
+        raise TpulabError(f"headroom {headroom} must be in [0, 1)")
+    if not (load_rps > 0 and math.isfinite(load_rps)):
+        raise TpulabError(f"load {load_rps} must be a positive number of requests/s")
+    return max(1, math.ceil(load_rps / (capacity_rps * (1 - headroom)) - 1e-9))
+
+
+def littles_law(row: dict) -> dict:
+    """In flight = throughput x mean latency, against the clients of the closed loop. Tables
+    without a mean latency (serve-bench's) use the p50, which undercounts a skewed tail."""
+    mean = row.get("latency_mean_ms")
+    w = mean if mean is not None else row["latency_p50_ms"]
+    in_flight = row["requests_per_s"] * w / 1e3
+    return {
+        "in_flight": in_flight,
+        "clients": row["clients"],
+        "ratio": in_flight / row["clients"],
+        "latency": "mean" if mean is not None else "p50 (no mean in the table)",
+    }
+
+
+def plan(
+    table: str | Path, p99_ms: float, load_rps: float, headroom: float, server: str = "batching"
+) -> dict:
+    rows = rows_from(load_table(table), server)
+    best = capacity_at(rows, p99_ms)
+    n = replicas_for(load_rps, best["requests_per_s"], headroom)
+    return {
+        "table": str(table),
+        "p99_target_ms": p99_ms,
+        "load_rps": load_rps,
+        "headroom": headroom,
+        "per_replica": best,
+        "replicas": n,
+        "utilization": load_rps / (n * best["requests_per_s"]),
+        "littles_law": [littles_law(r) for r in rows],
+    }
+
+
+def plan_text(p: dict) -> str:
+    b = p["per_replica"]
+    law = ", ".join(f"{x['clients']}:{x['ratio']:.2f}" for x in p["littles_law"])
+    return (
+        f"one replica: {b['requests_per_s']:.1f} req/s at p99 {b['latency_p99_ms']:.1f} ms "
+        f"<= {p['p99_target_ms']:g} ms ({b['clients']} clients); {p['load_rps']:g} req/s with "
+        f"{p['headroom']:.0%} headroom needs {p['replicas']} replica(s) (each at "
+        f"{p['utilization']:.0%}); Little's law in-flight/clients by clients: {law}"
+    )
+
+
+# --- the measured check -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityConfig:
+    """The 2-replica validation run (same request shape as the serve-bench tables)."""
+
+    replicas: int = field(2, "replicas behind the round-robin client, each pinned to a core")
+    clients_per_replica: tuple[int, ...] = field((1, 2, 4, 8), "closed-loop clients per replica")
+    requests_per_client: int = field(30, "requests each client sends, back to back")
+    max_new: int = field(32, "tokens per request (greedy, no stop token: always max_new)")
+    prompt: str = field("ROMEO:", "the prompt of every request")
+    cache: str = field("fp32", "cache policy")
+    max_batch: int = field(16, "each server's max batch")
+    batch_window_ms: float = field(0.0, "each server's batch window")
+    p99_ms: float = field(50.0, "p99 target of the capacity model in the report")
+    tolerance: float = field(0.2, "allowed |measured - predicted| / predicted")
+    startup_timeout_s: float = field(900.0, "how long a server may take to become ready")
+
+    def __post_init__(self):
+        check(1 <= self.replicas <= 64, f"replicas={self.replicas} must be in [1, 64]")
+        check(
+            all(0 < c <= 64 for c in self.clients_per_replica),
+            f"clients_per_replica={self.clients_per_replica} must be in [1, 64]",
+        )
+        check(0 < self.requests_per_client <= 10_000, "requests_per_client must be in [1, 10000]")
+        check(0 < self.tolerance < 1, f"tolerance={self.tolerance} must be in (0, 1)")
+
+
+def pin(pid: int, cpus: set[int]) -> int:
+    """Pin every thread of ``pid`` to ``cpus`` (threads it starts later inherit it); returns the
+    number of threads pinned."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            n += 1
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    return n
+
+
+def round_robin(bases: list[str], clients: int, cfg: CapacityConfig) -> dict:
+    """``clients`` closed-loop clients; request k of the round goes to ``bases[k % len(bases)]``."""
+    import httpx
+
+    body = {"prompt": cfg.prompt, "max_new": cfg.max_new, "temperature": 0.0, "cache": cfg.cache}
+    counter, lock = itertools.count(), threading.Lock()
+    # Clients (an httpx.Client builds an SSL context: tens of ms) and threads exist before the
+    # clock starts; all start together at the barrier.
+    sessions = [httpx.Client(timeout=600) for _ in range(clients)]
+    start = threading.Barrier(clients + 1)
+
+    def client(i):
+        out, c = [], sessions[i]
+        start.wait()
+        for _ in range(cfg.requests_per_client):
+            with lock:
+                k = next(counter)
+            target = k % len(bases)
+            t0 = time.perf_counter()
+            r = c.post(f"{bases[target]}/v1/generate", json=body)
+            t1 = time.perf_counter()
+            if r.status_code != 200:
+                raise TpulabError(f"replica {target} answered {r.status_code}: {r.text[:200]}")
+            out.append((t1 - t0, target, r.json()["tokens"]))
+        return out
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            futures = [pool.submit(client, i) for i in range(clients)]
+            start.wait()
+            t0 = time.perf_counter()
+            results = [x for f in futures for x in f.result()]
+            wall = time.perf_counter() - t0
+    finally:
+        for c in sessions:
+            c.close()
+    lat = np.array([r[0] for r in results]) * 1e3
+    row = {
+        "replicas": len(bases),
+        "clients": clients,
+        "requests": len(results),
+        "wall_s": wall,
+        "requests_per_s": len(results) / wall,
+        "tokens_per_s": sum(r[2] for r in results) / wall,
+        "latency_mean_ms": float(lat.mean()),
+        "latency_p50_ms": float(np.percentile(lat, 50)),
+        "latency_p99_ms": float(np.percentile(lat, 99)),
+        "per_replica_requests": [sum(1 for r in results if r[1] == i) for i in range(len(bases))],
+    }
+    row["littles_law"] = littles_law(row)
+    return row
+
+
+def predict(single: list[dict], replicas: int, clients: int) -> dict | None:
+    """R replicas at R x c clients: R times one replica's throughput at c, at its p99."""
+    if clients % replicas:
+        return None
+    one = {r["clients"]: r for r in single}.get(clients // replicas)
+    if one is None:
+        return None
+    return {
+        "requests_per_s": replicas * one["requests_per_s"],
+        "latency_p99_ms": one["latency_p99_ms"],
+        "from_clients": one["clients"],
+    }
+
+
+def validate(bases: list[str], cfg: CapacityConfig, client_cpus: set[int] | None = None) -> dict:
+    """Rounds of ``bases[0]`` alone at c clients and of all ``bases`` behind the round-robin client
+    at len(bases) x c, for every c; each replicated row compared with its prediction.
+
+    ``client_cpus``: where the client runs during the single-replica rounds (the core of replica 0,
+    so that one core carries one replica and its share of the client in both runs).
+    """
+    round_robin(bases, len(bases), dataclasses.replace(cfg, requests_per_client=2))  # untimed
+    single, multi = [], []
+    everything = os.sched_getaffinity(0)
+    for c in cfg.clients_per_replica:
+        if client_cpus:
+            os.sched_setaffinity(0, client_cpus)
+        try:
+            single.append(round_robin(bases[:1], c, cfg))
+        finally:
+            os.sched_setaffinity(0, everything)
+        multi.append(round_robin(bases, c * len(bases), cfg))
+        print(_row_line(single[-1]), flush=True)
+        print(_row_line(multi[-1]), flush=True)
+    for r in multi:
+        r["predicted"] = predict(single, r["replicas"], r["clients"])
+        p = r["predicted"]["requests_per_s"]
+        r["error"] = (r["requests_per_s"] - p) / p
+        r["within_tolerance"] = abs(r["error"]) <= cfg.tolerance
+    return {
+        "single": single,
+        "replicated": multi,
+        "all_within_tolerance": all(r["within_tolerance"] for r in multi),
+        "capacity_at_p99": _safe_capacity(single, cfg.p99_ms),
+    }
+
+
+def measure(artifacts: str | Path, cfg: CapacityConfig, out_dir: str | Path) -> dict:
+    """Start ``cfg.replicas`` services (``tpulab serve``), each pinned to its own core, run
+    ``validate``; write ``capacity.json`` (raw rows, provenance) and ``capacity.md``."""
+    from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+    from tpulab.evidence.provenance import describe_hardware, environment, git_commit
+    from tpulab.inference.serve_bench import _Server
+    from tpulab.inference.trust import load_verified
+
+    art = load_verified(artifacts)  # refuse unverified artifacts before starting anything
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < cfg.replicas:
+        raise TpulabError(
+            f"{cfg.replicas} replicas need {cfg.replicas} cores; this has {len(cpus)}"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    load_before, t_start = os.getloadavg(), time.time()
+    servers = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for i in range(cfg.replicas):
+                log = Path(tmp) / f"replica{i}.log"
+                s = _Server(
+                    Path(artifacts), cfg.max_batch, cfg.batch_window_ms, log, cfg.startup_timeout_s
+                )
+                servers.append(s)
+                pin(s.proc.pid, {cpus[i]})
+            result = validate([s.base for s in servers], cfg, client_cpus={cpus[0]})
+        finally:
+            for s in servers:
+                s.close()
+    env = environment()
+    result.update(
+        {
+            "config": dataclasses.asdict(cfg),
+            "artifacts": str(Path(artifacts).resolve()),
+            "manifest_sha256": art.manifest_sha256,
+            "model": art.manifest["model"],
+            "environment": env,
+            "hardware": describe_hardware(env),
+            "commit": git_commit(),
+            "cpus": cpus[: cfg.replicas],
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+            "started_unix": t_start,
+            "seconds": time.time() - t_start,
+        }
+    )
+    atomic_write_json(out / "capacity.json", result)
+    atomic_write_bytes(out / "capacity.md", (capacity_table(result) + "\n").encode())
+    return result
+
+
+def _safe_capacity(rows: list[dict], p99_ms: float) -> dict | None:
+    try:
+        return capacity_at(rows, p99_ms)
+    except TpulabError:
+        return None
+
+
+def _row_line(r: dict) -> str:
+    return (
+        f"{r['replicas']} replica(s) clients={r['clients']:<3} {r['requests_per_s']:8.1f} req/s "
+        f"mean {r['latency_mean_ms']:7.1f} ms p99 {r['latency_p99_ms']:7.1f} ms Little "
+        f"{r['littles_law']['ratio']:.2f}"
+    )
+
+
+def capacity_table(result: dict) -> str:
+    c, m = result["config"], result["model"]
+    lines = [
+        f"{result['hardware']}; jax {result['environment']['packages']['jax']}; commit "
+        f"{result['commit']}; model d_model {m['d_model']}, {m['n_layers']} layers, max_seq_len "
+        f"{m['max_seq_len']}; cache {c['cache']}; prompt {c['prompt']!r}, {c['max_new']} new "
+        f"tokens, greedy; {c['requests_per_client']} requests per client; max_batch "
+        f"{c['max_batch']}, window {c['batch_window_ms']} ms; each replica pinned to one of cores "
+        f"{result['cpus']}; load average before {result['loadavg_before'][0]:.1f}, after "
+        f"{result['loadavg_after'][0]:.1f} (shared machine).",
+        "",
+        "| replicas | clients | req/s | predicted req/s | error | mean ms | p50 ms | p99 ms | "
+        "predicted p99 ms | Little L/N | requests per replica |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in [*result["single"], *result["replicated"]]:
+        p = r.get("predicted")
+        pred = (
+            (f"{p['requests_per_s']:.1f}", f"{r['error']:+.1%}", f"{p['latency_p99_ms']:.1f}")
+            if p
+            else ("-", "-", "-")
+        )
+        lines.append(
+            f"| {r['replicas']} | {r['clients']} | {r['requests_per_s']:.1f} | {pred[0]} | "
+            f"{pred[1]} | {r['latency_mean_ms']:.1f} | {r['latency_p50_ms']:.1f} | "
+            f"{r['latency_p99_ms']:.1f} | {pred[2]} | {r['littles_law']['ratio']:.2f} | "
+            f"{r['per_replica_requests']} |"
+        )
+    cap = result["capacity_at_p99"]
+    verdict = "within" if result["all_within_tolerance"] else "NOT within"
+    lines += [
+        "",
+        f"Capacity of one replica at p99 <= {c['p99_ms']:g} ms: "
+        + (
+            f"{cap['requests_per_s']:.1f} req/s ({cap['clients']} clients, p99 "
+            f"{cap['latency_p99_ms']:.1f} ms)."
+            if cap
+            else "no measured point meets it."
+        ),
+        f"The {c['replicas']}-replica run is {verdict} {c['tolerance']:.0%} of the prediction "
+        f"at every point (worst error "
+        f"{max((r['error'] for r in result['replicated']), key=abs):+.1%}).",
+    ]
+    return "\n".join(lines)

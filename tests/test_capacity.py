@@ -1,0 +1,180 @@
+"""The capacity model: arithmetic on the committed serve-bench tables, and the 2-replica validation
+machinery driven over loopback against stub replicas whose capacity is known by construction
+(each serializes 50 ms requests: 20 req/s), with a pair sharing one lock as the negative control.
+The real 2-replica measurement is ``benchmarks/capacity_2replica.py`` (results committed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from tpulab.errors import TpulabError
+from tpulab.ops import capacity as cap
+
+TABLE = REPO / "benchmarks/results/serve_bench_demo_window0/serve_bench.json"
+SERVICE_S = 0.05
+
+
+def test_capacity_at_a_p99_target_from_the_committed_table():
+    rows = cap.rows_from(json.loads(TABLE.read_text()), "batching")
+    assert [r["clients"] for r in rows] == [1, 4, 8, 16]
+    best = cap.capacity_at(rows, 50.0)  # p99 8.8, 27.2, 42.5 qualify; 202.6 (16 clients) does not
+    assert best["clients"] == 8 and round(best["requests_per_s"], 1) == 290.1
+    assert cap.capacity_at(rows, 1000.0)["clients"] == 16
+    with pytest.raises(TpulabError, match=r"no measured point meets p99 <= 5 ms \(the best: 8.8"):
+        cap.capacity_at(rows, 5.0)
+    assert cap.replicas_for(1000, best["requests_per_s"], 0.3) == 5  # 1000 / (290.1 * 0.7) = 4.9
+    assert cap.replicas_for(203.07, 290.1, 0.3) == 1 and cap.replicas_for(203.08, 290.1, 0.3) == 2
+    with pytest.raises(TpulabError, match="headroom"):
+        cap.replicas_for(10, 290.1, 1.0)
+    law = cap.littles_law(best)
+    assert law["latency"].startswith("p50") and 0 < law["ratio"] < 1.2
+
+
+def test_capacity_command(tmp_path):
+    r = run_cli(
+        "capacity", "--table", str(TABLE), "--p99-ms", "50", "--load", "1000", "--headroom", "0.3"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "290.1 req/s at p99 42.5 ms" in r.stdout and "needs 5 replica(s)" in r.stdout
+    bad = run_cli("capacity", "--table", str(TABLE), "--p99-ms", "1", "--load", "10")
+    assert bad.returncode != 0 and bad.stderr.startswith("error: no measured point")
+
+
+def test_prediction_is_replicas_times_one_replica_at_its_share_of_the_clients():
+    single = [
+        {"clients": 1, "requests_per_s": 100.0, "latency_p99_ms": 12.0},
+        {"clients": 4, "requests_per_s": 250.0, "latency_p99_ms": 30.0},
+    ]
+    assert cap.predict(single, 2, 8) == {
+        "requests_per_s": 500.0,
+        "latency_p99_ms": 30.0,
+        "from_clients": 4,
+    }
+    assert cap.predict(single, 2, 3) is None and cap.predict(single, 2, 4) is None
+
+
+# --- stub replicas: real HTTP servers in their own process --------------------------------------
+
+
+def _stub_main(ports: list[int], shared: bool) -> None:
+    """Serve POST /v1/generate on each port; each request holds its replica's lock for SERVICE_S
+    (one lock for all ports when ``shared``: two 'replicas' on one core)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    one = threading.Lock()
+
+    def handler(lock):
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # else headers and body wait on a delayed ACK (40 ms)
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                with lock:
+                    time.sleep(SERVICE_S)
+                body = b'{"tokens": 32}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        return H
+
+    for port in ports:
+        lock = one if shared else threading.Lock()
+        srv = ThreadingHTTPServer(("127.0.0.1", port), handler(lock))
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    print("ready", flush=True)
+    time.sleep(600)  # the test kills it long before
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stubs(n: int, shared: bool):
+    ports = [_free_port() for _ in range(n)]
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--stub", ",".join(map(str, ports)), str(int(shared))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc, [f"http://127.0.0.1:{p}" for p in ports]
+
+
+@pytest.fixture
+def stub_pair():
+    procs = []
+
+    def start(shared):
+        proc, bases = _stubs(2, shared)
+        procs.append(proc)
+        return proc, bases
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait(timeout=30)
+
+
+def test_validation_holds_for_independent_replicas_and_fails_for_a_shared_core(stub_pair):
+    cfg = cap.CapacityConfig(clients_per_replica=(1, 4), requests_per_client=10, tolerance=0.2)
+    _, bases = stub_pair(False)
+    good = cap.validate(bases, cfg)
+    for r in good["single"]:
+        assert r["requests_per_s"] <= 1.02 / SERVICE_S, r  # never more than the lock allows
+        if r["clients"] > 1:  # saturated (a lone client idles the lock between its requests)
+            assert r["requests_per_s"] == pytest.approx(1 / SERVICE_S, rel=0.25), r
+    for r in good["replicated"]:
+        assert r["per_replica_requests"] == [r["requests"] // 2] * 2  # round robin
+        assert r["predicted"]["requests_per_s"] == pytest.approx(2 / SERVICE_S, rel=0.25)
+        assert r["within_tolerance"], r
+    for r in [*good["single"], *good["replicated"]]:  # closed loop: in flight = clients
+        assert r["littles_law"]["latency"] == "mean"
+        assert r["littles_law"]["ratio"] == pytest.approx(1.0, abs=0.1), r
+    assert good["all_within_tolerance"]
+    # Negative control: the same two ports backed by one lock (one core for both) carry one
+    # replica's load, and the validation says the prediction failed.
+    _, bases = stub_pair(True)
+    bad = cap.validate(bases, cfg)
+    assert not bad["all_within_tolerance"]
+    assert all(r["error"] < -0.3 for r in bad["replicated"]), bad["replicated"]
+
+
+def test_pin_moves_every_thread_of_a_process(stub_pair):
+    cpus = sorted(os.sched_getaffinity(0))
+    proc, _ = stub_pair(False)
+    tasks = Path(f"/proc/{proc.pid}/task")
+
+    def allowed():
+        return {
+            (t / "status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+            for t in tasks.iterdir()
+        }
+
+    before = allowed()
+    n = cap.pin(proc.pid, {cpus[-1]})
+    assert n == len(list(tasks.iterdir())) >= 3  # main + one server thread per port
+    assert allowed() == {str(cpus[-1])}
+    if len(cpus) > 1:  # negative control: before pinning the threads could run anywhere
+        assert before != {str(cpus[-1])}
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--stub"]:
+    _stub_main([int(p) for p in sys.argv[2].split(",")], sys.argv[3] == "1")
