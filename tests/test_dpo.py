@@ -330,7 +330,16 @@ def test_the_gold_win_rate_counts_wins_by_r_star_and_a_policy_ties_itself(
 @pytest.mark.slow
 def test_dpo_kill_resume_is_bitwise(sft_policy, sampled_pairs, tmp_path):
     """`tpulab prove-resume` on DPO: per-step metrics and the whole final state bitwise."""
-    sets = dpo_sets(sft_policy, sampled_pairs, "train.steps=12", "train.eval_every=6")
+    # synchronous saves: the kill after step 7 must find step 4 committed. With async saves, at
+    # load average ~20 on 2 cores, step 4's save was still an orbax tmp dir when step 7 was
+    # logged, and the resumed process started from scratch (the driver refuses that, rightly).
+    sets = dpo_sets(
+        sft_policy,
+        sampled_pairs,
+        "train.steps=12",
+        "train.eval_every=6",
+        "checkpoint.async_save=false",
+    )
     args = [a for s in sets for a in ("--set", s)]
     result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), *args)
     assert result.returncode == 0, result.stderr + result.stdout

@@ -190,7 +190,12 @@ def test_reward_kill_resume_is_bitwise(sft_policy, sampled_pairs, tmp_path):
     """`tpulab prove-resume` on the reward model: per-step metrics and the whole final state
     (body, head, Adam moments, step, key, data position) bitwise after a SIGKILL."""
     sets = reward_sets(
-        sft_policy, sampled_pairs, "train.steps=12", "checkpoint.save_every=4", "train.eval_every=6"
+        sft_policy,
+        sampled_pairs,
+        "train.steps=12",
+        "checkpoint.save_every=4",
+        "train.eval_every=6",
+        "checkpoint.async_save=false",  # the kill must find step 4 committed (tests/test_dpo.py)
     )
     args = [a for s in sets for a in ("--set", s)]
     result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), *args)
