@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         ops_cmds,
         ops_image_cmds,
         perf_cmds,
+        posttrain_cmds,
         scale_cmds,
         track_cmds,
         train_cmds,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         track_cmds,
         ops_cmds,
         ops_image_cmds,
+        posttrain_cmds,
     ):
         module.register(sub)
     return parser
