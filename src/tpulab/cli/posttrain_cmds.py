@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from tpulab.cli.train_cmds import checked_path, path_arg
+from tpulab.errors import ExitCode
 
 
 def _pairs(args) -> int:
@@ -25,7 +26,7 @@ def _pairs(args) -> int:
     record = make_pairs(checked_path(args.policy, "--policy"), out, cfg)
     print(summary_line(record))
     print(f"wrote {out}/pairs.jsonl, eval.jsonl, dataset.json")
-    return 0
+    return ExitCode.OK
 
 
 def _win_rate(args) -> int:
@@ -43,7 +44,7 @@ def _win_rate(args) -> int:
     if out is not None:
         atomic_write_json(out, result)
     print(json.dumps({k: result[k] for k in ("prompts", "wins", "ties", "losses", "win_rate")}))
-    return 0
+    return ExitCode.OK
 
 
 def _count(text: str) -> int:
