@@ -18,8 +18,8 @@ LAYERS = [
     {"evidence"},
     {"train"},
     {"proofs"},
-    {"inference", "bridge", "cloud", "tracking", "posttrain"},
-    {"perf", "ops"},
+    {"inference", "bridge", "cloud", "tracking"},
+    {"perf", "ops", "posttrain"},
     {"orchestrate"},
     {"cli"},
 ]

@@ -1,7 +1,10 @@
-"""Post-training evaluation: what SFT (full or LoRA) changed, measured on the held-out plays.
+"""Post-training stages that need generation (layer 8: above inference and train).
 
-``evaluate_sft(run_dir)`` is the one entry point (the capstone's post-training stage and
-``tpulab sft-eval`` call it); ``log_to_run`` adds its numbers to the run's MLflow run.
+``evaluate``: an SFT run (full or LoRA) against its base on the held-out plays
+(``evaluate_sft``, called by the capstone's post-training stage and ``tpulab sft-eval``;
+``log_to_run`` adds its numbers to the run's MLflow run). ``pairs``: preference pairs sampled from
+a policy and labelled on the gold reward (``tpulab pairs``); ``winrate``: the gold-reward win rate
+of one policy's greedy replies against another's (``tpulab win-rate``).
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ already holds a valid checkpoint the run resumes from the newest one, after chec
 config (all but step count and logging) and the corpus identity match the checkpoint's. Metrics
 are read one step late (dispatch step N, then read step N-1) so the host never waits on the
 device except where a number is logged, and a step's numbers and state are checked finite before it
-is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the current
-step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks`` (tpulab.train.hooks).
-With several processes (tpulab.train.distributed) every process runs this loop on its own rows of each
-batch and takes part in every save; process 0 alone writes the run's files and checkpoint manifests.
+is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the
+current step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks``
+(tpulab.train.hooks). With several processes (tpulab.train.distributed) every process runs this
+loop on its own rows of each batch and takes part in every save; process 0 alone writes the run's
+files and checkpoint manifests.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
-from tpulab.errors import CheckpointError, TpulabError
+from tpulab.errors import CheckpointError, ExitCode, TpulabError
 from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
@@ -41,6 +42,7 @@ from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
 from tpulab.train.sharding import check_batch, topology
 from tpulab.train.step import Steps, make_mesh, tree_digest
+from tpulab.train.step_progress import step_bar
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
@@ -99,7 +101,8 @@ def check_resume_identity(
         )
         raise TpulabError(
             f"refusing to resume step {meta.get('step')}: it was trained with a different "
-            f"{'; '.join(diffs[:3])}{' …' if len(diffs) > 3 else ''} (use {hint}--force to resume anyway)"
+            f"{'; '.join(diffs[:3])}{' …' if len(diffs) > 3 else ''} "
+            f"(use {hint}--force to resume anyway)"
         )
     return diffs
 
@@ -110,16 +113,16 @@ def check_topology(meta: dict, here: dict, force: bool) -> None:
     saved = meta.get("topology")
     if saved is not None and saved != here and not force:
         raise TpulabError(
-            f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, this job "
-            f"is {_topo(here)} (use tpulab reshard to move it, or --force)"
+            f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, this "
+            f"job is {_topo(here)} (use tpulab reshard to move it, or --force)"
         )
 
 
 def _topo(t: dict) -> str:
     m = t.get("mesh", {})
     return (
-        f"{t.get('process_count')} process(es) x {t.get('device_count')} device(s), mesh data={m.get('data')} "
-        f"fsdp={m.get('fsdp')}"
+        f"{t.get('process_count')} process(es) x {t.get('device_count')} device(s), "
+        f"mesh data={m.get('data')} fsdp={m.get('fsdp')}"
     )
 
 
@@ -136,22 +139,9 @@ class _NullLog:
         pass
 
 
-def _progress(total: int, initial: int, enabled: bool | None):
-    from tqdm import tqdm
-
-    # disable=None: shown on a terminal, silent in logs and subprocesses.
-    return tqdm(
-        total=total,
-        initial=initial,
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-        disable=None if enabled is None else not enabled,
-    )
-
-
 def evaluate(steps: Steps, params, batches) -> dict[str, float]:
-    """name -> sum / weight over the batches, for every (sum, weight) the objective's eval returns."""
+    """name -> sum / weight over the batches, for every (sum, weight) the objective's eval
+    returns."""
     outs = [steps.eval(params, steps.put_global(b)) for b in batches]
     return {
         name: sum(float(o[name][0]) for o in outs) / max(sum(float(o[name][1]) for o in outs), 1.0)
@@ -203,11 +193,13 @@ class _NonFinite(Exception):
 
 
 class PhaseClock:
-    """Wall time of one process lifetime split by phase, for goodput: where did the paid-for time go?
+    """Wall time of one process lifetime split by phase, for goodput: where did the paid-for time
+    go?
 
-    ``startup`` runs from ``train()`` entry to the first dispatched step, ``first_step`` is the first step
-    (its compile included), ``data`` is waiting for batches, ``eval`` and ``checkpoint`` the time those
-    blocked the loop, ``step`` the rest of the loop (steady-state steps, metric reads).
+    ``startup`` runs from ``train()`` entry to the first dispatched step, ``first_step`` is the
+    first step (its compile included), ``data`` is waiting for batches, ``eval`` and ``checkpoint``
+    the time those blocked the loop, ``step`` the rest of the loop (steady-state steps, metric
+    reads).
     """
 
     def __init__(self):
@@ -238,7 +230,8 @@ def train(
     preemption: Preemption | None = None,
     objective: objectives.Objective | None = None,
 ) -> dict:
-    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume, phase times).
+    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume, phase
+    times).
 
     ``objective`` defaults to the one ``config.objective.kind`` names. Nothing on disk changes
     before the resume is accepted: the objective verifies what it reads, the checkpoint dir is
@@ -357,7 +350,7 @@ def train(
         ledger.record_eval(val_batches)
         total = config.train.steps
         tokens_per_step = config.data.batch_size * config.data.seq_len
-        bar = _progress(total, start, progress if primary else False)
+        bar = step_bar(total, start, progress if primary else False)
         summary = {"resumed_from": resume.step if resume else None, "start_step": start}
         hooks.on_start(
             {
@@ -444,7 +437,7 @@ def train(
                 f"the frozen weights changed during the run ({frozen_digest[:12]}… -> "
                 f"{tree_digest(steps.frozen)[:12]}…): the run is not what it claims; the "
                 f"checkpoints in {store.directory} were trained against other weights",
-                exit_code=3,
+                exit_code=ExitCode.BAD_STATE,
             )
         store.wait()
         clock.lap("checkpoint")
@@ -468,7 +461,7 @@ def train(
         raise TpulabError(
             f"{e.what} at step {e.step}; last good checkpoint: step {store.latest} in "
             f"{store.directory}",
-            exit_code=3,
+            exit_code=ExitCode.BAD_STATE,
         ) from None
     except OSError as e:  # the run's own logs (metrics, window ledger) on a full or failing disk
         last = (
@@ -478,7 +471,7 @@ def train(
         )
         raise TpulabError(
             f"writing to {run_dir} failed: {e.strerror or e}; last valid checkpoint: {last}",
-            exit_code=4,
+            exit_code=ExitCode.IO_FAILED,
         ) from None
     finally:
         for closer in (bar, store, log, ledger):
