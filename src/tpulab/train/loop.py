@@ -4,11 +4,12 @@ A run dir holds config.yaml, env.json, documents.json, metrics.jsonl and checkpo
 already holds a valid checkpoint the run resumes from the newest one, after checking that the
 config (all but step count and logging) and the corpus identity match the checkpoint's. Metrics
 are read one step late (dispatch step N, then read step N-1) so the host never waits on the
-device except where a number is logged, and a step's numbers and state are checked finite before it
-is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the current
-step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks`` (tpulab.train.hooks).
-With several processes (tpulab.train.distributed) every process runs this loop on its own rows of each
-batch and takes part in every save; process 0 alone writes the run's files and checkpoint manifests.
+device except where a number is logged, and a step's numbers and state are checked finite before
+it is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the
+current step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks``
+(tpulab.train.hooks). With several processes (tpulab.train.distributed) every process runs this
+loop on its own rows of each batch and takes part in every save; process 0 alone writes the run's
+files and checkpoint manifests.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
 from tpulab.train.sharding import check_batch, topology
-from tpulab.train.step import Steps, make_mesh, tree_digest
+from tpulab.train.step import Steps, make_mesh, tree_digest, words_digest
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
@@ -99,7 +100,8 @@ def check_resume_identity(
         )
         raise TpulabError(
             f"refusing to resume step {meta.get('step')}: it was trained with a different "
-            f"{'; '.join(diffs[:3])}{' …' if len(diffs) > 3 else ''} (use {hint}--force to resume anyway)"
+            f"{'; '.join(diffs[:3])}{' …' if len(diffs) > 3 else ''} "
+            f"(use {hint}--force to resume anyway)"
         )
     return diffs
 
@@ -110,16 +112,16 @@ def check_topology(meta: dict, here: dict, force: bool) -> None:
     saved = meta.get("topology")
     if saved is not None and saved != here and not force:
         raise TpulabError(
-            f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, this job "
-            f"is {_topo(here)} (use tpulab reshard to move it, or --force)"
+            f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, "
+            f"this job is {_topo(here)} (use tpulab reshard to move it, or --force)"
         )
 
 
 def _topo(t: dict) -> str:
     m = t.get("mesh", {})
     return (
-        f"{t.get('process_count')} process(es) x {t.get('device_count')} device(s), mesh data={m.get('data')} "
-        f"fsdp={m.get('fsdp')}"
+        f"{t.get('process_count')} process(es) x {t.get('device_count')} device(s), "
+        f"mesh data={m.get('data')} fsdp={m.get('fsdp')}"
     )
 
 
@@ -151,7 +153,8 @@ def _progress(total: int, initial: int, enabled: bool | None):
 
 
 def evaluate(steps: Steps, params, batches) -> dict[str, float]:
-    """name -> sum / weight over the batches, for every (sum, weight) the objective's eval returns."""
+    """name -> sum / weight over the batches, for every (sum, weight) the objective's eval
+    returns."""
     outs = [steps.eval(params, steps.put_global(b)) for b in batches]
     return {
         name: sum(float(o[name][0]) for o in outs) / max(sum(float(o[name][1]) for o in outs), 1.0)
@@ -161,13 +164,18 @@ def evaluate(steps: Steps, params, batches) -> dict[str, float]:
 
 def host_metrics(metrics: dict) -> dict:
     """Device scalars -> host numbers: integer dtypes (counts) as int, the rest as float; ``loss``
-    first. Every key an objective returns is kept."""
+    first; a ``*_sha256`` key (uint32[8] words, ``step.digest_words``) as its hex digest, a string
+    (PPO's behaviour policy: which weights sampled the step's rollouts). Every key an objective
+    returns is kept."""
     host = jax.device_get(metrics)
     out = {"loss": float(host["loss"])}
     for k in sorted(host):
         if k != "loss":
             v = host[k]
-            out[k] = int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
+            if k.endswith("_sha256"):
+                out[k] = words_digest(v)
+            else:
+                out[k] = int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
     return out
 
 
@@ -203,11 +211,13 @@ class _NonFinite(Exception):
 
 
 class PhaseClock:
-    """Wall time of one process lifetime split by phase, for goodput: where did the paid-for time go?
+    """Wall time of one process lifetime split by phase, for goodput: where did the paid-for time
+    go?
 
-    ``startup`` runs from ``train()`` entry to the first dispatched step, ``first_step`` is the first step
-    (its compile included), ``data`` is waiting for batches, ``eval`` and ``checkpoint`` the time those
-    blocked the loop, ``step`` the rest of the loop (steady-state steps, metric reads).
+    ``startup`` runs from ``train()`` entry to the first dispatched step, ``first_step`` is the
+    first step (its compile included), ``data`` is waiting for batches, ``eval`` and
+    ``checkpoint`` the time those blocked the loop, ``step`` the rest of the loop (steady-state
+    steps, metric reads).
     """
 
     def __init__(self):
@@ -238,7 +248,8 @@ def train(
     preemption: Preemption | None = None,
     objective: objectives.Objective | None = None,
 ) -> dict:
-    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume, phase times).
+    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume, phase
+    times).
 
     ``objective`` defaults to the one ``config.objective.kind`` names. Nothing on disk changes
     before the resume is accepted: the objective verifies what it reads, the checkpoint dir is

@@ -14,8 +14,10 @@ import sys
 
 import jax
 
+from tpulab.checkpoint.store import read_meta
 from tpulab.data import dialogue
 from tpulab.data.contract import load_checked
+from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import TpulabError
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives.base import DataSource, Objective
@@ -23,10 +25,13 @@ from tpulab.train.restore import Restored, load_model
 from tpulab.train.step import gradient_steps, lm_eval, lm_loss, merge_model, transformer_graph
 
 
-def load_base(config) -> Restored:
-    """The init run's model, which must have this run's shape and precision."""
-    init = config.objective.init
+def load_base(config, key: str = "init") -> Restored:
+    """The language model ``objective.<key>`` names (init; PPO's reference, default: init), which
+    must have this run's shape, precision and tokenizer."""
+    init = getattr(config.objective, key) or config.objective.init
     base = load_model(init)
+    if read_meta(base.checkpoint_dir).get("tokenizer") != TOKENIZER:
+        raise TpulabError(f"objective.{key} {init} was trained with another tokenizer")
     for section in ("model", "precision"):
         have, want = getattr(base.config, section), getattr(config, section)
         if have != want:
@@ -36,7 +41,7 @@ def load_base(config) -> Restored:
                 if getattr(have, k) != getattr(want, k)
             ]
             raise TpulabError(
-                f"objective.init {init} holds a model of another shape ({'; '.join(diff[:3])})"
+                f"objective.{key} {init} holds a model of another shape ({'; '.join(diff[:3])})"
             )
     return base
 
