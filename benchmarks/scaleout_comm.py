@@ -1,13 +1,15 @@
-"""Data parallel against FSDP on 4 host devices: collectives in the compiled step, per-device memory, step time.
+"""Data parallel against FSDP on 4 host devices: collectives in the compiled step, per-device
+memory, step time.
 
-For each mesh ({data: 4, fsdp: 1} = data parallel, {data: 2, fsdp: 2}, {data: 1, fsdp: 4} = FSDP) the
-one train step (tpulab.train.step.make_steps, the sharding table of tpulab.train.sharding) is lowered
-and compiled for the same global batch; from the compiled HLO every collective is counted by kind with
-the bytes of its result per device (all-gather: the gathered array; reduce-scatter: the shard;
-all-reduce: the whole array). ``memory_analysis()`` gives the per-device argument (state + batch), output
-and temporary bytes; the state's own per-device bytes are also summed from the shardings. The step is
-then timed (median of synchronized steps after warm-up). CPU host devices share one memory and two
-cores, so the times say little about a TPU slice; the collective counts and bytes carry over.
+For each mesh ({data: 4, fsdp: 1} = data parallel, {data: 2, fsdp: 2}, {data: 1, fsdp: 4} = FSDP)
+the one train step (tpulab.train.step.make_steps, the sharding table of tpulab.train.sharding) is
+lowered and compiled for the same global batch; from the compiled HLO every collective is counted
+by kind with the bytes of its result per device (``tpulab.perf.aot.collectives``; all-gather: the
+gathered array; reduce-scatter: the shard; all-reduce: the whole array). ``memory_analysis()``
+gives the per-device argument (state + batch), output and temporary bytes; the state's own
+per-device bytes are also summed from the shardings. The step is then timed (median of
+synchronized steps after warm-up). CPU host devices share one memory and two cores, so the times
+say little about a TPU slice; the collective counts and bytes carry over.
 
     .venv/bin/python benchmarks/scaleout_comm.py [--steps 20] [--warmup 3]
 
@@ -28,9 +30,7 @@ from tpulab.process_setup import prepare  # noqa: E402
 prepare()  # as the CLI does, before JAX starts its threads or a backend
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import itertools  # noqa: E402
-import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -40,6 +40,7 @@ from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json  # noq
 from tpulab.config import load, to_dict  # noqa: E402
 from tpulab.data.corpus import load_corpus  # noqa: E402
 from tpulab.data.pipeline import build_splits, train_dataset  # noqa: E402
+from tpulab.perf.aot import collectives  # noqa: E402  (one parser for CPU and TPU HLO)
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps  # noqa: E402
 from tpulab.train.config import MeshConfig, RunConfig  # noqa: E402
 from tpulab.train.sharding import layout_table, make_mesh  # noqa: E402
@@ -48,38 +49,6 @@ from tpulab.train.step import make_steps  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "default.yaml"
 MESHES = (("data parallel", 4, 1), ("hybrid", 2, 2), ("FSDP", 1, 4))
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-BYTES = {
-    "f32": 4,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "s8": 1,
-    "u8": 1,
-    "pred": 1,
-    "f64": 8,
-    "s64": 8,
-    "u64": 8,
-}
-LINE = re.compile(
-    r"=\s*(\([^()]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(" + "|".join(KINDS) + r")(?:-start)?\("
-)
-SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
-
-
-def collectives(hlo: str) -> dict:
-    """kind -> {count, bytes}: result bytes per device of every collective op in the compiled module."""
-    out = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
-    for m in LINE.finditer(hlo):
-        kind = m.group(2)
-        size = 0
-        for dtype, dims in SHAPE.findall(m.group(1)):
-            n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-            size += n * BYTES.get(dtype, 4)
-        out[kind]["count"] += 1
-        out[kind]["bytes"] += size
-    return dict(out)
 
 
 def measure(
@@ -133,13 +102,16 @@ def measure(
 
 def markdown(rows: list[dict], env: dict, shapes: dict) -> str:
     lines = [
-        f"# Data parallel vs FSDP on 4 host devices ({env.get('backend')}, {env.get('device_kind')})",
+        "# Data parallel vs FSDP on 4 host devices "
+        f"({env.get('backend')}, {env.get('device_kind')})",
         "",
-        f"Shapes: {shapes}. float32. jax {env.get('packages', {}).get('jax')}, commit {env.get('git_commit')}, "
-        f"{env.get('cpu_count')} cores, load {env.get('load_avg_1m_5m_15m')}.",
+        f"Shapes: {shapes}. float32. jax {env.get('packages', {}).get('jax')}, "
+        f"commit {env.get('git_commit')}, {env.get('cpu_count')} cores, "
+        f"load {env.get('load_avg_1m_5m_15m')}.",
         "",
-        "| layout | mesh | collectives per step (count, result MiB per device) | state MiB / device | "
-        "argument MiB / device | temp MiB / device | step time median (p10-p90) |",
+        "| layout | mesh | collectives per step (count, result MiB per device) | "
+        "state MiB / device | argument MiB / device | temp MiB / device | "
+        "step time median (p10-p90) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -150,21 +122,24 @@ def markdown(rows: list[dict], env: dict, shapes: dict) -> str:
         ma = r["memory_analysis"]
         st = r["step_time"]
         lines.append(
-            f"| {r['layout']} | data={r['mesh']['data']} fsdp={r['mesh']['fsdp']} | {coll or 'none'} | "
-            f"{r['state_bytes_per_device'] / 2**20:.2f} | {ma['argument_size_in_bytes'] / 2**20:.2f} | "
+            f"| {r['layout']} | data={r['mesh']['data']} fsdp={r['mesh']['fsdp']} "
+            f"| {coll or 'none'} | {r['state_bytes_per_device'] / 2**20:.2f} "
+            f"| {ma['argument_size_in_bytes'] / 2**20:.2f} | "
             f"{ma['temp_size_in_bytes'] / 2**20:.2f} | {st['median_s'] * 1e3:.1f} ms "
             f"({st['p10_s'] * 1e3:.1f}-{st['p90_s'] * 1e3:.1f}) |"
         )
     lines += [
         "",
-        f"Parameters unsharded: {rows[0]['param_bytes_unsharded'] / 2**20:.2f} MiB (the gradient a data-parallel "
-        "all-reduce must carry; a parser check: the data-parallel all-reduce bytes should be at least this).",
+        f"Parameters unsharded: {rows[0]['param_bytes_unsharded'] / 2**20:.2f} MiB (the gradient "
+        "a data-parallel all-reduce must carry; a parser check: the data-parallel all-reduce "
+        "bytes should be at least this).",
     ]
     notes = {p for r in rows for p in r["params_replicated_by_divisibility"]}
     if notes:
         lines += [
             "",
-            f"Replicated because fsdp does not divide the split dimension: {', '.join(sorted(notes))}.",
+            "Replicated because fsdp does not divide the split dimension: "
+            f"{', '.join(sorted(notes))}.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -1,14 +1,16 @@
 """Test-only child trainer: `tpulab train` with test hooks injected (never imported by src/).
 
     python tests/hooked_train.py --config C --run-dir D [--withhold-commit S] [--hold-commit S]
-        [--nan-at S] [--hold-after-step K] [--hang-at S] [--stall-timeout T [--stall-exit]]
+        [--nan-at S] [--hold-after-step K] [--hang-at S] [--stall-timeout T]
+        [--stall-startup-timeout U] [--stall-exit]
 
 --withhold-commit S: checkpoint S is saved but never gets its completion marker, as if the process
 died while the async save was in flight. --hold-commit S: checkpoint S's save is held open (Orbax
 wrote it, the marker never comes) and the process stays alive, for a kill that lands mid-save.
 --nan-at S: step S's loss and parameters turn NaN on the device. --hang-at S: the training thread
 blocks forever right after step S was dispatched (an injected hang for the stall watchdog, which
---stall-timeout T [--stall-exit] installs).
+--stall-timeout T [--stall-startup-timeout U]
+[--stall-exit] installs).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def main() -> int:
     p.add_argument("--hang-at", type=int)
     p.add_argument("--cache-stats", type=Path)  # the proof driver's, as `tpulab train`
     p.add_argument("--stall-timeout", type=float)
+    p.add_argument("--stall-startup-timeout", type=float)
     p.add_argument("--stall-exit", action="store_true")
     args = p.parse_args()
     if args.cache_stats:
@@ -107,12 +110,13 @@ def main() -> int:
     if args.hang_at:
         hooks.append(HangAt(args.hang_at))
     if args.stall_timeout:
-        from tpulab.train.watchdog import STALL_EXIT_CODE, StallWatchdog
+        from tpulab.train.watchdog import STALL_EXIT_CODE, STARTUP_S, StallWatchdog
 
         hooks.append(
             StallWatchdog(
                 args.run_dir,
                 timeout_s=args.stall_timeout,
+                startup_s=args.stall_startup_timeout or STARTUP_S,
                 exit_code=STALL_EXIT_CODE if args.stall_exit else None,
             )
         )

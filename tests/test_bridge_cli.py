@@ -255,3 +255,45 @@ def test_in_process_resume_is_exact_only_with_generator_state(tmp_path, restore_
     ref, res = _curve(tmp_path / "ref"), _curve(tmp_path / "res")
     assert sorted(res) == list(range(1, 13))
     assert (ref == res) is restore_rng
+
+
+def test_the_bridge_loop_calls_hooks_as_the_trainer_does(tmp_path):
+    """on_start once, on_metrics every step, on_checkpoint after each save (after that step's
+    on_metrics), on_end once; a resumed run's on_start names the step it resumed from."""
+    from tpulab.bridge.config import BridgeConfig
+    from tpulab.bridge.loop import train
+    from tpulab.train.hooks import Hooks
+
+    class Record(Hooks):
+        def __init__(self):
+            self.calls = []
+
+        def on_start(self, info):
+            self.calls.append(("start", info["start_step"], info["resumed_from"]))
+
+        def on_metrics(self, step, record):
+            self.calls.append(("metrics", step))
+
+        def on_checkpoint(self, step):
+            self.calls.append(("checkpoint", step))
+
+        def on_end(self, summary):
+            self.calls.append(("end", summary["final_step"]))
+
+    cfg = BridgeConfig(steps=4, checkpoint_every=2)
+    first, again = Record(), Record()
+    train(cfg, "torch", "eager", tmp_path / "run", hooks=[first])
+    assert first.calls == [
+        ("start", 0, None),
+        ("metrics", 1),
+        ("metrics", 2),
+        ("checkpoint", 2),
+        ("metrics", 3),
+        ("metrics", 4),
+        ("checkpoint", 4),
+        ("end", 4),
+    ]
+    train(
+        BridgeConfig(steps=6, checkpoint_every=2), "torch", "eager", tmp_path / "run", hooks=[again]
+    )
+    assert again.calls[0] == ("start", 4, 4) and again.calls[-1] == ("end", 6)

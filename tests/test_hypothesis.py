@@ -1,4 +1,4 @@
-"""`tpulab hypothesis`: baseline vs changed config side by side, a verdict that can go either way."""
+"""`tpulab hypothesis`: baseline vs changed config side by side, a verdict either way."""
 
 from __future__ import annotations
 
@@ -21,10 +21,43 @@ def test_verdict_and_prediction_parsing():
         predicted_change("it will be faster")
 
 
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("step time -15%", -15.0),
+        ("step time +15%", 15.0),
+        ("step time \u22122.5 %", -2.5),  # U+2212 MINUS SIGN
+        ("the profile puts 21% of the step in RNG; step time -21%", -21.0),
+    ],
+)
+def test_prediction_reads_the_signed_last_percentage(text, expected):
+    from tpulab.perf.hypothesis import predicted_change
+
+    assert predicted_change(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "step time 15%",  # was a ValueError traceback: the class [+-\u2212] matched the "e"
+        "3 15%",  # was read as +315%: the same class matched the digit 3
+        "12-15%",  # a range, not a signed -15%
+        "step time -15%, so about 15%",  # the last percentage decides, and it has no sign
+    ],
+)
+def test_prediction_without_a_sign_is_refused_in_one_line(text):
+    from tpulab.errors import TpulabError
+    from tpulab.perf.hypothesis import predicted_change
+
+    with pytest.raises(TpulabError, match="has no sign") as e:
+        predicted_change(text)
+    assert "\n" not in str(e.value)
+
+
 def test_hypothesis_runner_alternates_same_batches_and_keeps_quality_evidence(tmp_path):
     from tpulab.perf.hypothesis import run_hypothesis
 
-    # A deliberately wrong prediction (turning dropout off makes the step 50% slower): must come out refuted.
+    # A deliberately wrong prediction (dropout off makes the step 50% slower): must be refuted.
     r = run_hypothesis(
         tiny_config(), "model.dropout=0", "step time +50%", tmp_path, steps=23, skip=3
     )
@@ -43,6 +76,7 @@ def test_hypothesis_bad_input_is_one_line(tmp_path):
     for extra, expect in (
         (["--change", "model.dropout=0.1", "--predict=step time -10%"], "leaves the config"),
         (["--change", "model.dropout=0", "--predict=faster"], "signed percentage"),
+        (["--change", "model.dropout=0", "--predict=step time 15%"], "has no sign"),
         (["--change", "model.nope=1", "--predict=step time -10%"], "unknown config key"),
     ):
         r = run_cli(

@@ -25,10 +25,6 @@ from conftest import run_cli
 from tpulab.ops import tags
 from tpulab.ops.image import Layer, fresh_pyc, write_layer
 
-# /livez and /readyz are being added to the service on another branch (opsserve). Until they are
-# merged the boundary test checks /healthz (503 until warm-up has run real inferences, then 200);
-# after the merge set this to True: /livez must answer 200 at once, /readyz 503 until ready.
-READINESS_ENDPOINTS = False
 TOOLS = ("skopeo", "umoci", "bwrap")
 
 
@@ -265,7 +261,7 @@ def test_two_builds_give_the_same_manifest_digest(image, verified_artifacts, tmp
     # valid, still verified) changes the model layer, hence the digest.
     rec = art / "verification.json"
     rec.write_text(json.dumps(json.loads(rec.read_text())))
-    from tpulab.inference.export import load_verified
+    from tpulab.inference.trust import load_verified
     from tpulab.ops.image import collect
 
     load_verified(art)  # still a verified set
@@ -335,8 +331,17 @@ def rootfs(image, tmp_path_factory):
     return root
 
 
-def _run_image(layout, root, port, log):
-    args = ["serve", "--artifacts", "/srv/model", "--host", "127.0.0.1", "--port", str(port)]
+def _run_image(layout, root, port, log, *extra):
+    args = [
+        "serve",
+        "--artifacts",
+        "/srv/model",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
     return subprocess.Popen(
         [sys.executable, "-m", "tpulab.cli", "image", "run", "--layout", str(layout)]
         + ["--rootfs", str(root)]
@@ -438,7 +443,7 @@ def test_image_boundary_over_loopback(image, rootfs, verified_artifacts, tmp_pat
     """Live at once (or not listening before verification), ready only after the real warm-up
     inferences, /v1/model reporting the labels' digests, a fuzzed request contract answered 4xx
     with a reason and never 5xx, outputs equal to the library's on the host."""
-    from tpulab.inference.export import open_artifacts
+    from tpulab.inference.artifacts import open_artifacts
     from tpulab.inference.generate import SamplingConfig, generate_text
 
     layout, built = image
@@ -449,11 +454,11 @@ def test_image_boundary_over_loopback(image, rootfs, verified_artifacts, tmp_pat
         proc = _run_image(layout, rootfs, port, log)
         try:
             seen, early, deadline = [], [], time.monotonic() + 1200
-            probe = "/readyz" if READINESS_ENDPOINTS else "/healthz"
+            probe = "/readyz"
             while time.monotonic() < deadline:
                 assert proc.poll() is None, log_path.read_text()
                 try:
-                    if READINESS_ENDPOINTS and not seen:
+                    if not seen:
                         assert httpx.get(f"{base}/livez", timeout=5).status_code == 200
                     r = httpx.get(f"{base}{probe}", timeout=5)
                     seen.append(r.status_code)
@@ -470,8 +475,7 @@ def test_image_boundary_over_loopback(image, rootfs, verified_artifacts, tmp_pat
                 log_path.read_text(),
             )
             assert set(early) <= {503}, early
-            if READINESS_ENDPOINTS:
-                assert seen[0] == 503, seen  # never ready before verification + a real inference
+            assert seen[0] == 503, seen  # never ready before verification + a real inference
             text = log_path.read_text()
             assert "verified by record" in text and "error" not in text, text
 
@@ -506,7 +510,8 @@ def test_image_boundary_over_loopback(image, rootfs, verified_artifacts, tmp_pat
 @pytest.mark.timeout(1800)
 def test_a_tampered_weight_blob_in_the_image_is_refused(image, rootfs, tmp_path):
     """The same image with one byte of weights.npz changed (a hard-linked copy of the rootfs):
-    the service never gets ready and exits non-zero with one line naming the file."""
+    the service is live, never ready, and exits non-zero after its ready timeout with one line
+    naming the file."""
     layout, _ = image
     bad = tmp_path / "rootfs"
     shutil.copytree(rootfs, bad, symlinks=True, copy_function=os.link)
@@ -518,13 +523,12 @@ def test_a_tampered_weight_blob_in_the_image_is_refused(image, rootfs, tmp_path)
     port = _free_port()
     log_path = tmp_path / "bad.log"
     with open(log_path, "wb") as log:
-        proc = _run_image(layout, bad, port, log)
+        proc = _run_image(layout, bad, port, log, "--ready-timeout", "20")
         try:
             deadline, codes = time.monotonic() + 600, set()
             while proc.poll() is None and time.monotonic() < deadline:
                 try:
-                    path = "/readyz" if READINESS_ENDPOINTS else "/healthz"
-                    codes.add(httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5).status_code)
+                    codes.add(httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code)
                 except httpx.TransportError:
                     pass
                 time.sleep(0.2)
@@ -532,6 +536,6 @@ def test_a_tampered_weight_blob_in_the_image_is_refused(image, rootfs, tmp_path)
         finally:
             _reap(proc)
     out = log_path.read_text().strip()
-    assert rc != 0 and 200 not in codes, (rc, codes, out)
+    assert rc != 0 and 200 not in codes and 503 in codes, (rc, codes, out)
     assert out.splitlines()[-1].startswith("error: ") and "sha256 mismatch in weights.npz" in out
     assert "Traceback" not in out, out

@@ -1,9 +1,12 @@
-"""The runtime receipt on CPU: real collective with 1 and 4 host devices, target qualification refusals."""
+"""The runtime receipt on CPU: real collective with 1 and 4 host devices, qualification refusals."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -18,7 +21,7 @@ from tpulab.evidence.receipt import (
     run_receipt,
 )
 
-# "TPU" as a word (a hardware claim); environment variable names such as TPU_SKIP_MDS_QUERY are raw data.
+# "TPU" as a word (a hardware claim); variable names such as TPU_SKIP_MDS_QUERY are raw data.
 TPU_WORD = re.compile(r"\bTPU\b")
 
 
@@ -26,7 +29,9 @@ def test_receipt_in_process_single_device(tmp_path):
     receipt = run_receipt(tmp_path, Target.parse("cpu", 1))
     rt, ev = receipt["runtime"], receipt["evidence"]
     assert rt["backend"] == "cpu" and rt["process_count"] == 1
-    assert ev["collective"]["passed"] and ev["collective"]["values"] == [0.0] * rt["device_count"]
+    # one device: a sum over it is its input (1.0), so the check passes as trivial and says so
+    assert ev["collective"]["passed"] and ev["collective"]["values"] == [1.0] * rt["device_count"]
+    assert ev["collective"]["trivial"] is (rt["device_count"] == 1)
     assert ev["matmul"]["passed"] and ev["matmul"]["relative_error_vs_numpy"] < 1e-5
     assert ev["round_trip"]["passed"]
     assert receipt["qualification"] == {"target": "cpu x1", "passed": True, "problems": []}
@@ -34,6 +39,7 @@ def test_receipt_in_process_single_device(tmp_path):
     assert on_disk["evidence"]["collective"] == ev["collective"]
     table = (tmp_path / "receipt.md").read_text()
     assert not TPU_WORD.search(table) and "CPU (cpu) x1" in table
+    assert "PASS (trivial: on one device a sum is its input)" in table
 
 
 def test_receipt_cli_four_forced_host_devices(tmp_path):
@@ -55,37 +61,51 @@ def test_receipt_cli_four_forced_host_devices(tmp_path):
     r = json.loads((tmp_path / "receipt.json").read_text())
     coll = r["evidence"]["collective"]
     assert r["runtime"]["device_count"] == 4 and r["runtime"]["local_device_count"] == 4
-    # each device contributed its index: 0+1+2+3 on every one of the four devices
-    assert coll["passed"] and coll["expected"] == 6.0 and coll["values"] == [6.0] * 4
+    # device i contributed i+1: 1+2+3+4 on every one of the four devices
+    assert coll["passed"] and coll["expected"] == 10.0 and coll["values"] == [10.0] * 4
+    assert coll["trivial"] is False and "trivial" not in p.stdout
     assert r["env"]["XLA_FLAGS"] == env["XLA_FLAGS"] and r["env"]["JAX_PLATFORMS"] == "cpu"
     assert "collective" in p.stdout and not TPU_WORD.search(p.stdout)
+    assert _announced(p.stderr) == []  # the placeholders came with this test's env: nothing set
+
+
+def _fresh_shell_env() -> dict:
+    """This process's environment less what tpulab's libtpu placeholders set (as in a new shell)."""
+    from tpulab.libtpu_env import MARKER, placeholders
+
+    return {k: v for k, v in os.environ.items() if k not in placeholders() | {MARKER}}
+
+
+def _announced(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("tpulab: set ")]
 
 
 def test_receipt_joins_a_multi_process_job(tmp_path):
-    """Launched as 2 processes x 2 devices, the receipt joins the job: each process writes its own receipt, the
-    psum spans all 4 global devices (0+1+2+3 = 6 on each process's 2 shards) and --expect-devices is global."""
-    p = run_cli(
-        "launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "2",
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "--",
-        "receipt",
-        "--out",
-        str(tmp_path / "r"),
-        "--expect",
-        "cpu",
-        "--expect-devices",
-        "4",
-        "--matmul-size",
-        "32",
+    """Launched as 2 processes x 2 devices, the receipt joins the job: each process writes its own
+    receipt, the psum spans all 4 global devices (1+2+3+4 = 10 on each process's 2 shards) and
+    --expect-devices is global. Started from a fresh shell's environment, the launcher says once on
+    stderr which libtpu placeholders it set; its children inherit them and say nothing (process
+    0's stderr is the launcher's), and the receipts record them."""
+    from tpulab.libtpu_env import announcement, quiet_libtpu_off_tpu
+
+    env = _fresh_shell_env()
+    would = quiet_libtpu_off_tpu(dict(env), announce=False)  # {} on a TPU VM or without libtpu
+    p = subprocess.run(
+        [sys.executable, "-m", "tpulab.cli"]
+        + ["launch", "--processes", "2", "--devices-per-process", "2"]
+        + ["--log-dir", str(tmp_path / "logs"), "--", "receipt", "--out", str(tmp_path / "r")]
+        + ["--expect", "cpu", "--expect-devices", "4", "--matmul-size", "32"],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=180,
     )
     assert p.returncode == 0, p.stderr[-2000:]
+    assert _announced(p.stderr) == ([announcement(would)] if would else []), p.stderr[-2000:]
+    assert not any(_announced(f.read_text()) for f in (tmp_path / "logs").glob("*.log"))
     receipts = [json.loads((tmp_path / "r" / f"receipt-p{i}.json").read_text()) for i in range(2)]
+    for r in receipts:  # the launcher pins JAX_PLATFORMS for its children: theirs, not ours
+        assert r["tpulab_placeholders"] == sorted(set(would) - {"JAX_PLATFORMS"})
     for i, r in enumerate(receipts):
         rt, coll = r["runtime"], r["evidence"]["collective"]
         assert (
@@ -97,14 +117,15 @@ def test_receipt_joins_a_multi_process_job(tmp_path):
         assert (
             coll["passed"]
             and coll["devices"] == 4
-            and coll["expected"] == 6.0
-            and coll["values"] == [6.0, 6.0]
+            and coll["expected"] == 10.0
+            and coll["values"] == [10.0, 10.0]
         )
         assert r["qualification"]["passed"]
     assert sorted(
         receipts[0]["runtime"]["local_device_ids"] + receipts[1]["runtime"]["local_device_ids"]
     ) == sorted(d["id"] for d in receipts[0]["runtime"]["devices"])
-    # negative control: the same 2 devices per process without the job's env are 2 separate 2-device runtimes
+    # negative control: the same 2 devices per process without the job's env are 2 separate
+    # 2-device runtimes
     p = run_cli(
         "receipt",
         "--out",
@@ -122,16 +143,81 @@ def test_receipt_joins_a_multi_process_job(tmp_path):
     alone = json.loads((tmp_path / "alone" / "receipt.json").read_text())
     assert (
         alone["runtime"]["process_count"] == 1
-        and alone["evidence"]["collective"]["expected"] == 1.0
+        and alone["evidence"]["collective"]["expected"] == 3.0
     )
 
 
 def test_collective_checker_negative_controls():
-    assert check_collective([6.0] * 4, 4)["passed"]
-    wrong = check_collective([6.0, 6.0, 5.0, 6.0], 4)  # one device saw a partial sum
+    assert check_collective([10.0] * 4, 4)["passed"]
+    wrong = check_collective([10.0, 10.0, 9.0, 10.0], 4)  # one device saw a partial sum
     assert not wrong["passed"] and wrong["wrong_shards"] == [2]
-    assert not check_collective([6.0] * 4, 5)["passed"]  # a device missing from the collective
+    assert not check_collective([10.0] * 4, 5)["passed"]  # a device missing from the collective
     assert not check_collective([], 0)["passed"]
+    # an op that returns its input (device i holds i+1) fails on every device once n > 1 ...
+    for n in (2, 3, 4):
+        assert check_collective([float(i + 1) for i in range(n)], n)["wrong_shards"] == list(
+            range(n)
+        )
+    # ... and on one device it cannot fail: the check is marked trivial there, and only there
+    assert check_collective([1.0], 1) | {"values": None} == {
+        "passed": True,
+        "trivial": True,
+        "expected": 1.0,
+        "values": None,
+        "wrong_shards": [],
+    }
+    assert check_collective([3.0, 3.0], 2)["trivial"] is False
+
+
+# The receipt's collective in a fresh process with N forced host devices, with the real psum and
+# with a fake "collective" that returns its input (jax.lax.psum replaced before the receipt traces).
+_COLLECTIVE = """
+import json, sys
+import jax
+from tpulab.evidence import receipt
+real = receipt.collective_evidence()
+jax.lax.psum = lambda x, axis_name: x
+fake = receipt.collective_evidence()
+print(json.dumps({"real": real, "fake": fake, "summary": receipt.collective_summary(
+    {"evidence": {"collective": real}})}))
+"""
+
+
+def test_collective_with_one_and_four_devices_and_a_fake_that_returns_its_input():
+    """4 devices: the real psum passes (10 on each), the fake fails on every device. 1 device: both
+    pass, because a sum over one device is its input, and the receipt says the check is trivial
+    (with device indices as inputs it expected 0, the input itself, and claimed a pass)."""
+    import subprocess
+    import sys
+
+    from conftest import set_explicitly
+
+    got = {}
+    for n in (1, 4):
+        env = set_explicitly(
+            dict(__import__("os").environ),
+            {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"},
+        )
+        p = subprocess.run(
+            [sys.executable, "-c", _COLLECTIVE],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0, p.stderr[-2000:]
+        got[n] = json.loads(p.stdout.strip().splitlines()[-1])
+    real, fake = got[4]["real"], got[4]["fake"]
+    assert real["devices"] == 4 and real["passed"] and real["values"] == [10.0] * 4
+    assert not real["trivial"] and "across all 4 devices, passed" in got[4]["summary"]
+    assert not fake["passed"] and fake["values"] == [1.0, 2.0, 3.0, 4.0]
+    assert fake["wrong_shards"] == [0, 1, 2, 3]
+    real, fake = got[1]["real"], got[1]["fake"]
+    assert real["devices"] == 1 and real["values"] == fake["values"] == [1.0]
+    assert real["trivial"] and fake["trivial"]  # indistinguishable, and said so
+    assert got[1]["summary"] == (
+        "a collective on 1 device, passed but trivial (a sum over one device is its input)"
+    )
 
 
 def test_matmul_checker_negative_controls():
@@ -207,8 +293,8 @@ def test_hardware_line_names_tpu_only_for_tpu_backend():
 
 
 def test_tpulab_placeholders_are_listed_apart_from_the_runtime_env(monkeypatch):
-    """The TPU_* placeholders tpulab sets to quiet libtpu are not reported as the runtime's environment;
-    the same name set by someone else is (negative control)."""
+    """The TPU_* placeholders tpulab sets to quiet libtpu are not reported as the runtime's
+    environment; the same name set by someone else is (negative control)."""
     import os
 
     from tpulab.evidence.receipt import runtime_env

@@ -1,7 +1,7 @@
 """Keep libtpu out of the way on hosts without a TPU, without hiding any accelerator.
 
-``libtpu`` is installed on Linux x86_64 (for ahead-of-time compiles for TPU targets), and JAX's backend
-discovery loads it as a PJRT plugin on any host. Off a TPU that costs twice:
+``libtpu`` is installed on Linux x86_64 (for ahead-of-time compiles for TPU targets), and JAX's
+backend discovery loads it as a PJRT plugin on any host. Off a TPU that costs twice:
 
 - libtpu prints several lines about missing metadata (accelerator type, worker hostnames) before
   JAX falls back to the CPU, and a second process loading it fails on ``/tmp/libtpu_lockfile``;
@@ -18,7 +18,8 @@ and their compiles still work. On a GPU host ``JAX_PLATFORMS`` is left alone (it
 profiles there read device time); on a TPU VM, or where libtpu is not installed, nothing is touched.
 The names set are listed in ``TPULAB_PLACEHOLDERS`` (inherited by child processes), so a receipt can
 tell them from the environment that really decides the runtime; a caller that sets one of them on
-purpose uses ``set_explicitly``.
+purpose uses ``set_explicitly``. Whatever is set is said once, in one line on stderr, by the process
+that set it (its children inherit the names, so they set and say nothing).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import sys
 
-MARKER = "TPULAB_PLACEHOLDERS"  # comma-separated names this module set (not the user's, not the runtime's)
+# comma-separated names this module set (not the user's, not the runtime's)
+MARKER = "TPULAB_PLACEHOLDERS"
 
 _PLACEHOLDERS = {
     "TPU_SKIP_MDS_QUERY": "1",  # no GCE metadata server lookup
@@ -47,12 +50,13 @@ def host_has_tpu() -> bool:
 
 
 def host_has_gpu() -> bool:
-    """NVIDIA (/dev/nvidia0, ...) or AMD ROCm (/dev/kfd) device nodes: a backend JAX_PLATFORMS=cpu would hide."""
+    """NVIDIA (/dev/nvidia0, ...) or AMD ROCm (/dev/kfd) nodes: what JAX_PLATFORMS=cpu hides."""
     return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
 
 
-def quiet_libtpu_off_tpu(environ=os.environ) -> dict[str, str]:
-    """Set the placeholders that are unset, off a TPU host; returns what it set (for provenance)."""
+def quiet_libtpu_off_tpu(environ=os.environ, announce: bool = True) -> dict[str, str]:
+    """Set the placeholders that are unset, off a TPU host; returns what it set (for provenance).
+    With ``announce`` (default) a non-empty result is also said on stderr (``announcement``)."""
     if host_has_tpu() or importlib.util.find_spec("libtpu") is None:
         return {}
     wanted = dict(_PLACEHOLDERS) if host_has_gpu() else {**_PLACEHOLDERS, "JAX_PLATFORMS": "cpu"}
@@ -61,18 +65,31 @@ def quiet_libtpu_off_tpu(environ=os.environ) -> dict[str, str]:
     if added:
         names = [n for n in environ.get(MARKER, "").split(",") if n]
         environ[MARKER] = ",".join(sorted(set(names) | set(added)))
+        if announce:
+            print(announcement(added), file=sys.stderr, flush=True)
     return added
 
 
+def announcement(added: dict[str, str]) -> str:
+    """The one line that says what was set and why."""
+    hidden = "JAX_PLATFORMS" in added
+    return (
+        f"tpulab: set {' '.join(f'{k}={v}' for k, v in sorted(added.items()))}: this host has no "
+        f"TPU{' or GPU' if hidden else ''}, and the installed libtpu would print warnings, "
+        f"{'start a TPU backend and ' if hidden else ''}spin a core in its host profiler; "
+        f"recorded in {MARKER} and in receipts (set a name yourself to override it)"
+    )
+
+
 def placeholders(environ=None) -> set[str]:
-    """The names in ``environ`` (default: os.environ) that quiet_libtpu_off_tpu set (here or in a parent)."""
+    """The names in ``environ`` (default os.environ) set by quiet_libtpu_off_tpu, here or above."""
     environ = os.environ if environ is None else environ
     return {n for n in environ.get(MARKER, "").split(",") if n}
 
 
 def set_explicitly(environ: dict, values: dict[str, str]) -> dict:
-    """``environ`` with ``values`` set on purpose (a launcher pinning a child to the CPU, a test's own
-    settings): those names are the runtime's now, no longer tpulab placeholders."""
+    """``environ`` with ``values`` set on purpose (a launcher pinning a child to the CPU, a test's
+    own settings): those names are the runtime's now, no longer tpulab placeholders."""
     out = {**environ, **values}
     names = sorted(placeholders(out) - set(values))
     out.pop(MARKER, None)

@@ -47,8 +47,13 @@ def train(
     restore_rng: bool = True,
     hooks: list[Hooks] | tuple[Hooks, ...] = (),
 ) -> dict:
-    """Train ``cfg.steps`` steps in ``run_dir``, resuming from its newest checkpoint. Returns a summary.
-    ``hooks`` get ``on_metrics`` after each logged step (the proof's hold, trackers).
+    """Train ``cfg.steps`` steps in ``run_dir``, resuming from its newest checkpoint; a summary.
+
+    ``hooks`` (the proof's hold, trackers) are called as the Transformer trainer calls them, all
+    on this thread: ``on_start`` once, ``on_metrics`` after each logged step (at once: a torch
+    step is synchronous), ``on_checkpoint`` after each save (saves are synchronous and atomic, so
+    there is no ``allow_commit``), ``on_end`` when the run finishes. There is no ``after_step``
+    (the state is torch's, not a pytree to replace) and no ``on_eval`` (no validation set).
 
     Every check that can refuse the run (backend, method, torch_xla, checkpoint integrity and
     identity) happens before anything is written to ``run_dir``.
@@ -107,6 +112,18 @@ def train(
     start = resumed_from or 0
     last_ckpt = ckpt
     times = []
+    hooks.on_start(
+        {
+            "run_dir": str(run_dir),
+            "config": cfg,
+            "start_step": start,
+            "total_steps": cfg.steps,
+            "process_index": 0,
+            "resumed_from": resumed_from,
+            "checkpoint_digest": None,
+            "env": {"backend": backend, "method": method, "device": device, **info["versions"]},
+        }
+    )
     try:
         for step in range(start + 1, cfg.steps + 1):
             x_step = (
@@ -122,19 +139,25 @@ def train(
                 )
             log.log(step, loss=loss, step_time_s=dt)
             record = {"loss": loss, "step_time_s": dt}
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            saved = step % cfg.checkpoint_every == 0 or step == cfg.steps
+            if saved:
                 full = runner.state(with_rng=restore_rng)
                 if restore_rng:
                     full["rng"] = {"torch_cpu": torch.get_rng_state(), "augment": aug.get_state()}
                 last_ckpt = C.save(run_dir, step, full, meta)
             hooks.on_metrics(step, record)
+            if saved:
+                hooks.on_checkpoint(step)
         log.event("done", step=cfg.steps)
     finally:
         log.close()
-    return {
+    summary = {
         "run_dir": str(run_dir),
         "resumed_from": resumed_from,
         "steps": cfg.steps,
+        "final_step": cfg.steps,
         "last_checkpoint": str(last_ckpt) if last_ckpt else None,
         "step_times_s": times,
     }
+    hooks.on_end(summary)
+    return summary

@@ -145,8 +145,6 @@ def _train(args) -> int:
         if tracker is not None:
             tracker.close(status="FAILED")
         raise
-    if tracker is not None:
-        tracker.on_end({"final_step": out["steps"]})
     how = (
         f"resumed from step {out['resumed_from']}"
         if out["resumed_from"] is not None

@@ -1,4 +1,6 @@
-"""`tpulab receipt` and `tpulab tpu create|stage|run|fetch|delete|up` (plus `worker-job`, run on a worker)."""
+"""`tpulab receipt` and `tpulab tpu create|stage|run|fetch|delete|up` (and `worker-job`, run on a
+worker). Each step runs inside ``CloudSession.interruptible``: SIGTERM acts like Ctrl-C, and the
+error names the VM the step leaves (``up`` deletes it itself)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ def cmd_receipt(args) -> int:
     from tpulab.evidence.receipt import Target, run_receipt, table
     from tpulab.train.distributed import initialize_from_env
 
-    initialize_from_env()  # a process of a multi-process job joins it: the collective then spans every host
+    initialize_from_env()  # a process of a multi-process job joins it: the collective spans all
     target = Target.parse(args.expect, args.expect_devices) if args.expect else None
     if target is None and args.expect_devices is not None:
         target = Target.parse(_backend_now(), args.expect_devices)
@@ -99,26 +101,34 @@ def _staged(args) -> dict | None:
 
 
 def cmd_create(args) -> int:
-    identity = _session(args).create()
+    session = _session(args)
+    with session.interruptible("create"):
+        identity = session.create()
     print(
         f"{identity['name']} is {identity['state']}: {identity['accelerator_type']}, "
-        f"{len(identity['network_endpoints'])} worker(s) -> {Path(args.dir) / 'cloud' / 'resource.json'}"
+        f"{len(identity['network_endpoints'])} worker(s) -> "
+        f"{Path(args.dir) / 'cloud' / 'resource.json'}"
     )
     return 0
 
 
 def cmd_stage(args) -> int:
     job = _job(args)  # bad input fails before anything is written or called
-    staged = _session(args).stage(job)
+    session = _session(args)
+    with session.interruptible("stage"):
+        staged = session.stage(job)
     print(f"staged {staged['wheel']} on every worker")
     return 0
 
 
 def cmd_run(args) -> int:
     job = _job(args, _staged(args))
-    _session(args).run(job, preempt_at=args.preempt_at)
+    session = _session(args)
+    with session.interruptible("run"):
+        session.run(job, preempt_at=args.preempt_at)
     print(
-        f"job finished on every worker (run dir {args.run_name}); next: tpulab tpu fetch --dir {args.dir}"
+        f"job finished on every worker (run dir {args.run_name}); next: tpulab tpu fetch "
+        f"--dir {args.dir}"
     )
     return 0
 
@@ -126,7 +136,9 @@ def cmd_run(args) -> int:
 def cmd_fetch(args) -> int:
     from tpulab.cloud.explog import write_experiment_log
 
-    report = _session(args).fetch(args.run_name)
+    session = _session(args)
+    with session.interruptible("fetch"):
+        report = session.fetch(args.run_name)
     n = sum(len(w["checkpoints"]) for w in report["workers"])
     where = (
         f"the shared run dir and {len(report['worker_dirs'])} worker dir(s)"
@@ -134,7 +146,8 @@ def cmd_fetch(args) -> int:
         else f"{len(report['workers'])} worker run dir(s)"
     )
     print(
-        f"retrieved {where}, {n} checkpoint manifest(s) verified; log: {write_experiment_log(args.dir)}"
+        f"retrieved {where}, {n} checkpoint manifest(s) verified; "
+        f"log: {write_experiment_log(args.dir)}"
     )
     return 0
 
@@ -143,7 +156,8 @@ def cmd_delete(args) -> int:
     from tpulab.cloud.explog import write_experiment_log
 
     session = _session(args)
-    cleanup = session.delete()
+    with session.interruptible("delete"):
+        cleanup = session.delete()
     write_experiment_log(args.dir)
     print(f"{cleanup['name']} deleted; verified gone (describe: NOT_FOUND, list: absent)")
     return 0
@@ -169,7 +183,8 @@ def cmd_worker_job(args) -> int:
         record=args.record,
     )
     print(
-        f"preempted (SIGTERM) at step {result['preempted_at_step']}; checkpoint saved, exit {result['job_rc']}"
+        f"preempted (SIGTERM) at step {result['preempted_at_step']}; checkpoint saved, "
+        f"exit {result['job_rc']}"
     )
     return 0
 
@@ -200,8 +215,8 @@ def _shared_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shared-dir",
         metavar="PATH",
-        help="a directory every worker sees (Filestore/NFS or gcsfuse mount point): the job's run dir "
-        "becomes PATH/runs/NAME (short for --set shared_dir=PATH; kept in DIR/cloud/)",
+        help="a directory every worker sees (Filestore/NFS or gcsfuse mount point): the job's "
+        "run dir becomes PATH/runs/NAME (short for --set shared_dir=PATH; kept in DIR/cloud/)",
     )
 
 

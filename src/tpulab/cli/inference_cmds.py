@@ -15,7 +15,7 @@ def _paths_checked(handler):
     (``Path("")`` would silently mean the current directory)."""
 
     def run(args) -> int:
-        for name in ("run_dir", "out", "artifacts", "key_file"):
+        for name in ("run_dir", "out", "artifacts", "key_file", "trace_log", "drift_reference"):
             value = getattr(args, name, None)
             if value is not None:
                 setattr(args, name, checked_path(value, "--" + name.replace("_", "-")))
@@ -100,15 +100,31 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from tpulab.inference.serve import ServeConfig, serve
+    from tpulab.inference.serve import ServeConfig
+    from tpulab.ops.serving import serve
 
     cfg = ServeConfig(
         max_batch=args.max_batch,
         batch_window_ms=args.batch_window_ms,
         max_queue=args.max_queue,
         request_timeout_s=args.request_timeout,
+        body_timeout_s=args.body_timeout,
+        drain_timeout_s=args.drain_timeout,
+        ready_timeout_s=args.ready_timeout,
     )
-    serve(args.artifacts, args.host, args.port, cfg, run_dir=args.run_dir, key_file=args.key_file)
+    serve(
+        artifacts=args.artifacts,
+        model_uri=args.model,
+        host=args.host,
+        port=args.port,
+        cfg=cfg,
+        run_dir=args.run_dir,
+        key_file=args.key_file,
+        tracking_uri=args.tracking_uri,
+        poll_interval_s=args.poll_interval,
+        trace_log=args.trace_log,
+        drift_reference=args.drift_reference,
+    )
     return 0
 
 
@@ -196,9 +212,29 @@ def register(sub) -> None:
     p.set_defaults(handler=_paths_checked(_generate))
 
     p = sub.add_parser(
-        "serve", help="HTTP generation service over verified artifacts (FastAPI + uvicorn)"
+        "serve",
+        help="HTTP generation service over verified artifacts or a registered model version "
+        "(FastAPI + uvicorn)",
     )
-    p.add_argument("--artifacts", type=path_arg, required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--artifacts", type=path_arg, help="a verified export dir")
+    which.add_argument(
+        "--model",
+        metavar="models:/NAME@ALIAS",
+        help="a registry version: models:/NAME@ALIAS (followed while serving: a rollback is "
+        "swapped in) or models:/NAME/VERSION",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        help="the registry's MLflow store with --model (default: $MLFLOW_TRACKING_URI, else "
+        "sqlite:///<parent of --run-dir, else the current dir>/mlruns.db)",
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=10.0,
+        help="with --model NAME@ALIAS: seconds between reads of the alias",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument(
@@ -222,6 +258,34 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--request-timeout", type=float, default=60.0, help="server-side limit per request (s)"
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=10.0, help="time to send a request body (s): 408"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        help="after SIGTERM, how long requests in flight may take (s); then 503 and exit 0",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="not ready (verified, compiled, probed) this long after start: exit 1 (s)",
+    )
+    p.add_argument(
+        "--trace-log",
+        type=path_arg,
+        default="serve_traces.jsonl",
+        help="one JSON line per generate request (default: ./serve_traces.jsonl)",
+    )
+    p.add_argument(
+        "--drift-reference",
+        type=path_arg,
+        default=None,
+        help="text file or dir of *.txt the prompt drift statistic compares against (default: "
+        "the training documents of the artifacts' run dir)",
     )
     p.set_defaults(handler=_paths_checked(_serve))
 

@@ -18,7 +18,7 @@ def _budget(args) -> int:
         config, args.target, out, serve_batch=args.serve_batch, serve_context=args.serve_context
     )
     print(table(result))
-    print(f"wrote {out}/budget.json, budget.md")
+    print(f"wrote {out}/budget.json, budget.md, budget.png")
     return 0
 
 
@@ -148,7 +148,7 @@ def register(sub) -> None:
     p.add_argument(
         "--predict",
         required=True,
-        help="the prediction, ending in the step-time change, e.g. "
+        help="the prediction, ending in the signed step-time change (+N%% or -N%%), e.g. "
         "'dropout RNG is 20%% of the step; step time -20%%'",
     )
     p.add_argument(

@@ -134,12 +134,22 @@ def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
     )
     if not stall:
         return
+    from tpulab.train.watchdog import STARTUP_S  # no jax: --help stays quick
+
     g.add_argument(
         "--stall-timeout",
         type=float,
         metavar="S",
-        help="seconds without a completed step that count as a stall (default: 20x the median step "
-        "time, at least 120 s); start-up and compile get 900 s until 3 steps were measured",
+        help="seconds without a completed step that count as a stall, from the first step on "
+        "(default: 20x the median step time, at least 120 s; 300 s with several processes)",
+    )
+    g.add_argument(
+        "--stall-startup-timeout",
+        type=float,
+        metavar="S",
+        default=STARTUP_S,
+        help="seconds allowed for start-up: restore, compile and the first step (default: "
+        f"{STARTUP_S:g})",
     )
     g.add_argument(
         "--stall-exit",
@@ -184,12 +194,15 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
     from tpulab.tracking.progress import LogLines
     from tpulab.train.watchdog import MULTIPROCESS_STALL_S, STALL_EXIT_CODE, StallWatchdog
 
-    timeout = args.stall_timeout or (MULTIPROCESS_STALL_S if distributed else None)
+    timeout = args.stall_timeout
+    if timeout is None and distributed:
+        timeout = MULTIPROCESS_STALL_S
     return [
         StallWatchdog(
             run_dir,
             exit_code=STALL_EXIT_CODE if (args.stall_exit or distributed) else None,
             timeout_s=timeout,
+            startup_s=args.stall_startup_timeout,
             records=jax.process_index() == 0,
         ),
         LogLines(),

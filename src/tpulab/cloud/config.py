@@ -12,10 +12,11 @@ from pathlib import Path
 
 from tpulab.config import check, field, load, nested
 
-# TPU VM images are Ubuntu 22.04 with Python 3.10, and tpulab needs 3.11: uv provides a managed 3.11.
-# jax[tpu] and libtpu come from PyPI / Google's index, torch (a tpulab dependency) from its CPU index
-# (otherwise a multi-GB CUDA build lands on a TPU VM). {python}, {jax_version}, {wheel} are filled in.
-# Never run against a real VM from this project's CI (no network): override it when it needs changing.
+# TPU VM images are Ubuntu 22.04 with Python 3.10, and tpulab needs 3.11: uv provides a managed
+# 3.11. jax[tpu] and libtpu come from PyPI / Google's index, torch (a tpulab dependency) from its
+# CPU index (otherwise a multi-GB CUDA build lands on a TPU VM). {python}, {jax_version}, {wheel}
+# are filled in. Never run against a real VM from this project's CI (no network): override it when
+# it needs changing.
 DEFAULT_BOOTSTRAP = (
     "set -e; cd {remote_dir}; {python} -m pip install -q --user uv==0.11.3; "
     "~/.local/bin/uv venv -q --python 3.11 .venv; "
@@ -47,7 +48,9 @@ class CloudConfig:
     expect_devices: int | None = field(
         None, "global device count the receipt must report (default: from the type)"
     )
-    gcloud: str = field("gcloud", "the gcloud executable")
+    gcloud: str = field(
+        "gcloud", "the gcloud executable: a path, or a name looked up on PATH once, at the start"
+    )
     remote_dir: str = field(
         "tpulab", "directory under each worker's home that holds venv, wheel, config, runs"
     )
@@ -65,7 +68,11 @@ class CloudConfig:
     )
     ready_timeout_s: float = field(1800.0, "how long to wait for state READY after create")
     poll_s: float = field(10.0, "describe interval while waiting for READY")
-    call_timeout_s: float = field(7200.0, "timeout of one gcloud call (a training job is one call)")
+    call_timeout_s: float = field(
+        7200.0,
+        "bound on every gcloud call (a training job is one call); steps with a shorter fixed bound "
+        "(describe 300 s, stage 600-3600 s, fetch and delete 3600 s) keep it",
+    )
 
     def __post_init__(self):
         check(
@@ -92,8 +99,8 @@ class CloudConfig:
             )
             check(
                 self.shared_dir.startswith("/") and self.shared_dir.rstrip("/") != "",
-                f"cloud.shared_dir={self.shared_dir!r} must be an absolute path below / (the same mount point "
-                "on every worker)",
+                f"cloud.shared_dir={self.shared_dir!r} must be an absolute path below / (the "
+                "same mount point on every worker)",
             )
 
     def require_target(self) -> None:

@@ -1,4 +1,5 @@
-"""``DIR/experiment.md`` (and ``experiment.html``, the same as one self-contained page): the cloud run's log, every line pointing at the raw evidence it came from.
+"""``DIR/experiment.md`` (and ``experiment.html``, the same as one self-contained page): the cloud
+run's log, every line pointing at the raw evidence it came from.
 
 It is assembled only from files the lifecycle wrote (what gcloud and the workers' runtimes
 reported), never from the config's intentions. The hardware is named from the workers' receipts:
@@ -145,8 +146,8 @@ def write_experiment_log(out_dir: str | Path) -> Path:
         lines.append(f"- network endpoints ({len(eps)} workers): {', '.join(map(str, eps))}")
         if not on_tpu:
             lines.append(
-                "- the accelerator type above is what the cloud reported for the resource; no receipt "
-                "from its runtime confirms it"
+                "- the accelerator type above is what the cloud reported for the resource; no "
+                "receipt from its runtime confirms it"
             )
     else:
         lines.append("- none recorded (create did not complete)")
@@ -157,7 +158,8 @@ def write_experiment_log(out_dir: str | Path) -> Path:
             f"`{staged['tpulab_commit']}`; jax {staged['jax_version']}"
         )
         lines.append(
-            f"- config `{staged['config']}` (sha256 `{staged['config_sha256']}`), data `{staged['data']}`"
+            f"- config `{staged['config']}` (sha256 `{staged['config_sha256']}`), "
+            f"data `{staged['data']}`"
         )
     else:
         lines.append("- not staged")
@@ -166,23 +168,24 @@ def write_experiment_log(out_dir: str | Path) -> Path:
         lines.append(f"Target: `{run['target']}`.")
     for worker, path, r in receipts:
         q = r.get("qualification", {})
-        ev = r["evidence"]
+        ev, rt, mm = r["evidence"], r["runtime"], r["evidence"]["matmul"]
         lines.append(
-            f"- worker {worker}: {hardware_line(r)}, platform {r['runtime']['platform_version']}, "
-            f"process {r['runtime']['process_index']}/{r['runtime']['process_count']}, host {r['host']}; "
-            f"collective {'pass' if ev['collective']['passed'] else 'FAIL'}, matmul "
-            f"{'pass' if ev['matmul']['passed'] else 'FAIL'} ({ev['matmul']['tflops_best']:.3f} TFLOP/s "
-            f"{ev['matmul']['dtype']} {ev['matmul']['shape']}), round trip "
-            f"{'pass' if ev['round_trip']['passed'] else 'FAIL'}; qualified as `{q.get('target')}`: "
-            f"{q.get('passed')} ([receipt]({path.relative_to(out)}))"
+            f"- worker {worker}: {hardware_line(r)}, platform {rt['platform_version']}, "
+            f"process {rt['process_index']}/{rt['process_count']}, host {r['host']}; "
+            f"collective {'pass' if ev['collective']['passed'] else 'FAIL'}"
+            f"{' (trivial: 1 device)' if ev['collective'].get('trivial') else ''}, matmul "
+            f"{'pass' if mm['passed'] else 'FAIL'} ({mm['tflops_best']:.3f} TFLOP/s "
+            f"{mm['dtype']} {mm['shape']}), round trip "
+            f"{'pass' if ev['round_trip']['passed'] else 'FAIL'}; qualified as "
+            f"`{q.get('target')}`: {q.get('passed')} ([receipt]({path.relative_to(out)}))"
         )
     if not receipts:
         lines.append("- no receipt retrieved")
     lines += ["", "## Job and training curve (cloud/run.json, workers/*/RUN/metrics.jsonl)", ""]
     if run:
         lines.append(
-            f"- job: `tpulab {' '.join(run['job'])}` in `{run['run_dir']}`, env {run['env'] or '{}'}, "
-            f"per-worker env {run['worker_env'] or '{}'}"
+            f"- job: `tpulab {' '.join(run['job'])}` in `{run['run_dir']}`, "
+            f"env {run['env'] or '{}'}, per-worker env {run['worker_env'] or '{}'}"
         )
         rehearsal = (
             "not requested" if run["preempt_at"] is None else f"SIGTERM at step {run['preempt_at']}"
@@ -196,16 +199,17 @@ def write_experiment_log(out_dir: str | Path) -> Path:
             lines.append(f"- ![loss per step]({CURVE})")
     if run and run.get("shared_dir"):
         lines.append(
-            f"- shared run dir `{run['run_dir']}` (cloud.shared_dir `{run['shared_dir']}`): one directory "
-            "for every process; a marker written on worker 0 was read back on every worker before the job"
+            f"- shared run dir `{run['run_dir']}` (cloud.shared_dir `{run['shared_dir']}`): one "
+            "directory for every process; a marker written on worker 0 was read back on every "
+            "worker before the job"
         )
     if fetch:
         for w in fetch["workers"]:
             lines.append(
                 f"- {_source(w)}: {w['segments']} segment(s), preempted at "
                 f"{w['preempted_at'] or '-'}, "
-                f"resumed from {[s for s in w['resumed_from'] if s is not None] or '-'}, final step "
-                f"{w['final_step']}"
+                f"resumed from {[s for s in w['resumed_from'] if s is not None] or '-'}, "
+                f"final step {w['final_step']}"
             )
     lines += ["", "## Retrieved checkpoints, verified here (cloud/fetch.json)", ""]
     if fetch:
@@ -233,10 +237,11 @@ def write_experiment_log(out_dir: str | Path) -> Path:
         if cleanup.get("nothing_created"):
             lines.append("- create left nothing behind: describe reports NOT_FOUND")
         else:
+            names = cleanup["listed_names"]
             lines.append(
-                f"- delete exit {cleanup['delete_rc']}; describe after delete: {cleanup['describe']}; list "
-                f"exit {cleanup['list_rc']}, shows it: "
-                f"{None if cleanup['listed_names'] is None else cleanup['name'] in cleanup['listed_names']}"
+                f"- delete exit {cleanup['delete_rc']}; describe after delete: "
+                f"{cleanup['describe']}; list exit {cleanup['list_rc']}, shows it: "
+                f"{None if names is None else cleanup['name'] in names}"
             )
         lines.append(f"- verified gone: **{cleanup['verified_gone']}**")
     else:

@@ -2,15 +2,22 @@
 
 The builders are pure functions of the config, so the exact forms tpulab sends can be checked
 against the installed gcloud's own parser (tests/test_cloud_gcloud_parser.py) without any network.
-The runner appends each call (argv, exit code, duration, output) to ``DIR/cloud/calls.jsonl``
-before returning, so the log is complete even when a later step fails.
+The executable is ``cloud.gcloud``, resolved once to an absolute path (``resolve_gcloud``), so the
+record names the binary that ran. The runner bounds every call by its ``max_timeout_s``
+(``cloud.call_timeout_s``), kills each call's whole process group when it times out or the caller
+is interrupted (``kill_all`` for calls in other threads), and appends each call (argv, timeout,
+exit code, duration, output) to ``DIR/cloud/calls.jsonl`` before returning, so the log is complete
+even when a later step fails. ``sigterm_as_interrupt`` delivers SIGTERM like Ctrl-C, so a
+supervisor's stop takes the same reaping (and, in ``up``, deleting) path as an interrupt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -23,6 +30,18 @@ from tpulab.errors import TpulabError
 
 CALLS = "calls.jsonl"
 _KEEP_CHARS = 20000
+
+
+def resolve_gcloud(name: str, env: dict | None = None) -> str:
+    """The absolute path of the gcloud executable ``name`` (a path, or looked up on the PATH of
+    ``env``, default this process's); a one-line error when there is none."""
+    found = shutil.which(name, path=(os.environ if env is None else env).get("PATH"))
+    if found is None:
+        raise TpulabError(
+            f"gcloud executable not found: {name} (install the Google Cloud CLI or set "
+            "cloud.gcloud)"
+        )
+    return os.path.abspath(found)
 
 
 def _base(cfg: CloudConfig, verb: str) -> list[str]:
@@ -144,18 +163,87 @@ class Call:
         return lines[-1] if lines else "(no output)"
 
 
-class Gcloud:
-    """Runs gcloud argv lists and appends each call to ``calls_dir/calls.jsonl`` (thread-safe)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so it takes the same reaping path."""
 
-    def __init__(self, calls_dir: str | Path, env: dict | None = None, echo=None):
+
+@dataclass
+class TermSignals:
+    """What ``sigterm_as_interrupt`` saw; while ``deferred`` a SIGTERM is counted, not raised."""
+
+    received: int = 0
+    deferred: bool = False
+
+    def handler(self, signum, frame) -> None:
+        self.received += 1
+        if self.received == 1 and not self.deferred:  # later ones: the stop is under way
+            raise Terminated()
+
+    @contextlib.contextmanager
+    def defer(self):
+        """A SIGTERM in here must not cut short what runs (a delete that stops the billing)."""
+        self.deferred = True
+        try:
+            yield
+        finally:
+            self.deferred = False
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises ``Terminated`` in the main thread while inside (the handler before is put
+    back after). Without it SIGTERM ends the process at once: a gcloud child in its own session
+    is orphaned and nothing is deleted. Off the main thread (no handlers there) it does nothing."""
+    signals = TermSignals()
+    if threading.current_thread() is not threading.main_thread():
+        yield signals
+        return
+    before = signal.signal(signal.SIGTERM, signals.handler)
+    try:
+        yield signals
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def interruption(e: BaseException) -> tuple[str, int]:
+    """How an interrupt reads in a one-line error, and the exit code it gets (128 + signal)."""
+    if isinstance(e, Terminated):
+        return "terminated (SIGTERM)", 128 + signal.SIGTERM
+    return "interrupted (SIGINT)", 128 + signal.SIGINT
+
+
+class Gcloud:
+    """Runs gcloud argv lists and appends each call to ``calls_dir/calls.jsonl`` (thread-safe).
+    Every call's timeout is at most ``max_timeout_s``."""
+
+    def __init__(
+        self,
+        calls_dir: str | Path,
+        env: dict | None = None,
+        echo=None,
+        max_timeout_s: float | None = None,
+    ):
         self.dir = Path(calls_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / CALLS
         self.env = env
         self.echo = echo
+        self.max_timeout_s = max_timeout_s
         self._lock = threading.Lock()
+        self._running: dict[int, subprocess.Popen] = {}
+        self._killed: set[int] = set()
+
+    def kill_all(self) -> None:
+        """Kill every call still running (in other threads: theirs return, recorded as killed)."""
+        with self._lock:
+            running = list(self._running.values())
+            self._killed.update(p.pid for p in running)
+        for proc in running:
+            _kill_group(proc)
 
     def __call__(self, step: str, argv: list[str], timeout_s: float) -> Call:
+        if self.max_timeout_s is not None:
+            timeout_s = min(timeout_s, self.max_timeout_s)
         started = time.time()
         t0 = time.monotonic()
         if self.echo:
@@ -177,26 +265,35 @@ class Gcloud:
                 "cloud.gcloud)"
             ) from None
         try:
+            with self._lock:
+                self._running[proc.pid] = proc
             out, err = proc.communicate(timeout=timeout_s)
             rc = proc.returncode
-        except BaseException as e:  # timeout or Ctrl-C: reap the whole group, record what we have
+            if proc.pid in self._killed:
+                err += "\ntpulab: killed (the step was interrupted)"
+        except BaseException as e:  # timeout, Ctrl-C, SIGTERM: reap the whole group, record it
             _kill_group(proc)
             out, err = proc.communicate()
-            rc = 124 if isinstance(e, subprocess.TimeoutExpired) else 130
-            err += (
-                f"\ntpulab: {'timed out after %.0f s' % timeout_s if rc == 124 else 'interrupted'}"
-            )
-            if rc == 130:
-                self._record(step, argv, rc, started, t0, out, err)
+            if isinstance(e, subprocess.TimeoutExpired):
+                rc, why = 124, f"timed out after {timeout_s:.0f} s"
+            else:
+                why, rc = interruption(e)
+            err += f"\ntpulab: {why}"
+            if rc != 124:
+                self._record(step, argv, rc, started, t0, out, err, timeout_s)
                 raise
-        return self._record(step, argv, rc, started, t0, out, err)
+        finally:
+            with self._lock:
+                self._running.pop(proc.pid, None)
+        return self._record(step, argv, rc, started, t0, out, err, timeout_s)
 
-    def _record(self, step, argv, rc, started, t0, out, err) -> Call:
+    def _record(self, step, argv, rc, started, t0, out, err, timeout_s) -> Call:
         call = Call(step, list(argv), rc, round(time.monotonic() - t0, 3), out, err)
         record = {
             "step": step,
             "argv": call.argv,
             "command": shlex.join(call.argv),
+            "timeout_s": timeout_s,
             "rc": rc,
             "duration_s": call.duration_s,
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),

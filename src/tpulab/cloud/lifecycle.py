@@ -2,12 +2,16 @@
 
 Every step writes what the cloud or the runtime reported under ``DIR/cloud/`` (resource.json,
 staged.json, run.json, fetch.json, cleanup.json, and calls.jsonl for every gcloud call), so the
-experiment log can point each claim at its raw evidence. ``up`` attempts deletion after any
-failure; a deletion that cannot be verified is reported loudly with the resource named.
+experiment log can point each claim at its raw evidence. Every gcloud call is bounded by
+``cloud.call_timeout_s`` (and by a shorter fixed bound per step where one applies). ``up`` deletes
+after any failure, Ctrl-C and SIGTERM included (its gcloud children are killed first), and a
+deletion that cannot be verified is reported loudly with the resource named; an interrupted step
+command names the VM it leaves behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -54,6 +58,10 @@ class DeleteError(TpulabError):
     exit_code = 5
 
 
+class Interrupted(TpulabError):
+    """SIGTERM or Ctrl-C ended a step: exit 128 + the signal, the VM named (deleted or not)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     """What runs on the workers. ``job`` is any tpulab command line (without ``tpulab``); the
@@ -85,12 +93,13 @@ class JobSpec:
             raise TpulabError("the job uses {data} but no --data was given")
 
     def local_run_dir(self) -> str:
-        """``runs/NAME`` on each worker's own disk (under remote_dir): receipts and rehearsal records."""
+        """``runs/NAME`` on each worker's own disk (in remote_dir): receipts, rehearsal records."""
         return f"runs/{self.run_name}"
 
     def remote_run_dir(self, shared_dir: str | None = None) -> str:
-        """The job's ``{run_dir}``: ``SHARED/runs/NAME``, one directory that every process of a multi-host job
-        sees (Orbax writes one checkpoint from all processes), or without a shared dir each worker's own."""
+        """The job's ``{run_dir}``: ``SHARED/runs/NAME``, one directory that every process of a
+        multi-host job sees (Orbax writes one checkpoint from all processes), or without a shared
+        dir each worker's own."""
         return (
             f"{shared_dir.rstrip('/')}/runs/{self.run_name}" if shared_dir else self.local_run_dir()
         )
@@ -128,10 +137,13 @@ class CloudSession:
         self, cfg: CloudConfig, out_dir: str | Path, *, env: dict | None = None, echo=None
     ):
         cfg.require_target()
-        self.cfg = cfg
+        # the binary named, not whichever PATH finds first later: every call record shows it
+        self.cfg = dataclasses.replace(cfg, gcloud=g.resolve_gcloud(cfg.gcloud, env))
         self.dir = Path(out_dir)
         self.cloud_dir = self.dir / "cloud"
-        self.gcloud = g.Gcloud(self.cloud_dir, env=env, echo=echo)
+        self.gcloud = g.Gcloud(
+            self.cloud_dir, env=env, echo=echo, max_timeout_s=self.cfg.call_timeout_s
+        )
         self.echo = echo or (lambda _msg: None)
 
     # --- helpers ----------------------------------------------------------------------------
@@ -147,17 +159,38 @@ class CloudSession:
             f"{step}: {what} (gcloud exit {call.rc}: {call.tail()}; see {self.gcloud.path})"
         )
 
+    def _resource(self) -> str:
+        return f"VM {self.cfg.name} in project {self.cfg.project}, zone {self.cfg.zone}"
+
+    @contextlib.contextmanager
+    def interruptible(self, step: str):
+        """One step command (``tpu create``, ``run``, ...): SIGTERM acts like Ctrl-C, every gcloud
+        child is killed, and the one-line error names the VM, which the step does not delete."""
+        with g.sigterm_as_interrupt():
+            try:
+                yield
+            except KeyboardInterrupt as e:
+                self.gcloud.kill_all()
+                how, code = g.interruption(e)
+                raise Interrupted(
+                    f"{how} during tpu {step}: {self._resource()} may exist and cost money "
+                    f"(not verified deleted; tpulab tpu delete --dir {self.dir})",
+                    exit_code=code,
+                ) from None
+
     def remote(self, args: list[str], env: dict | None = None) -> str:
         """The shell command a worker runs: in the staged dir, with the staged venv's tpulab."""
-        return f"cd {self.cfg.remote_dir} && {_env_prefix(env or {})}{shlex.join(['.venv/bin/tpulab', *args])}"
+        tpulab = shlex.join([".venv/bin/tpulab", *args])
+        return f"cd {self.cfg.remote_dir} && {_env_prefix(env or {})}{tpulab}"
 
     def ssh_all(self, step: str, command, timeout_s: float | None = None) -> list[g.Call]:
-        """One ``--worker=all`` call, or one call per worker in parallel when ``command`` is a function
-        of the worker index (per-worker environment)."""
+        """One ``--worker=all`` call, or one call per worker in parallel when ``command`` is a
+        function of the worker index (per-worker environment)."""
         timeout = timeout_s or self.cfg.call_timeout_s
         if isinstance(command, str):
             return [self.gcloud(step, g.ssh_argv(self.cfg, command), timeout)]
         calls: list = [None] * self.workers()
+        finished = [threading.Event() for _ in calls]
 
         def one(i: int) -> None:
             try:
@@ -166,10 +199,22 @@ class CloudSession:
                 )
             except TpulabError as e:
                 calls[i] = e
+            finally:
+                finished[i].set()
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
         for t in threads:
             t.start()
+        # Events, not join(): a join interrupted by Ctrl-C/SIGTERM marks the thread stopped while
+        # it runs (CPython 3.11, bpo-45274), so a second join returns before its call is recorded.
+        try:
+            for f in finished:
+                f.wait()
+        except BaseException:  # the signal reaches the main thread only: end the others' calls
+            self.gcloud.kill_all()
+            for f in finished:
+                f.wait()
+            raise
         for t in threads:
             t.join()
         for c in calls:
@@ -178,13 +223,15 @@ class CloudSession:
         return calls
 
     def describe(self, step: str = "describe") -> tuple[str, dict | None, g.Call]:
-        """('present', data) / ('absent', None) when gcloud says NOT_FOUND / ('unknown', None) otherwise."""
+        """('present', data); ('absent', None) when gcloud says NOT_FOUND; ('malformed', None) for
+        exit 0 without a JSON object; ('unknown', None) for any other failure."""
         call = self.gcloud(step, g.describe_argv(self.cfg), 300)
         if call.ok:
             try:
-                return "present", json.loads(call.stdout), call
+                data = json.loads(call.stdout)
             except ValueError:
-                return "unknown", None, call
+                data = None
+            return ("present", data, call) if isinstance(data, dict) else ("malformed", None, call)
         text = call.stderr + call.stdout
         if "NOT_FOUND" in text or "not found" in text.lower():
             return "absent", None, call
@@ -201,8 +248,8 @@ class CloudSession:
     # --- create -----------------------------------------------------------------------------
     def create(self) -> dict:
         self.echo(
-            f"creating {self.cfg.name} ({self.cfg.accelerator_type}, {self.cfg.runtime_version}) in "
-            f"{self.cfg.project}/{self.cfg.zone}"
+            f"creating {self.cfg.name} ({self.cfg.accelerator_type}, {self.cfg.runtime_version}) "
+            f"in {self.cfg.project}/{self.cfg.zone}"
         )
         call = self.gcloud("create", g.create_argv(self.cfg), self.cfg.ready_timeout_s)
         if not call.ok:
@@ -224,10 +271,12 @@ class CloudSession:
                     "create", call, f"{self.cfg.name} vanished while waiting for READY"
                 )
             if time.monotonic() > deadline:
+                last = _describe_problem(state, call) if state != "present" else data.get("state")
                 raise self._fail(
                     "create",
                     call,
-                    f"{self.cfg.name} not READY after {self.cfg.ready_timeout_s:.0f} s",
+                    f"{self.cfg.name} not READY after {self.cfg.ready_timeout_s:.0f} s "
+                    f"(last describe: {last})",
                 )
             time.sleep(self.cfg.poll_s)
 
@@ -308,8 +357,9 @@ class CloudSession:
 
     # --- run --------------------------------------------------------------------------------
     def qualify(self, job: JobSpec) -> None:
-        """``tpulab receipt --expect`` on every worker, into each worker's own run dir: with the job's env, so in a
-        multi-process job the receipts join it and the collective spans every global device."""
+        """``tpulab receipt --expect`` on every worker, into each worker's own run dir: with the
+        job's env, so in a multi-process job the receipts join it and the collective spans every
+        global device."""
         expect, devices = self.cfg.target()
         args = ["receipt", "--out", f"{job.local_run_dir()}/receipt", "--expect", expect]
         if devices is not None:
@@ -331,9 +381,10 @@ class CloudSession:
         return self.ssh_all(step, self.remote(args, job.env))
 
     def check_shared(self, job: JobSpec) -> dict:
-        """The shared dir is one directory on every worker: worker 0 writes a fresh marker into the run dir there,
-        every worker must read it back. A path that is each host's own disk (a mount that is missing on some
-        host) would split one job's checkpoint across hosts; this stops the run before anything starts."""
+        """The shared dir is one directory on every worker: worker 0 writes a fresh marker into the
+        run dir there, every worker must read it back. A path that is each host's own disk (a mount
+        that is missing on some host) would split one job's checkpoint across hosts; this stops the
+        run before anything starts."""
         shared = self.cfg.shared_dir
         run_dir = job.remote_run_dir(shared)
         marker, nonce = f"{run_dir}/.tpulab-shared-check", secrets.token_hex(8)
@@ -368,9 +419,10 @@ class CloudSession:
         }
 
     def run(self, job: JobSpec, preempt_at: int | None = None) -> dict:
-        """Receipt with --expect on all workers first, then the job on all workers (resuming after a
-        rehearsed preemption when ``preempt_at`` is given). With ``cloud.shared_dir`` the job's run dir is
-        the shared one (checked first); receipts and rehearsal records stay on each worker's disk."""
+        """Receipt with --expect on all workers first, then the job on all workers (resuming after
+        a rehearsed preemption when ``preempt_at`` is given). With ``cloud.shared_dir`` the job's
+        run dir is the shared one (checked first); receipts and rehearsal records stay on each
+        worker's disk."""
         shared = self.cfg.shared_dir
         args = job.job_args(shared)
         record = {
@@ -418,8 +470,9 @@ class CloudSession:
 
     # --- fetch ------------------------------------------------------------------------------
     def fetch(self, run_name: str, strict: bool = True) -> dict:
-        """Each worker's own ``runs/NAME`` to DIR/workers/<i>/ and, with a shared dir, the job's shared run dir
-        once (from worker 0) to DIR/shared/; every retrieved checkpoint manifest verified here.
+        """Each worker's own ``runs/NAME`` to DIR/workers/<i>/ and, with a shared dir, the job's
+        shared run dir once (from worker 0) to DIR/shared/; every retrieved checkpoint manifest
+        verified here.
 
         ``strict=False`` is the salvage after a failed run: keep what can be retrieved (the failing
         receipt, partial metrics) and raise nothing."""
@@ -502,10 +555,10 @@ class CloudSession:
 
     # --- delete -----------------------------------------------------------------------------
     def delete(self) -> dict:
-        """Delete, then verify it is gone: describe says NOT_FOUND and list does not show the name."""
+        """Delete, then verify it is gone: describe says NOT_FOUND, list does not show the name."""
         call = self.gcloud("delete", g.delete_argv(self.cfg), 3600)
         already_gone = not call.ok and "NOT_FOUND" in (call.stderr + call.stdout)
-        state, _, _ = self.describe("delete: verify (describe)")
+        state, _, described = self.describe("delete: verify (describe)")
         listed = self.gcloud("delete: verify (list)", g.list_argv(self.cfg), 300)
         names = _listed_names(listed.stdout) if listed.ok else None
         gone = state == "absent" and names is not None and self.cfg.name not in names
@@ -523,50 +576,81 @@ class CloudSession:
         }
         self._write("cleanup.json", cleanup)
         if not gone:
-            why = (
-                f"delete exited {call.rc} ({call.tail()})"
-                if not call.ok and not already_gone
-                else f"after delete, describe says {state!r} and list {'failed' if names is None else 'still shows it'}"
-            )
-            raise DeleteError(
-                f"DELETE NOT VERIFIED: VM {self.cfg.name} in project {self.cfg.project}, zone "
-                f"{self.cfg.zone} may still exist and cost money: {why}. Delete it by hand: "
-                f"{shlex.join(g.delete_argv(self.cfg))}"
-            )
+            if not call.ok and not already_gone:
+                why = f"delete exited {call.rc} ({call.tail()})"
+            else:  # name only the checks that failed
+                problems = [
+                    _describe_problem(state, described),
+                    _list_problem(listed, names, self.cfg.name),
+                ]
+                why = "after delete, " + " and ".join(p for p in problems if p)
+            raise self._not_verified(why)
         return cleanup
+
+    def _not_verified(self, why: str) -> DeleteError:
+        return DeleteError(
+            f"DELETE NOT VERIFIED: {self._resource()} may still exist and cost money: {why}. "
+            f"Delete it by hand: {shlex.join(g.delete_argv(self.cfg))}"
+        )
 
     # --- up ---------------------------------------------------------------------------------
     def up(self, job: JobSpec, preempt_at: int | None = None) -> dict:
-        """create -> stage -> run -> fetch, then delete whatever happened; the experiment log last."""
+        """create -> stage -> run -> fetch, then delete whatever happened; the experiment log last.
+
+        SIGTERM (a supervisor's stop) is handled like Ctrl-C: the gcloud children are killed, the
+        VM is deleted and verified gone, and the exit is 143 (130 for Ctrl-C) with the VM named. A
+        SIGTERM during that cleanup is counted, not obeyed (it would cut the delete short); a second
+        Ctrl-C ends it, and the DeleteError names the VM."""
         from tpulab.cloud.explog import write_experiment_log
 
         failure: BaseException | None = None
-        ran = False
-        try:
-            self.create()
-            self.stage(job)
-            ran = True
-            self.run(job, preempt_at)
-            self.fetch(job.run_name)
-        except BaseException as e:  # KeyboardInterrupt too: the VM must not outlive us unnoticed
-            failure = e
-            if ran and isinstance(e, TpulabError):
-                try:  # the evidence of the failure (a receipt that did not qualify) before it is deleted
-                    self.fetch(job.run_name, strict=False)
-                except TpulabError:
-                    pass
-        cleanup_error = None
-        try:
-            self._cleanup_after(failure)
-        except DeleteError as e:
-            cleanup_error = e
-        log = write_experiment_log(self.dir)
+        ran, step = False, "create"
+        with g.sigterm_as_interrupt() as signals:
+            try:
+                self.create()
+                step = "stage"
+                self.stage(job)
+                ran, step = True, "run"
+                self.run(job, preempt_at)
+                step = "fetch"
+                self.fetch(job.run_name)
+                step = "delete"
+            except BaseException as e:  # Ctrl-C and SIGTERM too: the VM must not outlive us
+                failure = e
+                self.gcloud.kill_all()
+                if ran and isinstance(e, TpulabError):
+                    try:  # the evidence of the failure (a receipt that did not qualify) first
+                        self.fetch(job.run_name, strict=False)
+                    except TpulabError:
+                        pass
+                    except KeyboardInterrupt as again:  # stop salvaging, still delete
+                        failure = again
+            cleanup_error = None
+            with signals.defer():
+                try:
+                    self._cleanup_after(failure)
+                except DeleteError as e:
+                    cleanup_error = e
+                except (TpulabError, OSError) as e:  # the VM is still named, whatever broke
+                    cleanup_error = self._not_verified(f"the cleanup failed: {e}")
+                except KeyboardInterrupt as e:  # a second Ctrl-C
+                    self.gcloud.kill_all()
+                    cleanup_error = self._not_verified(f"the cleanup was {g.interruption(e)[0]}")
+                log = write_experiment_log(self.dir)
+        if failure is None and signals.received:  # a SIGTERM during the cleanup of a success
+            failure = g.Terminated()
         if cleanup_error is not None:
             if failure is not None:
                 raise DeleteError(
-                    f"{cleanup_error} (after an earlier failure: {failure})"
+                    f"{cleanup_error} (after an earlier failure: {_failure_text(failure, step)})"
                 ) from None
             raise cleanup_error
+        if isinstance(failure, KeyboardInterrupt):
+            how, code = g.interruption(failure)
+            raise Interrupted(
+                f"{how} during {step}: {self._resource()} deleted and verified gone",
+                exit_code=code,
+            ) from None
         if failure is not None:
             raise failure
         return {"experiment_log": str(log)}
@@ -590,16 +674,43 @@ class CloudSession:
         self.delete()
 
 
+def _failure_text(failure: BaseException, step: str) -> str:
+    if isinstance(failure, KeyboardInterrupt):
+        return f"{g.interruption(failure)[0]} during {step}"
+    return str(failure) or type(failure).__name__
+
+
+def _describe_problem(state: str, call: g.Call) -> str | None:
+    """What a describe result says against 'the VM is gone' (None: it says NOT_FOUND)."""
+    if state == "absent":
+        return None
+    if state == "malformed":
+        return f"describe says 'malformed' (exit 0, no JSON object: {call.stdout.strip()[:80]!r})"
+    if state == "present":
+        return "describe says 'present'"
+    return f"describe says {state!r} (exit {call.rc}: {call.tail()})"
+
+
+def _list_problem(call: g.Call, names: list[str] | None, name: str) -> str | None:
+    if not call.ok:
+        return f"list failed (exit {call.rc}: {call.tail()})"
+    if names is None:
+        return f"list returned no JSON list ({call.stdout.strip()[:80]!r})"
+    return "list still shows it" if name in names else None
+
+
 def _listed_names(stdout: str) -> list[str] | None:
     try:
         nodes = json.loads(stdout or "[]")
     except ValueError:
         return None
+    if not isinstance(nodes, list):
+        return None
     return [str(n.get("name", "")).rsplit("/", 1)[-1] for n in nodes if isinstance(n, dict)]
 
 
 def verify_fetched(run_dir: Path, worker: int) -> dict:
-    """Every checkpoint under the retrieved run dir must match its own manifest here, on this machine."""
+    """Every checkpoint under the retrieved run dir must match its own manifest here, locally."""
     checkpoints = []
     for manifest in sorted(run_dir.rglob(MANIFEST)):
         ckpt = manifest.parent
@@ -631,7 +742,7 @@ def verify_fetched(run_dir: Path, worker: int) -> dict:
 
 
 def build_wheel(dest: Path) -> Path:
-    """The project's wheel, built from a copy of the source tree (the checkout is left untouched)."""
+    """The project's wheel, built from a copy of the source tree (the checkout is untouched)."""
     if not (REPO / "pyproject.toml").is_file():
         raise TpulabError(f"stage needs a tpulab source checkout (no pyproject.toml in {REPO})")
     with tempfile.TemporaryDirectory() as tmp:

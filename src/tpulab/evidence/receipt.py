@@ -1,11 +1,13 @@
-"""The runtime receipt: what JAX reports about this machine, backed by work the devices actually did.
+"""The runtime receipt: what JAX reports about this machine, backed by work its devices did.
 
 A receipt is not a list of claims. Besides the inventory (backend, device kinds, ids, coordinates,
 processes, versions, the environment variables that decide the runtime) it carries three pieces of
-runtime evidence: a collective in which every device contributes its own index and the psum must
-equal n(n-1)/2 on every device, a timed matmul checked against NumPy, and a device-to-host round
-trip checked byte for byte. Target qualification (``--expect tpu:v5e``) compares the receipt with
-what the user meant to run on and names the first mismatch; it never trusts the cloud's word.
+runtime evidence: a collective in which device i contributes i+1 and the psum must equal n(n+1)/2
+on every device (more than any device's own value when n > 1, so a "collective" that returned its
+input fails; on one device a sum is its input, and the check says it is trivial), a timed matmul
+checked against NumPy, and a device-to-host round trip checked byte for byte. Target
+qualification (``--expect tpu:v5e``) compares the receipt with what the user meant to run on and
+names the first mismatch; it never trusts the cloud's word.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class QualificationError(TpulabError):
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A target as the user names it: ``cpu``, ``gpu[:kind]``, ``tpu[:generation]``, with a device count."""
+    """A target as the user names it (``cpu``, ``gpu[:kind]``, ``tpu[:generation]``), a count."""
 
     backend: str
     kind: str | None = None
@@ -120,19 +122,39 @@ def qualify(receipt: dict, target: Target) -> list[str]:
 
 
 def check_collective(values: list[float], n: int) -> dict:
-    """The psum every device holds must be 0 + 1 + ... + (n-1); one wrong device fails the check."""
-    expected = n * (n - 1) / 2
+    """The psum every device holds must be 1 + 2 + ... + n; one wrong device fails the check.
+
+    Device i contributes i+1 (not i: with indices, one device's expected sum 0 is its own input,
+    and on two devices device 1's input 1 is the sum). For n > 1 the sum exceeds every input, so
+    an op that returns its input fails; for n = 1 nothing can tell a sum from its input, so the
+    check passes as ``trivial`` and says so wherever it is quoted."""
+    expected = n * (n + 1) / 2
     wrong = [i for i, v in enumerate(values) if v != expected]
     return {
         "passed": bool(values) and not wrong,
+        "trivial": n == 1,
         "expected": expected,
         "values": values,
         "wrong_shards": wrong,
     }
 
 
+def collective_summary(receipt: dict) -> str:
+    """How reports quote the collective: what it proved, or that on one device it proves nothing."""
+    coll = receipt["evidence"]["collective"]
+    verdict = "passed" if coll["passed"] else "FAILED"
+    if coll.get("trivial"):
+        return (
+            f"a collective on 1 device, {verdict} but trivial (a sum over one device is its input)"
+        )
+    return (
+        f"a psum across all {coll['devices']} devices, {verdict} (expected {coll['expected']:g} on "
+        "each, more than any device's own value)"
+    )
+
+
 def collective_evidence() -> dict:
-    """psum over a 1-D mesh of all global devices, each shard holding its device's position."""
+    """psum over a 1-D mesh of all global devices, the shard on device i holding i+1."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -142,7 +164,7 @@ def collective_evidence() -> dict:
     mesh = Mesh(np.array(devices), ("d",))
     sharding = NamedSharding(mesh, P("d"))
     x = jax.make_array_from_callback(
-        (n,), sharding, lambda idx: np.arange(n, dtype=np.float32)[idx]
+        (n,), sharding, lambda idx: np.arange(1, n + 1, dtype=np.float32)[idx]
     )
 
     @jax.jit
@@ -169,14 +191,14 @@ def collective_evidence() -> dict:
 def check_matmul(
     got: np.ndarray, a: np.ndarray, b: np.ndarray, tol: float = 1e-2
 ) -> tuple[float, bool]:
-    """Relative Frobenius error against float64 NumPy; loose enough for bf16 passes, not for wrong math."""
+    """Relative Frobenius error against float64 NumPy; loose enough for bf16, not for wrong math."""
     want = a.astype(np.float64) @ b.astype(np.float64)
     rel_err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     return rel_err, bool(np.isfinite(rel_err) and rel_err < tol)
 
 
 def matmul_evidence(size: int, reps: int = 5) -> dict:
-    """A timed (size x size) float32 matmul on the default device, its result checked against NumPy."""
+    """A timed (size x size) float32 matmul on the default device, its result checked by NumPy."""
     import jax
     import jax.numpy as jnp
 
@@ -281,7 +303,7 @@ def runtime_inventory() -> dict:
 
 
 def runtime_env() -> dict:
-    """The variables that decide the runtime, leaving out tpulab's own libtpu placeholders (listed apart)."""
+    """The variables that decide the runtime, less tpulab's libtpu placeholders (listed apart)."""
     ours = placeholders() | {MARKER}
     return {
         k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ours
@@ -289,7 +311,7 @@ def runtime_env() -> dict:
 
 
 def collect(matmul_size: int = 512) -> dict:
-    """Inventory plus evidence; every check is recorded with ``passed`` so a reader can re-judge it."""
+    """Inventory plus evidence; each check records ``passed`` so a reader can re-judge it."""
     t0 = time.time()
     receipt = {
         "format": 1,
@@ -310,7 +332,7 @@ def collect(matmul_size: int = 512) -> dict:
 
 
 def hardware_line(receipt: dict) -> str:
-    """One line for reports, the backend as JAX reported it: the word TPU only appears for a tpu backend."""
+    """One line for reports, the backend as JAX reported it: TPU appears only for a tpu backend."""
     rt = receipt["runtime"]
     return f"{rt['backend'].upper()} ({', '.join(rt['device_kinds'])}) x{rt['device_count']}"
 
@@ -342,13 +364,16 @@ def table(receipt: dict) -> str:
         ),
         (
             "collective",
-            f"{'PASS' if coll['passed'] else 'FAIL'}: psum of device indices = {coll['values'][:4]}"
-            f"{' ...' if len(coll['values']) > 4 else ''}, expected {coll['expected']:g} on each of "
-            f"{coll['devices']} devices",
+            f"{'PASS' if coll['passed'] else 'FAIL'}"
+            f"{' (trivial: on one device a sum is its input)' if coll.get('trivial') else ''}: "
+            f"psum of i+1 on device i = {coll['values'][:4]}"
+            f"{' ...' if len(coll['values']) > 4 else ''}, expected {coll['expected']:g} on each "
+            f"of {coll['devices']} devices",
         ),
         (
             "matmul",
-            f"{'PASS' if mm['passed'] else 'FAIL'}: {mm['shape'][0]}x{mm['shape'][1]} {mm['dtype']}, "
+            f"{'PASS' if mm['passed'] else 'FAIL'}: {mm['shape'][0]}x{mm['shape'][1]} "
+            f"{mm['dtype']}, "
             f"rel. error {mm['relative_error_vs_numpy']:.1e}, best {mm['best_s'] * 1e3:.2f} ms "
             f"({mm['tflops_best']:.3f} TFLOP/s)",
         ),

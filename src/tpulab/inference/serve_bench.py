@@ -1,4 +1,4 @@
-"""Capacity table: the real service (its own process) driven over loopback by 1, 4, 16 concurrent clients.
+"""Capacity table: the real service (its own process) driven over loopback by 1, 4, 16 clients.
 
 Two servers on the same artifacts, one after the other: the serial baseline (``max_batch`` 1: one
 request per device dispatch, what a one-at-a-time service does) and the batching service. Each
@@ -82,6 +82,8 @@ class _Server:
                 "1024",
                 "--request-timeout",
                 "600",
+                "--trace-log",
+                str(log.with_suffix(".traces.jsonl")),  # beside its log, not in the cwd
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -97,7 +99,7 @@ class _Server:
                     f"{log.read_text().strip().splitlines()[-1:]}"
                 )
             try:
-                if httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200:
+                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -169,7 +171,7 @@ def _round(base: str, clients: int, cfg: BenchConfig) -> dict:
 
 
 def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) -> dict:
-    """Run both servers through every client count; write ``serve_bench.json`` and ``serve_bench.md``."""
+    """Run both servers through every client count; write ``serve_bench.{json,md}``."""
     from tpulab.evidence.provenance import describe_hardware, environment
     from tpulab.inference.trust import load_verified
 
@@ -231,13 +233,15 @@ def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) ->
 def capacity_table(result: dict) -> str:
     c, m = result["config"], result["model"]
     lines = [
-        f"{result['hardware']}; jax {result['environment']['packages']['jax']}; model d_model {m['d_model']}, "
-        f"{m['n_layers']} layers, max_seq_len {m['max_seq_len']}; cache {c['cache']}; prompt {c['prompt']!r}, "
-        f"{c['max_new']} new tokens, greedy; {c['requests_per_client']} requests per client; "
-        f"window {c['batch_window_ms']} ms; load average before {result['loadavg_before'][0]:.1f}, after "
+        f"{result['hardware']}; jax {result['environment']['packages']['jax']}; "
+        f"model d_model {m['d_model']}, {m['n_layers']} layers, max_seq_len {m['max_seq_len']}; "
+        f"cache {c['cache']}; prompt {c['prompt']!r}, {c['max_new']} new tokens, greedy; "
+        f"{c['requests_per_client']} requests per client; window {c['batch_window_ms']} ms; "
+        f"load average before {result['loadavg_before'][0]:.1f}, after "
         f"{result['loadavg_after'][0]:.1f} (shared machine).",
         "",
-        "| server | clients | req/s | tok/s | p50 ms | p99 ms | TTFT p50 ms | vs serial | batch size:count |",
+        "| server | clients | req/s | tok/s | p50 ms | p99 ms | TTFT p50 ms | vs serial "
+        "| batch size:count |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
@@ -246,8 +250,8 @@ def capacity_table(result: dict) -> str:
             f"{k}:{v}" for k, v in sorted(r["batches_formed"].items(), key=lambda kv: int(kv[0]))
         )
         lines.append(
-            f"| {r['server']} | {r['clients']} | {r['requests_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
-            f"{r['latency_p50_ms']:.1f} | {r['latency_p99_ms']:.1f} | {r['ttft_p50_ms']:.1f} | {vs} | "
-            f"{formed} |"
+            f"| {r['server']} | {r['clients']} | {r['requests_per_s']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {r['latency_p50_ms']:.1f} | {r['latency_p99_ms']:.1f} | "
+            f"{r['ttft_p50_ms']:.1f} | {vs} | {formed} |"
         )
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Model shape and precision policy, and what a model costs in memory (computed from the config alone).
+"""Model shape and precision policy, and what a model costs in memory (computed from the config
+alone).
 
 ``param_count`` and ``train_state_bytes`` are the one place for that arithmetic: the host-memory
 check before training uses them, and so can any device budget. Upper bounds on the shape fields
@@ -15,10 +16,14 @@ from tpulab.config import check, check_int, field
 from tpulab.data.tokenizer import VOCAB_SIZE
 
 DType = Literal["float32", "bfloat16"]
+# What each block keeps for the backward pass (``jax.checkpoint`` per block, ``model.transformer``):
+# none = every activation; block = only the block's input, the rest recomputed;
+# dots_saveable = the matmul outputs, the elementwise ops between them recomputed.
+Remat = Literal["none", "block", "dots_saveable"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
-# Sanity bounds (see the module docstring): the largest model they allow has < 2**52 parameters, so its
-# train-state bytes (x 16 at most) stay far inside int64.
+# Sanity bounds (see the module docstring): the largest model they allow has < 2**52 parameters, so
+# its train-state bytes (x 16 at most) stay far inside int64.
 MAX_VOCAB_SIZE = 2**20
 MAX_SEQ_LEN = 2**20
 MAX_D_MODEL = 2**16
@@ -39,6 +44,11 @@ class ModelConfig:
     dropout: float = field(0.1, "dropout on attention probabilities and residual branches")
     tie_embeddings: bool = field(True, "share the token embedding with the output head")
     rope_base: float = field(10000.0, "RoPE frequency base")
+    remat: Remat = field(
+        "none",
+        "rematerialization per block: none | block (keep only each block's input, recompute the "
+        "rest in the backward pass) | dots_saveable (keep matmul outputs, recompute the rest)",
+    )
 
     def __post_init__(self):
         check(
@@ -88,7 +98,8 @@ class PrecisionConfig:
     def __post_init__(self):
         check(
             not (self.param_dtype == "bfloat16" and self.compute_dtype == "float32"),
-            "precision.compute_dtype=float32 with param_dtype=bfloat16 gains nothing; use float32 params",
+            "precision.compute_dtype=float32 with param_dtype=bfloat16 gains nothing; "
+            "use float32 params",
         )
 
 
@@ -104,15 +115,16 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (2 FLOPs each): the blocks' projections and the
-    output head (the embedding table when tied); the embedding lookup and norm scales are not matmuls."""
+    """Parameters that take part in a matmul per token (2 FLOPs each): the blocks' projections and
+    the output head (the embedding table when tied); the embedding lookup and norm scales are not
+    matmuls."""
     return (
         cfg.n_layers * (4 * cfg.d_model**2 + 2 * cfg.mlp_ratio * cfg.d_model**2)
         + cfg.d_model * cfg.vocab_size
     )
 
 
-# Training holds, per parameter: the value, its gradient, and Adam's two moments (all in param_dtype).
+# Training holds, per parameter: the value, its gradient, and Adam's two moments (in param_dtype).
 TRAIN_STATE_COPIES = 4
 
 

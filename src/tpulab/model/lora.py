@@ -29,8 +29,8 @@ PROJECTIONS = ("attn/qkv", "attn/out", "mlp/up", "mlp/down")
 
 
 class Adapter(nnx.Module):
-    """``(alpha / r) (x A) B`` for rows ``x`` [N, d_in]; ``A`` like torch's kaiming_uniform(a=sqrt(5))
-    (uniform in +-1/sqrt(d_in), as PEFT initialises it), ``B`` zeros."""
+    """``(alpha / r) (x A) B`` for rows ``x`` [N, d_in]; ``A`` as torch's
+    kaiming_uniform(a=sqrt(5)) (uniform in +-1/sqrt(d_in), as PEFT initialises it), ``B`` zeros."""
 
     def __init__(
         self,
@@ -97,7 +97,7 @@ class Adapted:
 def add_adapters(
     model: Transformer, rank: int, alpha: float, targets: tuple[str, ...], rngs: nnx.Rngs
 ) -> Adapted:
-    """Give each targeted projection of ``model`` an adapter (in place); returns what was adapted."""
+    """Give each targeted projection of ``model`` an adapter (in place); returns what it adapted."""
     paths = select(model, targets)
     mods = projections(model)
     for p in paths:

@@ -34,11 +34,11 @@ def rope_tables(
     """cos/sin tables for integer positions [B, T] -> [B, T, head_dim/2]; positions None:
     0..t-1 -> [1, t, head_dim/2].
 
-    Looked up in one fp32 table per shape, computed in float64 on the host, so every path (training,
-    full forward, prefill, decode) rotates a position by the same numbers; in a program the table is
-    a constant (computed inside the train step, XLA:CPU evaluated sin/cos again in each fusion that
-    read them, for every head and batch row: about 6% of a default-config step). Positions must lie
-    in [0, max_len).
+    Looked up in one fp32 table per shape, computed in float64 on the host, so every path
+    (training, full forward, prefill, decode) rotates a position by the same numbers; in a program
+    the table is a constant (computed inside the train step, XLA:CPU evaluated sin/cos again in each
+    fusion that read them, for every head and batch row: about 6% of a default-config step).
+    Positions must lie in [0, max_len).
     """
     cos, sin = _rope_table(max(max_len, t or 0), head_dim, float(base))
     if positions_bt is None:
@@ -57,8 +57,7 @@ def apply_rope(x_bthd: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax
 
 
 def causal_mask(q_len: int, k_len: int, q_offset: int | jax.Array = 0) -> jax.Array:
-    """[q_len, k_len] bool: query i (at absolute position q_offset + i) sees keys
-    0..q_offset + i."""
+    """[q_len, k_len] bool: query i (at absolute position q_offset + i) sees keys 0..q_offset+i."""
     q_pos = jnp.arange(q_len)[:, None] + q_offset
     return jnp.arange(k_len)[None, :] <= q_pos
 
@@ -163,12 +162,12 @@ class Attention(nnx.Module):
 
     def weights(self, scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Softmax over the last axis of raw q.k products [B, H, ..., S] (accumulation dtype),
-        scaled by 1/sqrt(Dh), left unnormalized: ``exp(z - max z)`` and its sum over S. ``mask`` [B,
-        ..., S] (no head axis) is True where a key is visible. Callers divide by the sum after the
-        product with the values, on Dh elements per query instead of S (as flash attention does):
-        dividing the probabilities first made XLA:CPU write the sum broadcast to every score, per
-        layer, forward and backward (measured: a default-config step 97 -> 88-90 ms). Shared with
-        the decode loop's attention (``tpulab.model.decode``), which lays its products out
+        scaled by 1/sqrt(Dh), left unnormalized: ``exp(z - max z)`` and its sum over S. ``mask``
+        [B, ..., S] (no head axis) is True where a key is visible. Callers divide by the sum after
+        the product with the values, on Dh elements per query instead of S (as flash attention
+        does): dividing the probabilities first made XLA:CPU write the sum broadcast to every score,
+        per layer, forward and backward (measured: a default-config step 97 -> 88-90 ms). Shared
+        with the decode loop's attention (``tpulab.model.decode``), which lays its products out
         differently."""
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         z = scores * scale + mask_bias(mask, self.prec.accum_dtype)[:, None]
@@ -267,9 +266,27 @@ class Transformer(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ) -> jax.Array:
         x_btd = self.embed(tokens_bt)
+        apply_block = _REMAT[self.cfg.remat]
         for block in self.blocks:
-            x_btd = block(x_btd, positions_bt, deterministic=deterministic, rngs=rngs)
+            x_btd = apply_block(block, x_btd, positions_bt, deterministic, rngs)
         return self.logits(x_btd)
+
+
+def _call_block(block: Block, x_btd, positions_bt, deterministic: bool, rngs):
+    return block(x_btd, positions_bt, deterministic=deterministic, rngs=rngs)
+
+
+# ``model.remat``: how the train step's backward pass gets each block's activations. "none" is the
+# plain call (the default program, unchanged); the others wrap the block in ``nnx.remat``
+# (``jax.checkpoint``, with the policy named), so the forward keeps less and the backward
+# recomputes the rest. ``deterministic`` is a Python bool and stays static.
+_REMAT = {
+    "none": _call_block,
+    "block": nnx.remat(_call_block, static_argnums=(3,)),
+    "dots_saveable": nnx.remat(
+        _call_block, static_argnums=(3,), policy=jax.checkpoint_policies.dots_saveable
+    ),
+}
 
 
 def param_count(model: nnx.Module) -> int:

@@ -268,8 +268,8 @@ def measure(artifacts: str | Path, cfg: CapacityConfig, out_dir: str | Path) -> 
     ``validate``; write ``capacity.json`` (raw rows, provenance) and ``capacity.md``."""
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
     from tpulab.evidence.provenance import describe_hardware, environment, git_commit
-    from tpulab.inference.export import load_verified
     from tpulab.inference.serve_bench import _Server
+    from tpulab.inference.trust import load_verified
 
     art = load_verified(artifacts)  # refuse unverified artifacts before starting anything
     cpus = sorted(os.sched_getaffinity(0))

@@ -502,7 +502,8 @@ def build_image(
 ) -> dict:
     """Verify ``artifacts``, then write the OCI layout ``out``; returns the build summary."""
     from tpulab.evidence.provenance import git_commit
-    from tpulab.inference.export import MANIFEST, VERIFICATION, load_verified, read_key
+    from tpulab.inference.artifact_format import ARTIFACT_MANIFEST, VERIFICATION
+    from tpulab.inference.trust import load_verified, read_key
 
     t0 = time.monotonic()
     out = Path(out)
@@ -517,7 +518,7 @@ def build_image(
         raise TpulabError(f"{root / VERIFICATION} changed while it was being checked")
     verification_sha = hashlib.sha256(record).hexdigest()
     files = {name: (root / name, digest) for name, digest in art.file_sha256.items()}
-    files[MANIFEST] = (root / MANIFEST, art.manifest_sha256)
+    files[ARTIFACT_MANIFEST] = (root / ARTIFACT_MANIFEST, art.manifest_sha256)
     files[VERIFICATION] = (root / VERIFICATION, verification_sha)
 
     layers, describe = collect(files, Path(__file__).resolve().parents[1])
@@ -571,6 +572,9 @@ def build_image(
                     "0.0.0.0",
                     "--port",
                     str(PORT),
+                    # The image root is read-only; /tmp is the one writable place.
+                    "--trace-log",
+                    "/tmp/serve_traces.jsonl",
                 ],
                 "WorkingDir": "/srv",
                 "ExposedPorts": {f"{PORT}/tcp": {}},

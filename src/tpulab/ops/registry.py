@@ -39,7 +39,7 @@ from tpulab.checkpoint.files import sha256_file
 from tpulab.errors import TpulabError
 from tpulab.ops import behaviour, ledger
 from tpulab.ops import tags as T
-from tpulab.tracking.mlflow_hook import _short
+from tpulab.tracking.store import cause
 
 DEFAULT_ALIAS = "champion"
 LOCK_WAIT_S = 5.0
@@ -92,7 +92,7 @@ def store_call(reg_or_db, what: str):
     except TpulabError:
         raise
     except _store_errors() as e:
-        raise TpulabError(f"registry store {db}: {what} failed ({_short(e)})") from None
+        raise TpulabError(f"registry store {db}: {what} failed ({cause(e)})") from None
 
 
 def _probe(db: Path, wait_s: float) -> None:
@@ -102,7 +102,7 @@ def _probe(db: Path, wait_s: float) -> None:
     try:
         con = sqlite3.connect(url, uri=True, timeout=wait_s, isolation_level=None)
     except sqlite3.Error as e:
-        raise TpulabError(f"registry store {db} cannot be opened ({_short(e)})") from None
+        raise TpulabError(f"registry store {db} cannot be opened ({cause(e)})") from None
     try:
         con.execute("SELECT count(*) FROM sqlite_master").fetchone()
         con.execute("BEGIN IMMEDIATE")
@@ -113,10 +113,10 @@ def _probe(db: Path, wait_s: float) -> None:
                 f"registry store {db} is locked by another process (no write within {wait_s:g} s); "
                 "nothing was changed"
             ) from None
-        raise TpulabError(f"registry store {db} is unusable ({_short(e)})") from None
+        raise TpulabError(f"registry store {db} is unusable ({cause(e)})") from None
     except sqlite3.DatabaseError as e:
         raise TpulabError(
-            f"registry store {db} is not a readable sqlite database ({_short(e)}); "
+            f"registry store {db} is not a readable sqlite database ({cause(e)}); "
             "nothing was changed"
         ) from None
     finally:
@@ -126,7 +126,7 @@ def _probe(db: Path, wait_s: float) -> None:
 def store_uri(explicit: str | None, run_dir: str | Path | None = None) -> str:
     """--tracking-uri, else $MLFLOW_TRACKING_URI, else the trainer's store: ``mlruns.db`` beside
     ``run_dir`` (register), or in the current directory (the other commands, as ``tpulab runs``)."""
-    from tpulab.tracking.mlflow_hook import default_uri
+    from tpulab.tracking.store import default_uri
 
     return default_uri(Path(run_dir) if run_dir else Path.cwd() / "x", explicit)
 
@@ -148,7 +148,7 @@ def open_registry(uri: str, *, create: bool = False, wait_s: float = LOCK_WAIT_S
             raise TpulabError(f"cannot create the registry store {db}: no directory {db.parent}")
     else:
         _probe(db, wait_s)
-    from tpulab.tracking.mlflow_hook import open_store
+    from tpulab.tracking.store import open_store
 
     with store_call(db, "opening"):
         client, exp = open_store(uri)
@@ -606,7 +606,7 @@ def register(
 
 def training_run_id(reg: Registry, run_dir: Path) -> str:
     """The MLflow run the training logged to, when it logged to this store; else ""."""
-    from tpulab.tracking.mlflow_hook import RUN_FILE
+    from tpulab.tracking.store import RUN_FILE
 
     try:
         stored = json.loads((run_dir / RUN_FILE).read_text())

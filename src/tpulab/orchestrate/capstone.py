@@ -144,17 +144,16 @@ def run_capstone(
     )
 
     def receipt_stage() -> str:
-        from tpulab.evidence.receipt import hardware_line, run_receipt, table
+        from tpulab.evidence.receipt import collective_summary, hardware_line, run_receipt, table
 
         receipt = run_receipt(out / "receipt")
         return "\n".join(
             [
                 "## Runtime receipt",
                 "",
-                "What JAX reported and proved on this machine: "
-                f"**{hardware_line(receipt)}** (a collective with a known answer across all "
-                "devices, a timed matmul checked against NumPy, a device-to-host round trip). "
-                "Every chip named in this report comes from it.",
+                f"What JAX reported and proved on this machine: **{hardware_line(receipt)}** "
+                f"({collective_summary(receipt)}; a timed matmul checked against NumPy; a "
+                "device-to-host round trip). Every chip named in this report comes from it.",
                 "",
                 table(receipt),
                 "",

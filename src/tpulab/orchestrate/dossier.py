@@ -39,7 +39,7 @@ class DossierPlan:
 
 
 def recommend_precision(rows: list[dict], context: int, serve_batch: int = 8) -> dict:
-    """Cheapest training and serving policies whose error against fp32 stays within the stated bounds.
+    """Cheapest training and serving policies whose error stays within the stated bounds.
 
     Serving cost = weights + KV cache for ``serve_batch`` sequences of ``context`` tokens."""
     ok = [
@@ -49,9 +49,9 @@ def recommend_precision(rows: list[dict], context: int, serve_batch: int = 8) ->
         and r["greedy_agreement"] >= AGREE_OK
         and abs(r["heldout_loss"] - rows[0]["heldout_loss"]) <= LOSS_OK
     ]
-    # Training: mixed precision (bf16 compute, fp32 master weights and moments) when its error is within
-    # bounds. bf16-params is not preferred even when accepted: the table measures the forward error of
-    # trained weights, not whether bf16 updates and moments keep a long run on track.
+    # Training: mixed precision (bf16 compute, fp32 master weights and moments) when its error is
+    # within bounds. bf16-params is not preferred even when accepted: the table measures the forward
+    # error of trained weights, not whether bf16 updates and moments keep a long run on track.
     train_ok = {r["policy"] for r in ok if "train_step_ms" in r}
     choice = next((p for p in ("bf16-compute", "fp32") if p in train_ok), "fp32")
     best_train = next(r for r in rows if r["policy"] == choice)
@@ -118,8 +118,9 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         results["receipt"] = env
         atomic_write_json(out / "receipt.json", env)
         return (
-            f"## Receipt: what JAX sees\n\n{describe_hardware(env)}; jax {env['packages'].get('jax')}, "
-            f"commit {env['git_commit']}, {env['platform']}. Every number below was measured on this host "
+            f"## Receipt: what JAX sees\n\n{describe_hardware(env)}; "
+            f"jax {env['packages'].get('jax')}, commit {env['git_commit']}, {env['platform']}. "
+            "Every number below was measured on this host "
             f"unless it is marked as the XLA:TPU compiler's (libtpu, compiled here, not run)."
         )
 
@@ -130,8 +131,9 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         s = train(cfg, run_dir, progress=False)
         results["train"] = s
         return (
-            f"## Training run (for trained weights)\n\n{plan.train_steps} steps at the default size: final loss "
-            f"{s['final_loss']:.4f}, validation loss {s['final_val_loss']:.4f} ({run_dir.name}/)."
+            f"## Training run (for trained weights)\n\n{plan.train_steps} steps at the default "
+            f"size: final loss {s['final_loss']:.4f}, "
+            f"validation loss {s['final_val_loss']:.4f} ({run_dir.name}/)."
         )
 
     def bench_stage():
@@ -156,11 +158,11 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         )
 
     def budget_stage():
-        r = budget.write_budget(target_config, plan.targets, out / "budget")
+        r = budget.write_budget(target_config, plan.targets, out / "budget")  # + budget.png
         results["budget"] = r
-        _budget_plot(r, out / "budget" / "budget.png")
         who = (
-            f"the target model ({', '.join(plan.target_overrides)}; {r['param_count'] / 1e6:.1f}M parameters)"
+            f"the target model ({', '.join(plan.target_overrides)}; "
+            f"{r['param_count'] / 1e6:.1f}M parameters)"
             if plan.target_overrides
             else f"the run's model ({r['param_count'] / 1e6:.2f}M parameters)"
         )
@@ -183,8 +185,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
             raise TpulabError("no dropout random-bit share in the profile to base a hypothesis on")
         pct = round(100 * share)
         predict = (
-            f"the profile puts {pct}% of the step in random-bit generation for dropout; model.dropout=0 "
-            f"removes it (and the mask multiplies): step time -{pct}%"
+            f"the profile puts {pct}% of the step in random-bit generation for dropout; "
+            f"model.dropout=0 removes it (and the mask multiplies): step time -{pct}%"
         )
         r = hypothesis.run_hypothesis(
             config, "model.dropout=0", predict, out / "hypothesis", steps=plan.hypothesis_steps
@@ -201,8 +203,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         stage("profile", profile_stage)
         stage("precision", precision_stage)
         stage("hypothesis", hypothesis_stage)
-    # Last: compiling for a TPU topology loads libtpu, whose host profiler then busy-waits on a core during any
-    # later profiler session in this process (tpulab.libtpu_env).
+    # Last: compiling for a TPU topology loads libtpu, whose host profiler then busy-waits on a core
+    # during any later profiler session in this process (tpulab.libtpu_env).
     stage("budget", budget_stage)
 
     md = (
@@ -245,64 +247,30 @@ def _decisions(results: dict, plan: DossierPlan) -> str:
     rec = results.get("budget", {}).get("recommendation")
     if rec:
         lines.append(
-            f"- **Slice**: {rec['target'] or 'none of ' + plan.targets} — {rec['why']} "
+            f"- **Slice**: {rec['target'] or 'none of ' + plan.targets}"
+            + (f" with `{rec['set']}`" if rec.get("set") else "")
+            + f" — {rec['why']} "
             "(see *TPU budget*: analytic bytes next to the XLA:TPU compiler's peak)."
         )
     pc = results.get("precision_choice")
     if pc:
         lines.append(
-            f"- **Precision**: train with `{pc['train']}`, serve with `{pc['serve']}` — the cheapest policies "
-            f"within {pc['bounds']} on held-out text (accepted: {', '.join(pc['accepted'])}); bf16 speed is "
-            "not measurable on a CPU (emulated), only its accuracy."
+            f"- **Precision**: train with `{pc['train']}`, serve with `{pc['serve']}` — the "
+            f"cheapest policies within {pc['bounds']} on held-out text (accepted: "
+            f"{', '.join(pc['accepted'])}); bf16 speed is not measurable on a CPU (emulated), "
+            "only its accuracy."
         )
     b = results.get("batch")
     if b:
         lines.append(
-            f"- **Batch**: {b['batch_size']} — {b['why']} ({b['tokens_per_s']:.0f} tokens/s); on a TPU "
-            "re-run the sweep there: only same-host ratios carry over."
+            f"- **Batch**: {b['batch_size']} — {b['why']} ({b['tokens_per_s']:.0f} tokens/s); on a "
+            "TPU re-run the sweep there: only same-host ratios carry over."
         )
     h = results.get("hypothesis")
     if h:
         lines.append(
-            f"- **Hypothesis**: {h['verdict']} (predicted {h['predicted_step_time_change_pct']:+.0f}%, "
+            f"- **Hypothesis**: {h['verdict']} "
+            f"(predicted {h['predicted_step_time_change_pct']:+.0f}%, "
             f"measured {h['measured_step_time_change_pct']:+.1f}%)."
         )
     return "\n".join(lines)
-
-
-def _budget_plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    rows = r["rows"]
-    x = np.arange(len(rows))
-    gib = 2**30
-    fig, ax = plt.subplots(figsize=(7, 3.4))
-    ax.bar(x - 0.27, [row["train"]["total"] / gib for row in rows], 0.27, label="analytic")
-    ax.bar(x, [row["train"]["total_remat"] / gib for row in rows], 0.27, label="analytic, remat")
-    ax.bar(
-        x + 0.27,
-        [row.get("compiled_train", {}).get("peak_bytes", 0) / gib for row in rows],
-        0.27,
-        label="XLA:TPU peak",
-    )
-    ax.scatter(
-        x,
-        [row["hbm_per_device"] / gib for row in rows],
-        marker="_",
-        s=900,
-        color="k",
-        label="HBM/device",
-    )
-    ax.set_xticks(x, [row["target"] for row in rows])
-    ax.set_ylabel("GiB per device")
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    ax.set_title("train step memory per device")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

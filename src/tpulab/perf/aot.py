@@ -126,8 +126,8 @@ def _no_persistent_cache():
     try:
         with warnings.catch_warnings():
             # Once a process has used the cache (CPU compiles earlier in `tpulab dossier`), JAX
-            # keeps consulting it; the failed read of a TPU entry is then harmless (it compiles) but
-            # noisy.
+            # keeps consulting it; the failed read of a TPU entry is then harmless (it compiles)
+            # but noisy.
             warnings.filterwarnings(
                 "ignore", message="Error reading persistent compilation cache entry"
             )
@@ -137,8 +137,7 @@ def _no_persistent_cache():
 
 
 class CompilerOutOfMemory(TpulabError):
-    """XLA:TPU refused the program: it needs more HBM than one device has (a verdict, not a
-    crash)."""
+    """XLA:TPU refused the program: it needs more HBM than a device has (a verdict, not a crash)."""
 
 
 @contextlib.contextmanager
@@ -169,9 +168,56 @@ def read_compiled(compiled) -> dict:
     }
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2}
+_DTYPE_BYTES.update({"s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1})
+# An instruction line: "%name = SHAPE opcode(...". SHAPE may hold tuples and TPU layouts with
+# parentheses ("f32[8,96]{1,0:T(8,128)}"), but never a space followed by "word(".
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][a-z0-9\-]*)\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def collectives(hlo: str) -> dict:
+    """kind -> {count, bytes}: every collective of a compiled module (``compiled.as_text()``), with
+    the bytes of its result per device (all-gather: the gathered array; reduce-scatter: the shard).
+
+    Async pairs count once (``-start``). XLA:TPU emits a reduce-scatter as a fusion that calls an
+    ``all-reduce-scatter`` computation (an all-reduce and a slice, emitted as one collective,
+    ``AllReduceScatterFusion``): that call counts as one reduce-scatter and the all-reduce inside
+    its body is not counted again. XLA:CPU has no such pass: there a gradient reduce-scatter stays
+    an all-reduce followed by a slice (``benchmarks/results/scaleout_comm.md``).
+    """
+    out: dict = {}
+    inside_fused_reduce_scatter = False
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head and " = " not in line:
+            inside_fused_reduce_scatter = head.group("name").startswith("all-reduce-scatter")
+            continue
+        m = _INSTR.match(line)
+        if not m or inside_fused_reduce_scatter:
+            continue
+        op = m.group("op").removesuffix("-start")
+        if op == "fusion" and "calls=%all-reduce-scatter" in line:
+            op = "reduce-scatter"
+        if op in COLLECTIVES:
+            row = out.setdefault(op, {"count": 0, "bytes": 0})
+            row["count"] += 1
+            row["bytes"] += _shape_bytes(m.group("shape"))
+    return out
+
+
 def compile_train_step(config, target_name: str) -> dict:
-    """Compile the trainer's own train step (``make_steps``) for a TPU target; compiler numbers per
-    device."""
+    """Compile the trainer's own train step (``make_steps``) for a TPU target; compiler numbers
+    per device, and the collectives of its optimized HLO."""
     import jax
     import numpy as np
 
@@ -195,6 +241,8 @@ def compile_train_step(config, target_name: str) -> dict:
         compiled = steps.train.lower(steps.abstract_state(), batch).compile()
     return {
         **read_compiled(compiled),
+        "collectives": collectives(compiled.as_text()),
+        "mesh": {"data": steps.mesh.shape["data"], "fsdp": steps.mesh.shape["fsdp"]},
         "compile_s": time.perf_counter() - t0,
         "devices": len(devices),
         "device_kind": devices[0].device_kind,

@@ -8,11 +8,12 @@ split over the devices):
 - activations kept for the backward pass, per layer and token: the block's inputs and outputs at
   the compute dtype (norms, q/k/v, rotated q/k, attention output, residuals, MLP up and GELU:
   ``18 d`` values) plus fp32 attention scores and probabilities (``2 H T``), plus fp32 logits and
-  log-probabilities at the end (``2 V``); with per-block rematerialization only each block's input
-  is kept and one block's activations are live at a time;
+  log-probabilities at the end (``2 V``); with per-block rematerialization (the trainer's
+  ``model.remat=block``) only each block's input is kept and one block's activations are live at
+  a time;
 - an XLA workspace margin (``WORKSPACE_MARGIN`` of the rest).
 
-Serving: replicated weights plus the KV cache (``inference.cache`` layout) for B sequences of T
+Serving: replicated weights plus the KV cache (``model.kvcache`` layout) for B sequences of T
 tokens in fp32, bf16 or int8 (int8 with its fp32 scales). Each target also gets the real train
 step and decode step compiled for its topology with libtpu (``tpulab.perf.aot``), and the step is
 placed against the chip's ridge point (peak FLOP/s / HBM bandwidth) using the compiler's FLOPs and
@@ -20,6 +21,11 @@ bytes accessed. The fit verdict uses the compiler's peak where the compile succe
 program that would run; the analytic activation count overstates what XLA keeps live) and the
 analytic total elsewhere; "does not fit anywhere" is decided analytically, with rematerialization,
 before anything is compiled.
+
+Rematerialization is recommended only as the trainer has it: where a target does not hold the step
+as configured (the compiler refused it, or it leaves less than the headroom), the same step is
+compiled again with ``model.remat=block`` (``REMAT``) and the compiler's peak of that program
+decides; the recommendation names the config value to set.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ from tpulab.perf import aot
 from tpulab.perf.chips import CHIPS
 
 WORKSPACE_MARGIN = 0.10  # XLA scratch, fusion buffers, collectives: a margin, not a measurement
-# A recommended slice keeps this share of HBM free (fragmentation, longer runs, bigger eval).
-HEADROOM = 0.20
+HEADROOM = 0.20  # a recommended slice keeps this share of HBM free (fragmentation, bigger eval)
 DISAGREE = 0.20  # analytic vs compiler differences above this are explained in the table
+REMAT = "block"  # the model.remat value the budget falls back to: it keeps the least
 _BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -69,7 +75,12 @@ def train_budget(config, devices: int) -> dict:
     p = _BYTES[config.precision.param_dtype]
     per_device_batch = max(1, config.data.batch_size // devices)
     state = {"params": n * p, "grads": n * p, "adam_mu": n * p, "adam_nu": n * p}
-    act, act_remat = (activation_bytes(config, per_device_batch, remat=r) for r in (False, True))
+    # As configured: a run with model.remat=block keeps what the remat count keeps (dots_saveable
+    # keeps more than that and is counted as no remat: an upper bound).
+    configured = config.model.remat == "block"
+    act, act_remat = (
+        activation_bytes(config, per_device_batch, remat=r) for r in (configured, True)
+    )
     base = sum(state.values())
     return {
         **state,
@@ -107,8 +118,7 @@ def _explain(kind: str, analytic: float, compiled: float) -> str:
     return (
         "compiler counts elementwise work (softmax, GELU, norms, AdamW) that 6N·tokens leaves out"
         if more
-        else "compiler counts fewer FLOPs than the analytic matmul count (e.g. fused or "
-        "simplified ops)"
+        else "compiler counts fewer FLOPs than the analytic matmul count (fused or simplified ops)"
     )
 
 
@@ -176,6 +186,9 @@ def budget(
             except aot.CompilerOutOfMemory as e:
                 c = None
                 row["compiler_refused"] = str(e)
+            short = c is None or c["peak_bytes"] > (1 - HEADROOM) * hbm
+            if short and config.model.remat == "none":
+                row["compiled_train_remat"] = _compile_remat(config, target.name)
             serve_cfg = dataclasses.replace(
                 config,
                 model=dataclasses.replace(config.model, max_seq_len=context),
@@ -206,10 +219,19 @@ def budget(
             row["compiled_vs_analytic_flops"] = _ratio(c["flops"], analytic_flops)
         need = _need(row)
         row["need_bytes"] = need
-        need_remat = train["total_remat"]
         row["train_fits"] = need <= hbm and "compiler_refused" not in row
-        row["train_fits_remat"] = need_remat <= hbm
         row["train_fits_with_headroom"] = row["train_fits"] and need <= (1 - HEADROOM) * hbm
+        remat = row.get("compiled_train_remat")
+        if remat is not None:  # the compiler's verdict on the model.remat=block program
+            row["need_bytes_remat"] = remat.get("peak_bytes")
+            fits_remat = "refused" not in remat and remat["peak_bytes"] <= hbm
+        else:  # not compiled (or it fit as configured): the analytic count
+            row["need_bytes_remat"] = train["total_remat"]
+            fits_remat = train["total_remat"] <= hbm
+        row["train_fits_remat"] = row["train_fits"] or fits_remat
+        row["train_fits_remat_with_headroom"] = row["train_fits_with_headroom"] or (
+            fits_remat and row["need_bytes_remat"] <= (1 - HEADROOM) * hbm
+        )
         row["serve_fits"] = {pol: b <= hbm for pol, b in serve.items()}
         rows.append(row)
     return {
@@ -219,6 +241,16 @@ def budget(
         "headroom": HEADROOM,
         "libtpu": aot.libtpu_version(),
     }
+
+
+def _compile_remat(config, target_name: str) -> dict:
+    """The train step compiled again with ``model.remat=REMAT``: its compiler numbers, or the
+    compiler's refusal."""
+    cfg = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=REMAT))
+    try:
+        return {**aot.compile_train_step(cfg, target_name), "remat": REMAT}
+    except aot.CompilerOutOfMemory as e:
+        return {"refused": str(e), "remat": REMAT}
 
 
 def _need(row: dict) -> int:
@@ -233,46 +265,54 @@ def _round_up(x: int, k: int) -> int:
 
 
 def recommend(rows: list[dict]) -> dict:
-    """The smallest slice (fewest chips, then least HBM) that trains with headroom; else with remat;
-    else none."""
+    """The smallest slice (fewest chips, then least HBM) that trains with headroom as configured;
+    else with ``model.remat=REMAT`` (the trainer's own option, named); else the smallest that holds
+    the step at all, said to be without the headroom; else none."""
     order = sorted(rows, key=lambda r: (r["chips"], r["hbm_per_device"] * r["devices"]))
-    for key, how in (
-        ("train_fits_with_headroom", "as configured"),
-        ("train_fits_remat", "with rematerialization"),
-    ):
+    remat = f"with model.remat={REMAT}"
+    passes = (
+        ("train_fits_with_headroom", "as configured", False),
+        ("train_fits_remat_with_headroom", remat, True),
+        ("train_fits", "as configured, without the headroom", False),
+        ("train_fits_remat", f"{remat}, without the headroom", True),
+    )
+    for key, how, with_remat in passes:
         for r in order:
-            if r[key]:
+            if not r[key]:
+                continue
+            if not with_remat:
                 need = r["need_bytes"]
+                compiled = "compiled_train" in r
+                basis = "the XLA:TPU compiler's peak" if compiled else "the analytic estimate"
+            else:
+                need = r["need_bytes_remat"]
+                compiled = "peak_bytes" in r.get("compiled_train_remat", {})
                 basis = (
-                    "the XLA:TPU compiler's peak"
-                    if "compiled_train" in r
-                    else "the analytic estimate"
+                    f"the XLA:TPU compiler's peak of the model.remat={REMAT} step"
+                    if compiled
+                    else "the analytic estimate with rematerialization"
                 )
-                if how != "as configured":
-                    need, basis = (
-                        r["train"]["total_remat"],
-                        "the analytic estimate with rematerialization",
-                    )
-                return {
-                    "target": r["target"],
-                    "how": how,
-                    "why": f"fewest chips among the targets that hold the train step {how}: needs "
-                    f"{_gib(need)} of {_gib(r['hbm_per_device'])} HBM per device "
-                    f"({100 * need / r['hbm_per_device']:.1f}% by {basis}; at most "
-                    f"{100 * (1 - HEADROOM):.0f}% "
-                    "leaves the headroom)",
-                }
-    return {"target": None, "how": None, "why": "fits none of the targets"}
+            return {
+                "target": r["target"],
+                "how": how,
+                "set": f"model.remat={REMAT}" if with_remat else None,
+                "why": f"fewest chips among the targets that hold the train step {how}: needs "
+                f"{_gib(need)} of {_gib(r['hbm_per_device'])} HBM per device "
+                f"({100 * need / r['hbm_per_device']:.1f}% by {basis}; at most "
+                f"{100 * (1 - HEADROOM):.0f}% leaves the headroom)",
+            }
+    return {"target": None, "how": None, "set": None, "why": "fits none of the targets"}
 
 
 def check_fits(result: dict) -> None:
-    """Raise DoesNotFit when no target can hold the train step (even with rematerialization)."""
+    """Raise DoesNotFit when no target can hold the train step (even with model.remat=REMAT)."""
     if result["recommendation"]["target"] is None:
-        worst = min(result["rows"], key=lambda r: r["train"]["total_remat"] / r["hbm_per_device"])
+        need = lambda r: r["need_bytes_remat"] or r["train"]["total_remat"]  # noqa: E731
+        best = min(result["rows"], key=lambda r: need(r) / r["hbm_per_device"])
         raise DoesNotFit(
             f"this model fits none of {', '.join(r['target'] for r in result['rows'])}: the train "
-            f"step needs {_gib(worst['train']['total_remat'])} per device even with "
-            f"rematerialization, {worst['target']} has {_gib(worst['hbm_per_device'])}; pick a "
+            f"step needs {_gib(need(best))} per device even with "
+            f"model.remat={REMAT}, {best['target']} has {_gib(best['hbm_per_device'])}; pick a "
             "bigger slice or a smaller model (nothing was provisioned)"
         )
 
@@ -281,27 +321,38 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB" if b >= 2**28 else f"{b / 2**20:.1f} MiB"
 
 
+def _fits(r: dict) -> str:
+    if r["train_fits_with_headroom"]:
+        return "yes"
+    if r["train_fits"]:
+        return "tight"
+    if r["train_fits_remat_with_headroom"]:
+        return f"with model.remat={REMAT}"
+    return f"tight with model.remat={REMAT}" if r["train_fits_remat"] else "NO"
+
+
+def _compiled_cell(r: dict) -> str:
+    c, refused = r.get("compiled_train"), r.get("compiler_refused")
+    cell = _gib(c["peak_bytes"]) if c else ("REFUSED (out of HBM)" if refused else "-")
+    remat = r.get("compiled_train_remat")
+    if remat:
+        got = "REFUSED" if "refused" in remat else _gib(remat["peak_bytes"])
+        cell += f"; model.remat={remat['remat']}: {got}"
+    return cell
+
+
 def table(result: dict) -> str:
     """Markdown: one row per target (per device), then the recommendation."""
     lines = [
-        "| target | dev | HBM/dev | params+grads+Adam | activations (remat) | "
-        "analytic total (remat) | compiled peak | fits | serve bf16 / int8 KV | "
-        "compiler GFLOP vs analytic | AI (FLOP/B) vs ridge bf16 | notes |",
+        "| target | dev | HBM/dev | params+grads+Adam | activations (remat) | analytic total "
+        "(remat) | compiled peak | fits | serve bf16 / int8 KV | compiler GFLOP vs analytic | "
+        "AI (FLOP/B) vs ridge bf16 | notes |",
         "|" + "---|" * 12,
     ]
     for r in result["rows"]:
         t = r["train"]
         state = t["params"] + t["grads"] + t["adam_mu"] + t["adam_nu"]
         c = r.get("compiled_train")
-        fits = (
-            "yes"
-            if r["train_fits_with_headroom"]
-            else "tight"
-            if r["train_fits"]
-            else "remat only"
-            if r["train_fits_remat"]
-            else "NO"
-        )
         ai = (
             f"{r['arithmetic_intensity']:.1f} vs {r['ridge_bf16']:.0f} ({r['bound']})" if c else "-"
         )
@@ -310,13 +361,13 @@ def table(result: dict) -> str:
             if c
             else f"- vs {r['analytic_flops_per_device'] / 1e9:.2f}"
         )
-        refused = r.get("compiler_refused")
+        refusals = [r.get("compiler_refused"), r.get("compiled_train_remat", {}).get("refused")]
         notes = "; ".join(
             n
             for n in (
                 r.get("memory_note"),
                 r.get("flops_note"),
-                refused and "XLA:TPU refused to compile: " + refused.split(": ", 1)[-1],
+                *(m and "XLA:TPU refused to compile: " + m.split(": ", 1)[-1] for m in refusals),
             )
             if n
         )
@@ -324,14 +375,15 @@ def table(result: dict) -> str:
         lines.append(
             f"| {r['target']} | {r['devices']} | {_gib(r['hbm_per_device'])} | {_gib(state)} | "
             f"{_gib(t['activations'])} ({_gib(t['activations_remat'])}) | {_gib(t['total'])} "
-            f"({_gib(t['total_remat'])}) | "
-            f"{_gib(c['peak_bytes']) if c else ('OOM' if refused else '-')} | {fits} | "
+            f"({_gib(t['total_remat'])}) | {_compiled_cell(r)} | {_fits(r)} | "
             f"{_gib(s['bf16'])} / {_gib(s['int8'])} | {flops} | {ai} | {notes} |"
         )
     rec = result["recommendation"]
     lines.append("")
     lines.append(
-        f"Recommendation: {rec['target']} ({rec['why']})"
+        f"Recommendation: {rec['target']}"
+        + (f" with `{rec['set']}`" if rec.get("set") else "")
+        + f" ({rec['why']})"
         if rec["target"]
         else f"Recommendation: none — {rec['why']}"
     )
@@ -342,11 +394,80 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path) -> dict:
+    """Train-step bytes per device against each target's HBM: analytic (with and without remat) and
+    the XLA:TPU compiler's peaks. A program the compiler refused has no peak, so it is drawn as a
+    hatched red bar above the HBM line, labelled, instead of as a missing (zero) bar. Returns what
+    was drawn as refused."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows, gib = result["rows"], 2**30
+    x = np.arange(len(rows))
+    hbm = np.array([r["hbm_per_device"] / gib for r in rows])
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(rows)) + 2.5, 3.8))
+    width = 0.2
+    ax.bar(x - 1.5 * width, [r["train"]["total"] / gib for r in rows], width, label="analytic")
+    ax.bar(
+        x - 0.5 * width,
+        [r["train"]["total_remat"] / gib for r in rows],
+        width,
+        label="analytic, remat",
+    )
+    refused: dict[str, list[str]] = {"as configured": [], f"model.remat={REMAT}": []}
+    for offset, key, label, color in (
+        (0.5, "compiled_train", "XLA:TPU peak", "tab:green"),
+        (1.5, "compiled_train_remat", f"XLA:TPU peak, model.remat={REMAT}", "tab:purple"),
+    ):
+        peaks = [r.get(key, {}).get("peak_bytes", 0) / gib for r in rows]
+        ax.bar(x + offset * width, peaks, width, label=label, color=color)
+        for i, r in enumerate(rows):
+            gone = r.get("compiler_refused") if key == "compiled_train" else None
+            gone = gone or r.get(key, {}).get("refused")
+            if not gone:
+                continue
+            first = not any(refused.values())
+            refused["as configured" if key == "compiled_train" else f"model.remat={REMAT}"].append(
+                r["target"]
+            )
+            ax.bar(
+                x[i] + offset * width,
+                1.25 * hbm[i],
+                width,
+                color="none",
+                edgecolor="tab:red",
+                hatch="xx",
+                label="refused by XLA:TPU (out of HBM)" if first else None,
+            )
+            ax.annotate(
+                "refused",
+                (x[i] + offset * width, 1.25 * hbm[i]),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="tab:red",
+                rotation=90,
+            )
+    ax.scatter(x, hbm, marker="_", s=900, color="k", label="HBM/device", zorder=3)
+    ax.set_xticks(x, [r["target"] for r in rows])
+    ax.set_ylabel("GiB per device")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title("train step memory per device")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return {"refused": refused}
+
+
 def write_budget(
     config, targets: str, out_dir, *, serve_batch: int = 8, serve_context: int | None = None
 ) -> dict:
-    """Run ``budget`` and write budget.json (with provenance and the config) and budget.md under
-    ``out_dir``."""
+    """Run ``budget`` and write budget.json (with provenance and the config), budget.md and
+    budget.png under ``out_dir``."""
     from pathlib import Path
 
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
@@ -362,9 +483,10 @@ def write_budget(
         "config": to_dict(config),
         "param_count": param_count(config.model),
         "environment": {**environment(), "libtpu": aot.libtpu_version()},
-        "method": "analytic bytes per device (see tpulab.perf.budget) next to XLA:TPU compiles of "
-        "the train and decode steps for each topology via libtpu on this host (not executed)",
+        "method": "analytic bytes per device (see tpulab.perf.budget) next to XLA:TPU compiles "
+        "of the train and decode steps for each topology via libtpu on this host (not executed)",
     }
+    result["plot"] = plot(result, out / "budget.png")
     atomic_write_json(out / "budget.json", result)
-    atomic_write_bytes(out / "budget.md", (table(result) + "\n").encode())
+    atomic_write_bytes(out / "budget.md", (table(result) + "\n\n![budget](budget.png)\n").encode())
     return result

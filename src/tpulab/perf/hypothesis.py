@@ -1,12 +1,13 @@
 """`tpulab hypothesis`: one profile-driven prediction, tested side by side with quality evidence.
 
 The user states a prediction with a signed percentage for the step time (``"dropout RNG is 20% of
-the step; dropout 0 removes it: step time -20%"``; the last ``±N%`` in the text is the predicted
-change) and a config switch (``--change KEY=VALUE``). The baseline and the changed config are built
-once each, start from the same seed, and train the same steps on the same batches (the real data
-pipeline), alternating step by step so host-load changes hit both; every step is synchronized and
-timed. Quality evidence: both validation losses on the same held-out batches at the end, within a
-stated tolerance, and both training-loss curves plotted together.
+the step; dropout 0 removes it: step time -20%"``; the last percentage in the text is the predicted
+change and must carry its sign, ``+N%`` or ``-N%``) and a config switch (``--change KEY=VALUE``).
+The baseline and the changed config are built once each, start from the same seed, and train the
+same steps on the same batches (the real data pipeline), alternating step by step so host-load
+changes hit both; every step is synchronized and timed. Quality evidence: both validation losses
+on the same held-out batches at the end, within a stated tolerance, and both training-loss curves
+plotted together.
 
 Verdict: ``confirmed`` when the measured median step-time change has the predicted sign and lies
 within ``max(ABS_TOL_PP, REL_TOL x |predicted|)`` of it, ``refuted`` otherwise; a refuted
@@ -24,17 +25,29 @@ from tpulab.errors import TpulabError
 
 ABS_TOL_PP = 5.0  # percentage points
 REL_TOL = 0.5
-_PCT = re.compile(r"([+-−]?\s?\d+(?:\.\d+)?)\s?%")
+# A percentage and the sign (ASCII plus or minus, or U+2212) that may stand right before it. The
+# sign is an alternation, not a character class: "[+-−]" is the range U+002B..U+2212, which holds
+# the digits and every ASCII letter, so "step time 15%" read "e 15" and "3 15%" read 315.
+_PCT = re.compile(r"(?<![\d.])(?:(\+|-|\u2212)\s?)?(\d+(?:\.\d+)?)\s?%")
 
 
 def predicted_change(text: str) -> float:
+    """The last percentage of the prediction, which must carry its sign (+ or -)."""
     found = _PCT.findall(text or "")
+    example = "e.g. 'step time -15%'"
     if not found:
         raise TpulabError(
-            f"--predict must state the step-time change as a signed percentage (e.g. "
-            f"'step time -15%'), got {text!r}"
+            f"--predict must state the step-time change as a signed percentage ({example}), "
+            f"got {text!r}"
         )
-    return float(found[-1].replace("−", "-").replace(" ", ""))
+    sign, number = found[-1]
+    if not sign:
+        raise TpulabError(
+            f"--predict must state the step-time change as a signed percentage ({example}): "
+            f"its last percentage {number}% has no sign, so faster or slower is not said; "
+            f"got {text!r}"
+        )
+    return -float(number) if sign in "-\u2212" else float(number)
 
 
 def verdict(predicted_pct: float, measured_pct: float) -> dict:
@@ -54,7 +67,8 @@ def run_hypothesis(
     skip: int = 3,
     loss_tol: float = 0.05,
 ) -> dict:
-    """Alternate baseline and changed train steps on the same batches; write hypothesis.{json,md,png}."""
+    """Alternate baseline and changed train steps on the same batches; write
+    hypothesis.{json,md,png}."""
     import jax
 
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
@@ -63,6 +77,7 @@ def run_hypothesis(
     from tpulab.data.pipeline import build_splits, eval_batches, train_dataset
     from tpulab.perf.timing import benchmark_environment
     from tpulab.train.config import RunConfig
+    from tpulab.train.loop import evaluate
     from tpulab.train.step import make_steps
 
     pred = predicted_change(predict)
@@ -97,12 +112,7 @@ def run_hypothesis(
             side["times"].append(time.perf_counter() - t0)
             side["losses"].append(float(metrics["loss"]))
     for side in sides.values():
-        s = side["steps"]
-        nll, count = 0.0, 0.0
-        for vb in val:
-            a, c = s.eval(side["state"].params, s.put_batch(vb))
-            nll, count = nll + float(a), count + float(c)
-        side["val_loss"] = nll / count
+        side["val_loss"] = evaluate(side["steps"], side["state"].params, val)["val_loss"]
         side["median_step_s"] = statistics.median(side["times"][skip:])
 
     base_t, new_t = sides["baseline"]["median_step_s"], sides["changed"]["median_step_s"]
@@ -150,9 +160,11 @@ def markdown(r: dict) -> str:
             f"| changed | {1e3 * c['median_step_s']:.2f} | {c['val_loss']:.4f} |",
             "",
             f"Predicted step time {r['predicted_step_time_change_pct']:+.1f}%, measured "
-            f"{r['measured_step_time_change_pct']:+.1f}% over {r['timed_steps_per_side']} alternating steps per side "
-            f"(tolerance {r['tolerance_pp']:.1f} pp): **{r['verdict'].upper()}**. Validation losses differ by "
-            f"{r['val_loss_difference']:.4f} ({'within' if r['quality_within_tolerance'] else 'OUTSIDE'} the "
+            f"{r['measured_step_time_change_pct']:+.1f}% over {r['timed_steps_per_side']} "
+            f"alternating steps per side (tolerance {r['tolerance_pp']:.1f} pp): "
+            f"**{r['verdict'].upper()}**. Validation losses differ by "
+            f"{r['val_loss_difference']:.4f} "
+            f"({'within' if r['quality_within_tolerance'] else 'OUTSIDE'} the "
             f"{r['loss_tolerance']} tolerance).",
             "",
             "![curves](hypothesis.png)",

@@ -8,12 +8,17 @@ Rows (weights / activations / accumulation / KV cache):
 - ``int8-weights``: inference only; every matmul weight quantized symmetric per output channel
   (``scale = max|w| / 127`` per column of a Dense kernel, per row of the tied embedding), stored
   int8 and dequantized for the matmul;
-- ``int8-cache``: fp32 weights, keys/values through the int8 KV cache (``inference.cache``),
+- ``int8-cache``: fp32 weights, keys/values through the int8 KV cache (``model.kvcache``),
   teacher-forced one token at a time.
 
-Norms, softmax, logits and the loss stay fp32 in every row (``PrecisionConfig.accum_dtype``). Each
-row: held-out loss, max |logit diff| and mean KL(fp32 || row) over held-out positions, greedy
-agreement (the fraction of held-out positions whose argmax equals fp32's), bytes of the weights
+Norms, softmax, logits and the loss stay fp32 in every row (``PrecisionConfig.accum_dtype``).
+Every row, fp32 included, is measured against an independent reference: the same checkpoint's
+forward written again in float64 NumPy from the architecture (``reference_logits``), so the fp32
+row shows fp32's own rounding error instead of a zero from comparing a forward with itself, and a
+fp32 row that disagrees with the reference (``FP32_TOL``) is a model bug, refused. Each row:
+held-out loss, max |logit diff| and mean KL(reference || row) over held-out positions, greedy
+agreement (the fraction of held-out positions whose argmax equals the reference's), bytes of the
+weights
 (and cache bytes per token), the forward time on the held-out batch here, and for the training
 rows the train step time here (``tpulab.perf.bench``). On a CPU bf16 is emulated, so bf16 times
 here say nothing about a TPU, where bf16 is the MXU's native input.
@@ -68,24 +73,86 @@ def _int8_params(params: dict) -> tuple[dict, int]:
     return out, nbytes
 
 
-def _compare(ref_btv, logits_btv, targets, mask) -> dict:
-    import jax
-    import jax.numpy as jnp
+# The fp32 forward against the float64 reference, max |logit diff| over 8 held-out windows: 6.0e-7
+# (tiny config, 40 steps) and 3.5e-6 (default, 100 steps), fp32 rounding; a RoPE base of 500 instead
+# of 10000 in the reference moves them by 1.2e-2 and 4.5 (measured 2026-12-01, jax 0.10.2, CPU).
+FP32_TOL = 1e-3
 
-    lp_ref = jax.nn.log_softmax(ref_btv.astype(jnp.float32), axis=-1)
-    lp = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
-    m = jnp.asarray(mask)
-    kl = jnp.maximum(jnp.sum(jnp.exp(lp_ref) * (lp_ref - lp), axis=-1), 0.0)
-    nll = -jnp.take_along_axis(lp, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
-    diff = jnp.max(jnp.abs(logits_btv.astype(jnp.float32) - ref_btv), axis=-1)
-    agree = jnp.argmax(lp, -1) == jnp.argmax(lp_ref, -1)
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    z = x - x.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def reference_logits(params: dict, cfg, tokens_bt: np.ndarray) -> np.ndarray:
+    """Logits [B, T, V] of the deterministic forward in float64 NumPy, from the architecture alone.
+
+    Written from the model's description (``tpulab.model.transformer``: pre-norm blocks, RMSNorm
+    with eps 1e-6, fused QKV, half-split RoPE, causal softmax attention, tanh-GELU MLP, final norm,
+    tied or separate head), sharing no code with it: ``params`` by their ``ModelFns`` names,
+    ``cfg`` a ``ModelConfig``. A test plants a difference (another RoPE base) and sees the fp32
+    check fail.
+    """
+    w = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    b, t = tokens_bt.shape
+    h, dh = cfg.n_heads, cfg.d_model // cfg.n_heads
+    ang = np.arange(t, dtype=np.float64)[:, None] * cfg.rope_base ** (-np.arange(0, dh, 2) / dh)
+    cos, sin = np.cos(ang)[None, :, None, :], np.sin(ang)[None, :, None, :]
+
+    def rms(x, scale):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+    def rope(x_bthd):
+        x1, x2 = x_bthd[..., : dh // 2], x_bthd[..., dh // 2 :]
+        return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+    visible_ts = np.tril(np.ones((t, t), bool))
+    x = w["embed/embedding"][np.asarray(tokens_bt)]
+    for i in range(cfg.n_layers):
+        blk = lambda name, i=i: w[f"blocks/{i}/{name}"]  # noqa: E731
+        qkv = (rms(x, blk("attn_norm/scale")) @ blk("attn/qkv/kernel")).reshape(b, t, 3, h, dh)
+        q, k, v = rope(qkv[:, :, 0]), rope(qkv[:, :, 1]), qkv[:, :, 2]
+        z = np.where(visible_ts, np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(dh), -np.inf)
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        x = x + np.einsum("bhts,bshd->bthd", p, v).reshape(b, t, -1) @ blk("attn/out/kernel")
+        u = rms(x, blk("mlp_norm/scale")) @ blk("mlp/up/kernel")
+        gelu = 0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u**3)))
+        x = x + gelu @ blk("mlp/down/kernel")
+    head = w["embed/embedding"].T if cfg.tie_embeddings else w["head/kernel"]
+    return rms(x, w["final_norm/scale"]) @ head
+
+
+def compare(ref_btv, logits_btv, targets, mask) -> dict:
+    """A row's logits against the reference's, in float64 over the masked held-out positions."""
+    ref = np.asarray(ref_btv, np.float64)
+    got = np.asarray(logits_btv, np.float64)
+    m = np.asarray(mask, bool)
+    lp_ref, lp = _log_softmax(ref), _log_softmax(got)
+    kl = np.maximum(np.sum(np.exp(lp_ref) * (lp_ref - lp), axis=-1), 0.0)
+    nll = -np.take_along_axis(lp, np.asarray(targets)[..., None], axis=-1)[..., 0]
+    diff = np.max(np.abs(got - ref), axis=-1)
+    agree = np.argmax(lp, -1) == np.argmax(lp_ref, -1)
+    n = m.sum()
     return {
-        "heldout_loss": float(jnp.sum(nll * m) / m.sum()),
-        "max_abs_logit_diff": float(jnp.max(jnp.where(m, diff, 0.0))),
-        "mean_kl": float(jnp.sum(kl * m) / m.sum()),
-        "greedy_agreement": float(jnp.sum(agree * m) / m.sum()),
-        "positions": int(m.sum()),
+        "heldout_loss": float(nll[m].sum() / n),
+        "max_abs_logit_diff": float(diff[m].max()),
+        "mean_kl": float(kl[m].sum() / n),
+        "greedy_agreement": float(agree[m].sum() / n),
+        "positions": int(n),
     }
+
+
+def check_fp32(row: dict) -> None:
+    """The fp32 row must agree with the float64 reference to fp32 rounding, else the model (or the
+    reference) computes something else and no row of the table means what it says."""
+    if row["max_abs_logit_diff"] > FP32_TOL:
+        raise TpulabError(
+            f"the fp32 forward differs from the independent float64 reference by "
+            f"{row['max_abs_logit_diff']:.3g} in a logit (allowed {FP32_TOL:g}, fp32 rounding): "
+            "the model and the reference compute different functions, so no row would mean what "
+            "it says"
+        )
 
 
 def _median_time(fn, *args, n: int = 20) -> float:
@@ -117,15 +184,13 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
     ):
         raise TpulabError(
             f"{run_dir} was trained in {src.config.precision.param_dtype}/"
-            f"{src.config.precision.compute_dtype}; the precision table needs an fp32 run as "
-            "reference"
+            f"{src.config.precision.compute_dtype}; the precision table needs an fp32 run"
         )
     win = heldout_windows(src.config, windows)
     inputs, targets = jnp.asarray(win[:, :-1]), win[:, 1:]
     mask = targets != PAD
     ref_fns = ModelFns(src.model)
-    full = jax.jit(ref_fns.full_logits)
-    ref = full(ref_fns.params, inputs)
+    ref = reference_logits(ref_fns.params, src.config.model, np.asarray(inputs))
     n_params = sum(int(x.size) for x in ref_fns.params.values())
     rows = []
     for name in ROWS:
@@ -147,7 +212,7 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
         fwd = jax.jit(fns.full_logits)
         if name == "int8-cache":
             prompt = max(1, inputs.shape[1] // 8)
-            tf = jax.jit(lambda p, x, fns=fns, n=prompt: _teacher_forced(fns, "int8", p, x, n))
+            tf = jax.jit(lambda p, x, f=fns, n=prompt: _teacher_forced(f, "int8", p, x, n))
             logits = tf(params, inputs)
             fwd_s = _median_time(tf, params, inputs)
         else:
@@ -161,7 +226,7 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
             "kv_cache": cache_policy,
             "weight_bytes": weight_bytes,
             "forward_ms": 1e3 * fwd_s,
-            **_compare(ref, logits, targets, mask),
+            **compare(ref, logits, targets, mask),
         }
         abstract = jax.eval_shape(lambda c=cache_policy: ref_fns.shape.init(c, 1))
         row["kv_bytes_per_token"] = kv.bytes_per_token(abstract)
@@ -176,8 +241,11 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
                 ]
             )
         rows.append(row)
+    check_fp32(rows[0])
     return {
         "rows": rows,
+        "reference": "float64 NumPy forward of the same checkpoint (reference_logits), written "
+        "from the architecture; every row, fp32 included, is compared with it",
         "checkpoint": {"step": src.step, "manifest_sha256": src.checkpoint_digest},
         "heldout": {"windows": list(inputs.shape), "positions": int(mask.sum())},
         "model": dataclasses.asdict(src.config.model),
@@ -187,7 +255,8 @@ def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict
 def markdown(result: dict) -> str:
     lines = [
         "| policy | weights | activations | accum | KV cache | held-out loss | max abs logit diff "
-        "| mean KL | greedy agreement | weight MB | KV B/token | forward ms | train step ms |",
+        "vs float64 | mean KL vs float64 | greedy agreement | weight MB | KV B/token | forward ms "
+        "| train step ms |",
         "|" + "---|" * 13,
     ]
     for r in result["rows"]:

@@ -8,10 +8,12 @@ for eager PyTorch. Steps are timed one by one so the median (not the mean) can b
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from tpulab.evidence.provenance import BASE_PACKAGES, environment
@@ -22,7 +24,8 @@ MIN_TIMED_STEPS = 20
 def time_steps(
     step: Callable[[], Any], sync: Callable[[Any], Any], n: int, *, warmup: int = 0
 ) -> list[float]:
-    """Run ``step`` ``warmup + n`` times; return the ``n`` post-warm-up wall times (s), each synchronized."""
+    """Run ``step`` ``warmup + n`` times; return the ``n`` post-warm-up wall times (s), each
+    synchronized."""
     for _ in range(warmup):
         sync(step())
     times = []
@@ -54,3 +57,56 @@ def benchmark_environment(extra_packages: tuple[str, ...] = ()) -> dict:
     env["cpu_count"] = os.cpu_count()
     env["load_avg_1m_5m_15m"] = [round(x, 2) for x in os.getloadavg()]
     return env
+
+
+@dataclasses.dataclass
+class SyncCount:
+    count: int = 0
+    depth: int = (
+        0  # > 0 inside a counted call: nested calls (block_until_ready of one array) add nothing
+    )
+    entry_points: tuple[str, ...] = ()
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[SyncCount]:
+    """Count the host's blocking waits on the device while the block runs.
+
+    Counted at JAX's Python entry points, whoever calls them: ``jax.block_until_ready``,
+    ``jax.device_get``, ``Array.block_until_ready``, ``Array.item`` and ``Array._value``, which
+    ``float()``, ``int()``, ``bool()``, ``format()``, ``tolist()`` and ``__array__`` go through. One
+    outermost call is one sync. Not seen: NumPy reading a CPU array through the buffer protocol
+    (``np.asarray(x)`` on XLA:CPU). ``jax.transfer_guard`` cannot do this count: on XLA:CPU it lets
+    every device-to-host read through, ``"disallow"`` included (jax 0.10.2, measured).
+    """
+    import jax
+    from jax._src import array
+
+    counter = SyncCount()
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            counter.count += counter.depth == 0
+            counter.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter.depth -= 1
+
+        return wrapper
+
+    cls = array.ArrayImpl
+    patches = [(jax, "block_until_ready"), (jax, "device_get")]
+    patches += [(cls, name) for name in ("block_until_ready", "item")]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in patches]
+    value = cls.__dict__["_value"]  # a property
+    try:
+        for owner, name, fn in saved:
+            setattr(owner, name, counted(fn))
+        cls._value = property(counted(value.fget))
+        counter.entry_points = (*(f"{o.__name__}.{n}" for o, n in patches), "ArrayImpl._value")
+        yield counter
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+        cls._value = value

@@ -100,10 +100,10 @@ def check_loss(steps: Steps, state: TrainState, windows: np.ndarray, batch_size:
 
     logits = np.asarray(steps.model(state.params)(jnp.asarray(batch["inputs"]), deterministic=True))
     ref = numpy_masked_nll(logits, batch["targets"], mask)
-    total, count = (float(x) for x in steps.eval(state.params, steps.put_global(batch)))
+    total, count = (float(x) for x in steps.eval(state.params, steps.put_global(batch))["val_loss"])
     ours = total / count
     rel = abs(ours - ref) / abs(ref)
-    eval_scrambled = float(steps.eval(state.params, steps.put_global(scrambled))[0])
+    eval_scrambled = float(steps.eval(state.params, steps.put_global(scrambled))["val_loss"][0])
 
     def update(b):  # Steps.train donates its state: give it a copy each time
         new, metrics = steps.train(jax.tree.map(jnp.copy, state), steps.put_batch(b))

@@ -1,13 +1,14 @@
-"""Stall watchdog: notice when a run stops making progress, leave evidence, optionally exit for a restart.
+"""Stall watchdog: notice when a run stops making progress, leave evidence, optionally exit.
 
-A job that hangs (a dead collective, a stuck filesystem, a deadlock) burns paid time silently. ``Watchdog``
-is the reusable core: a daemon thread that calls ``on_stall`` once when no progress was reported for
-``timeout`` seconds. Progress comes from ``beat()`` calls (in-process) or from a ``progress()`` callable it
-polls (a supervisor watching another process, e.g. the newest step in a peer's metrics.jsonl: a SIGSTOPped
-process stops its own threads too, so only an outside watcher can see it). ``StallWatchdog`` is the training
-hook: every logged step, eval and checkpoint is a beat; on a stall it dumps every thread's stack
-(faulthandler) into the run dir, appends a ``stall`` event to metrics.jsonl and, if ``exit_code`` is set,
-ends the process with that code so a supervisor can restart it from the newest checkpoint.
+A job that hangs (a dead collective, a stuck filesystem, a deadlock) burns paid time silently.
+``Watchdog`` is the reusable core: a daemon thread that calls ``on_stall`` once when no progress
+was reported for ``timeout`` seconds. Progress comes from ``beat()`` calls (in-process) or from a
+``progress()`` callable it polls (a supervisor watching another process, e.g. the newest step in a
+peer's metrics.jsonl: a SIGSTOPped process stops its own threads too, so only an outside watcher
+can see it). ``StallWatchdog`` is the training hook: every logged step, eval and checkpoint is a
+beat; on a stall it dumps every thread's stack (faulthandler) into the run dir, appends a
+``stall`` event to metrics.jsonl and, if ``exit_code`` is set, ends the process with that code so
+a supervisor can restart it from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from tpulab.errors import TpulabError
 from tpulab.evidence import metrics as M
 from tpulab.train.hooks import Hooks
 
@@ -30,11 +32,19 @@ STALL_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; distinct from errors (1, 2, 3)
 MULTIPROCESS_STALL_S = (
     300  # default in a multi-process job, where a stuck peer hangs the others in a collective
 )
+# Start-up bound (restore, compile, first step; --stall-startup-timeout): the default config's
+# first step takes about 10 s here, compiles of large models on a TPU take minutes.
+STARTUP_S = 900.0
 
 
 class Watchdog:
-    """Before ``min_beats`` beat intervals were measured (start-up, restore, compile) the timeout is
-    ``startup_s``; then ``timeout_s`` when given, else max(``floor_s``, ``factor`` x median recent interval)."""
+    """Until the first beat after ``start()`` (restore, compile, the first step) the timeout is
+    ``startup_s``; from the first completed step on it is ``timeout_s`` when given, else
+    max(``floor_s``, ``factor`` x the median interval between completed steps), the floor alone
+    until one such interval was measured. The start-up interval itself is left out of the median:
+    it holds the compile (seconds to minutes), which would inflate a timeout meant for steps.
+    ``clock`` (default ``time.monotonic``) is injectable, and ``check()`` is one poll, so the
+    policy is testable without waiting for it."""
 
     def __init__(
         self,
@@ -43,47 +53,55 @@ class Watchdog:
         timeout_s: float | None = None,
         floor_s: float = 120.0,
         factor: float = 20.0,
-        startup_s: float = 900.0,
-        min_beats: int = 3,
+        startup_s: float = STARTUP_S,
         poll_s: float | None = None,
         progress: Callable[[], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        for name, value in (("stall timeout", timeout_s), ("stall start-up timeout", startup_s)):
+            if value is not None and not value > 0:
+                raise TpulabError(f"{name} must be positive seconds, got {value:g}")
         self.on_stall = on_stall
-        self.fixed, self.floor_s, self.factor, self.startup_s, self.min_beats = (
+        self.fixed, self.floor_s, self.factor, self.startup_s = (
             timeout_s,
             floor_s,
             factor,
             startup_s,
-            min_beats,
         )
         self.progress = progress
+        self.clock = clock
         self._last_marker = progress() if progress else None
         self.poll_s = (
             poll_s if poll_s is not None else max(0.05, min(1.0, (timeout_s or floor_s) / 20))
         )
         self._intervals: deque[float] = deque(maxlen=50)
-        self._last = time.monotonic()
+        self._last = clock()
         self._last_step: object = None
+        self._started_up = False  # a beat came after start(): the first step completed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fired: dict | None = None
 
     def timeout(self) -> float:
-        if len(self._intervals) < self.min_beats:
+        if not self._started_up:
             return self.startup_s
         if self.fixed is not None:
             return self.fixed
+        if not self._intervals:
+            return self.floor_s
         return max(self.floor_s, self.factor * statistics.median(self._intervals))
 
     def beat(self, step: object = None) -> None:
-        now = time.monotonic()
-        if self._last_step is not None:
+        now = self.clock()
+        if self._started_up:
             self._intervals.append(now - self._last)
+        self._started_up = True
         self._last, self._last_step = now, step
 
-    def start(self) -> Watchdog:
+    def start(self, step: object = None) -> Watchdog:
+        """Start watching (start-up phase) from ``step``, the step the run resumes from."""
         if self._thread is None:
-            self._last = time.monotonic()
+            self._last, self._last_step, self._started_up = self.clock(), step, False
             self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
             self._thread.start()
         return self
@@ -93,26 +111,35 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
 
+    def check(self) -> bool:
+        """One poll: read outside progress, fire ``on_stall`` once when overdue; True once fired."""
+        if self.fired is not None:
+            return True
+        if self.progress is not None:
+            marker = self.progress()
+            if marker != self._last_marker:
+                self._last_marker = marker
+                self.beat(marker)
+        waited, limit = self.clock() - self._last, self.timeout()
+        if waited <= limit:
+            return False
+        self.fired = {
+            "waited_s": round(waited, 3),
+            "timeout_s": round(limit, 3),
+            "last_step": self._last_step,
+            "phase": "running" if self._started_up else "start-up",
+        }
+        self.on_stall(self.fired)
+        return True
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
-            if self.progress is not None:
-                marker = self.progress()
-                if marker != self._last_marker:
-                    self._last_marker = marker
-                    self.beat(marker)
-            waited, limit = time.monotonic() - self._last, self.timeout()
-            if waited > limit:
-                self.fired = {
-                    "waited_s": round(waited, 3),
-                    "timeout_s": round(limit, 3),
-                    "last_step": self._last_step,
-                }
-                self.on_stall(self.fired)
+            if self.check():
                 return
 
 
 def metrics_progress(run_dir: str | Path) -> Callable[[], object]:
-    """A ``progress`` callable for an outside watcher: (size, mtime) of a run dir's metrics.jsonl."""
+    """A ``progress`` callable for an outside watcher: (size, mtime) of RUN_DIR/metrics.jsonl."""
     path = Path(run_dir) / M.METRICS
 
     def marker():
@@ -126,7 +153,7 @@ def metrics_progress(run_dir: str | Path) -> Callable[[], object]:
 
 
 def dump_stacks(path: Path, header: str) -> Path:
-    """Every thread's Python stack, as faulthandler writes it (works while the main thread is stuck)."""
+    """Every thread's Python stack, as faulthandler writes it (works while main hangs)."""
     with open(path, "w") as f:
         f.write(header + "\n")
         f.flush()
@@ -135,8 +162,9 @@ def dump_stacks(path: Path, header: str) -> Path:
 
 
 class StallWatchdog(Hooks):
-    """The training hook (see the module docstring). ``exit_code=None`` only records the stall; ``records=False``
-    (processes other than 0 of a multi-process job) leaves metrics.jsonl to process 0 and only dumps stacks."""
+    """The training hook (see the module docstring). ``exit_code=None`` only records the stall;
+    ``records=False`` (processes other than 0 of a multi-process job) leaves metrics.jsonl to
+    process 0 and only dumps stacks."""
 
     def __init__(
         self,
@@ -153,8 +181,7 @@ class StallWatchdog(Hooks):
         self.stalls: list[dict] = []
 
     def on_start(self, info: dict) -> None:
-        self.dog.beat(info.get("start_step"))
-        self.dog.start()
+        self.dog.start(info.get("start_step"))
 
     def on_metrics(self, step, record):
         self.dog.beat(step)
@@ -179,8 +206,9 @@ class StallWatchdog(Hooks):
         path = dump_stacks(
             self.run_dir
             / (f"stall-{n}.txt" if self.records else f"stall-{n}-pid{os.getpid()}.txt"),
-            f"tpulab stall watchdog: no step completed for {info['waited_s']:.1f} s "
-            f"(timeout {info['timeout_s']:.1f} s) after step {info['last_step']}; pid {os.getpid()}",
+            f"tpulab stall watchdog: no step completed for {info['waited_s']:.1f} s (timeout "
+            f"{info['timeout_s']:.1f} s, {info['phase']}) after step {info['last_step']}; "
+            f"pid {os.getpid()}",
         )
         event = {
             "event": "stall",
@@ -189,6 +217,7 @@ class StallWatchdog(Hooks):
             "last_step": info["last_step"],
             "waited_s": info["waited_s"],
             "timeout_s": info["timeout_s"],
+            "phase": info["phase"],
             "stacks": path.name,
             "exit_code": self.exit_code,
         }
@@ -199,7 +228,8 @@ class StallWatchdog(Hooks):
                 f.write(json.dumps(event) + "\n")
         self.stalls.append(event)
         print(
-            f"error: stalled: no step completed for {info['waited_s']:.0f} s after step {info['last_step']}; "
+            f"error: stalled{' in start-up' if info['phase'] == 'start-up' else ''}: no step "
+            f"completed for {info['waited_s']:.0f} s after step {info['last_step']}; "
             f"stacks in {path}"
             + (f"; exiting with {self.exit_code}" if self.exit_code is not None else ""),
             file=sys.stderr,

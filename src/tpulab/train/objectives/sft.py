@@ -10,6 +10,7 @@ pretraining, with masks that cover each response and its stop byte only
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -34,6 +35,8 @@ def load_base(config, key: str = "init") -> Restored:
         raise TpulabError(f"objective.{key} {init} was trained with another tokenizer")
     for section in ("model", "precision"):
         have, want = getattr(base.config, section), getattr(config, section)
+        if section == "model":  # rematerialisation changes memory, not the model
+            have = dataclasses.replace(have, remat=want.remat)
         if have != want:
             diff = [
                 f"{section}.{k}: {getattr(have, k)!r} there, {getattr(want, k)!r} here"

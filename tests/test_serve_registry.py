@@ -1,0 +1,316 @@
+"""Serving from the MLflow Model Registry: resolution and refusals before listening, tags checked
+against the files, and a rollback picked up by a running service (real processes, real HTTP).
+
+The versions and aliases are made here with the MLflow client, following the registry contract
+(``tpulab.ops.tags``), as ``tpulab registry register/promote`` would.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from test_serve import free_port, reap, start_server, verified_export, wait_ready
+from tpulab.errors import TpulabError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def art40(trained_run, tmp_path_factory):
+    return verified_export(trained_run, tmp_path_factory, 40)
+
+
+@pytest.fixture(scope="module")
+def art30(trained_run, tmp_path_factory):
+    return verified_export(trained_run, tmp_path_factory, 30)
+
+
+def _tags(art, **forged) -> dict:
+    from tpulab.checkpoint.files import sha256_file
+    from tpulab.inference.artifacts import open_artifacts
+    from tpulab.ops import tags as T
+
+    m = open_artifacts(art).manifest
+    tags = {
+        T.ARTIFACTS: str(art.resolve()),
+        T.EXPORT_MANIFEST: sha256_file(art / "manifest.json"),
+        T.CHECKPOINT: m["source"]["checkpoint_manifest_sha256"],
+        T.CORPUS: "test",
+        T.RUN_ID: "",
+        T.RESUME_VERDICT: "absent",
+    }
+    return {**tags, **forged}
+
+
+def _register(client, name, art, **tags) -> str:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException:
+        pass  # exists
+    source = str(art.resolve())
+    return str(client.create_model_version(name, source=source, tags=_tags(art, **tags)).version)
+
+
+@pytest.fixture
+def store(tmp_path):
+    from mlflow.tracking import MlflowClient
+    from tpulab.tracking.store import open_store, sqlite_uri
+
+    uri = sqlite_uri(tmp_path / "mlruns.db")
+    open_store(uri)  # a store as the trainer makes it
+    return uri, MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def test_model_uris_parse_or_are_one_line_errors():
+    from tpulab.ops.serving import ModelRef
+
+    assert ModelRef.parse("models:/tiny@champion") == ModelRef("tiny", "champion", None)
+    assert ModelRef.parse("models:/tiny/3") == ModelRef("tiny", None, "3")
+    assert str(ModelRef.parse("models:/a.b-c@x_1")) == "models:/a.b-c@x_1"
+    for bad in ("tiny@champion", "models:/tiny", "models:/tiny/0", "models:/@x", "models:/t@"):
+        with pytest.raises(TpulabError, match="is not models:/NAME@ALIAS"):
+            ModelRef.parse(bad)
+
+
+def test_a_missing_store_is_refused_and_not_created(tmp_path):
+    from tpulab.ops.serving import Registry
+
+    with pytest.raises(TpulabError, match="does not exist"):
+        Registry(f"sqlite:///{tmp_path}/none/mlruns.db")
+    with pytest.raises(TpulabError, match="does not exist"):
+        Registry(f"sqlite:///{tmp_path}/mlruns.db")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resolution_refusals(store, art40):
+    from tpulab.ops import tags as T
+    from tpulab.ops.serving import ModelRef, Registry, check_servable
+
+    uri, client = store
+    v1 = _register(client, "tiny", art40)
+    v2 = _register(client, "tiny", art40, **{T.RETIRED: "true"})
+    v3 = _register(client, "tiny", art40, **{T.ARTIFACTS: "/elsewhere"})
+    v4 = _register(client, "tiny", art40, **{T.EXPORT_MANIFEST: ""})
+    for alias, v in (("champion", v1), ("old", v2), ("moved", v3), ("bare", v4)):
+        client.set_registered_model_alias("tiny", alias, v)
+    reg = Registry(uri)
+    check_servable(reg.resolve(ModelRef("tiny", "champion")))  # the good one passes
+    cases = {
+        ModelRef("tiny", "old"): "tiny version 2 (@old) is retired",
+        ModelRef("tiny", "moved"): "is not the absolute path its tag tpulab.artifacts names",
+        ModelRef("tiny", "bare"): "has no tag tpulab.export_manifest_sha256",
+        ModelRef("tiny", None, "9"): "not found",
+        ModelRef("tiny", "nope"): "alias nope not found",
+        ModelRef("other", "champion"): "not found",
+    }
+    for ref, reason in cases.items():
+        with pytest.raises(TpulabError, match=re.escape(reason)) as e:
+            check_servable(reg.resolve(ref))
+        assert "\n" not in str(e.value)
+
+
+def test_tags_are_checked_against_the_verified_files(store, art40, art30):
+    """A version whose digest tags name other artifacts than its source holds is refused after
+    verification (the tags are claims); with honest tags it loads, its identity from the files."""
+    from tpulab.checkpoint.files import sha256_file
+    from tpulab.ops import tags as T
+    from tpulab.ops.serving import ModelRef, Registry, load_registered
+
+    uri, client = store
+    other = _tags(art30)
+    honest = _register(client, "tiny", art40)
+    forged_manifest = _register(
+        client, "tiny", art40, **{T.EXPORT_MANIFEST: other[T.EXPORT_MANIFEST]}
+    )
+    forged_ckpt = _register(client, "tiny", art40, **{T.CHECKPOINT: other[T.CHECKPOINT]})
+    reg = Registry(uri)
+    model = load_registered(reg.resolve(ModelRef("tiny", None, honest)))
+    assert model.identity()["version"] == honest
+    assert model.identity()["manifest_sha256"] == sha256_file(art40 / "manifest.json")
+    assert model.registry["tags_checked"] == sorted([T.CHECKPOINT, T.EXPORT_MANIFEST])
+    for v, tag in ((forged_manifest, T.EXPORT_MANIFEST), (forged_ckpt, T.CHECKPOINT)):
+        with pytest.raises(TpulabError, match=f"tag {tag}=.* but the verified artifacts"):
+            load_registered(reg.resolve(ModelRef("tiny", None, v)))
+
+
+def test_serve_refuses_a_retired_version_before_listening(store, art40, tmp_path):
+    from tpulab.ops import tags as T
+
+    uri, client = store
+    v = _register(client, "tiny", art40, **{T.RETIRED: "true"})
+    client.set_registered_model_alias("tiny", "champion", v)
+    port = free_port()
+    with open(tmp_path / "retired.log", "wb") as log:
+        proc = start_server(
+            log, "--model", "models:/tiny@champion", "--tracking-uri", uri, port=port
+        )
+        try:
+            rc = proc.wait(timeout=120)
+        finally:
+            reap(proc)
+    out = (tmp_path / "retired.log").read_text().strip()
+    assert rc == 2 and out == "error: tiny version 1 (@champion) is retired; it is not served", out
+
+
+def test_promotion_and_rollback_are_picked_up_by_a_running_service(store, art40, art30, tmp_path):
+    """champion 1 -> 2 (a promotion) -> 1 (the rollback): a running server follows each move with
+    a hot swap, clients see no error and each sees one version then the next, /v1/model reports
+    the old digest after the rollback; a forged or retired version is refused while 1 serves on."""
+    from tpulab.checkpoint.files import sha256_file
+    from tpulab.ops import tags as T
+
+    uri, client = store
+    digest = {"1": sha256_file(art40 / "manifest.json"), "2": sha256_file(art30 / "manifest.json")}
+    assert _register(client, "tiny", art40) == "1" and _register(client, "tiny", art30) == "2"
+    client.set_registered_model_alias("tiny", "champion", "1")
+    port, log_path = free_port(), tmp_path / "rollback.log"
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = start_server(
+            log,
+            *("--model", "models:/tiny@champion", "--tracking-uri", uri),
+            *("--poll-interval", "0.5"),
+            port=port,
+            max_batch=1,  # one bucket: 3 compiles per version, not 9
+        )
+        try:
+            wait_ready(proc, base, log_path)
+            seen, stop = [[] for _ in range(2)], threading.Event()
+
+            def client_loop(out):
+                with httpx.Client(timeout=60) as c:
+                    while not stop.is_set():
+                        r = c.post(f"{base}/v1/generate", json={"prompt": "To", "max_new": 4})
+                        out.append((time.monotonic(), r.status_code, r.json()))
+
+            def identity():
+                return httpx.get(f"{base}/v1/model", timeout=10).json()
+
+            def move_and_wait(version):
+                t0 = time.monotonic()
+                client.set_registered_model_alias("tiny", "champion", version)
+                while identity()["identity"]["version"] != version:
+                    assert time.monotonic() - t0 < 180 and proc.poll() is None
+                    time.sleep(0.1)
+                return time.monotonic() - t0
+
+            assert identity()["identity"]["version"] == "1"
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                clients = [pool.submit(client_loop, out) for out in seen]
+                time.sleep(1.0)
+                promote_s = move_and_wait("2")
+                time.sleep(1.0)
+                rollback_s = move_and_wait("1")
+                time.sleep(1.0)
+                stop.set()
+                [f.result() for f in clients]
+            after = identity()
+            # A forged digest tag and a retired version: refused, version 1 keeps serving.
+            forged = _register(client, "tiny", art30, **{T.EXPORT_MANIFEST: digest["1"]})
+            client.set_registered_model_alias("tiny", "champion", forged)
+            deadline = time.monotonic() + 120
+            while (identity()["watch"]["refused"] or {}).get("version") != forged:
+                assert time.monotonic() < deadline, identity()["watch"]
+                time.sleep(0.1)
+            refused_forged = identity()
+            retired = _register(client, "tiny", art30, **{T.RETIRED: "true"})
+            client.set_registered_model_alias("tiny", "champion", retired)
+            deadline = time.monotonic() + 60
+            while (identity()["watch"]["refused"] or {}).get("version") != retired:
+                assert time.monotonic() < deadline, identity()["watch"]
+                time.sleep(0.1)
+            refused_retired = identity()
+            still = httpx.post(f"{base}/v1/generate", json={"prompt": "To", "max_new": 2}).json()
+        finally:
+            reap(proc)
+    print(
+        f"alias move -> /v1/model reports it: promotion {promote_s:.2f} s, "
+        f"rollback {rollback_s:.2f} s (poll 0.5 s)"
+    )
+    assert after["manifest_sha256"] == digest["1"] and after["registry"]["version"] == "1"
+    assert [(s["from"]["version"], s["to"]["version"]) for s in after["swaps"]] == [
+        ("1", "2"),
+        ("2", "1"),
+    ]
+    for out in seen:
+        assert out and all(code == 200 for _, code, _ in out), out[-3:]
+        versions = [b["model"]["version"] for _, _, b in out]
+        assert all(b["model"]["manifest_sha256"] == digest[b["model"]["version"]] for *_, b in out)
+        changes = [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
+        assert changes == ["1", "2", "1"], changes  # each client: old, then new, then old again
+    assert "but the verified artifacts" in refused_forged["watch"]["refused"]["why"]
+    assert refused_forged["identity"]["version"] == "1"
+    assert "is retired" in refused_retired["watch"]["refused"]["why"]
+    assert still["model"]["version"] == "1" and still["manifest_sha256"] == digest["1"]
+    assert "Traceback" not in log_path.read_text()
+
+
+def test_the_watcher_swaps_refuses_once_and_retries_after_the_alias_moves(store, art40):
+    """``AliasWatcher.poll`` on a real store, with a stand-in load: a refused version is not
+    reloaded on every poll, but is tried again once the alias has named another version."""
+    from types import SimpleNamespace
+
+    from tpulab.ops.serving import AliasWatcher, ModelRef, Registry
+
+    uri, client = store
+    for _ in range(3):
+        _register(client, "tiny", art40)
+    client.set_registered_model_alias("tiny", "champion", "1")
+    registry = Registry(uri)
+    loads, swaps, broken = [], [], {"2"}
+
+    def load(reg):
+        loads.append(reg.version)
+        if reg.version in broken:
+            raise TpulabError(f"version {reg.version} is broken")
+        return SimpleNamespace(art=SimpleNamespace(manifest_sha256=reg.version * 64))
+
+    service = SimpleNamespace(
+        notes={},
+        warm=lambda model: None,
+        swap=lambda model, why: swaps.append(model.art.manifest_sha256[0]) or {},
+    )
+    serving = registry.resolve(ModelRef("tiny", "champion"))
+    watcher = AliasWatcher(service, registry, serving, 1.0, load)
+    assert watcher.poll() == "unchanged" and loads == []
+    client.set_registered_model_alias("tiny", "champion", "2")
+    assert watcher.poll() == watcher.poll() == "refused: version 2 is broken" and loads == ["2"]
+    assert service.notes["watch"]["refused"] == {"version": "2", "why": "version 2 is broken"}
+    client.set_registered_model_alias("tiny", "champion", "3")
+    assert watcher.poll() == "swapped to 3" and swaps == ["3"]
+    broken.clear()
+    client.set_registered_model_alias("tiny", "champion", "2")
+    assert watcher.poll() == "swapped to 2" and swaps == ["3", "2"] and loads == ["2", "3", "2"]
+    assert service.notes["watch"]["refused"] is None and service.notes["watch"]["polls"] == 5
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (["--model", "tiny@champion"], "is not models:/NAME@ALIAS"),
+        (["--model", "models:/tiny@champion", "--tracking-uri", "sqlite:////nonexistent/m.db"],
+         "registry store /nonexistent/m.db does not exist"),
+        (["--artifacts", "{art}", "--drain-timeout", "0.5"], "drain_timeout=0.5 must be in (1"),
+        (["--artifacts", "{art}", "--ready-timeout", "nan"], "ready_timeout=nan"),
+        (["--artifacts", "{art}", "--body-timeout", "0"], "body_timeout=0"),
+        (["--artifacts", "{art}", "--poll-interval", "0"], "poll_interval=0"),
+        (["--artifacts", "{art}", "--trace-log", "/proc/self/no/t.jsonl"], "trace log /proc/self"),
+        (["--artifacts", "{tmp}"], "no manifest.json"),
+        (["--artifacts", "{art}", "--drift-reference", "{tmp}/none"], "corpus not found"),
+    ],
+)  # fmt: skip
+def test_serve_flags_are_one_line_errors_before_listening(args, reason, art40, tmp_path, capsys):
+    from tpulab.cli.main import main
+
+    args = [a.format(art=art40, tmp=tmp_path) for a in args]
+    rc = main(["serve", *args, "--port", str(free_port())])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and reason in err, err
