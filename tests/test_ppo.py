@@ -35,6 +35,7 @@ from tpulab.train.hooks import Hooks
 from tpulab.train.loop import train
 from tpulab.train.objectives import build
 from tpulab.train.objectives.ppo import _gold_host, load_reward_model
+from tpulab.train.objectives.ppo_state import abstract_state
 from tpulab.train.restore import load_model
 from tpulab.train.step import make_mesh, make_steps, tree_digest, words_digest
 
@@ -424,6 +425,9 @@ def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(trained_run, reward
     """Killed right after step 7 (round 2, position 2: after its rollouts, during its epochs),
     resumed from step 6 (round 2, position 1): per-step losses and the whole final state (policy,
     value head, Adam, the round's buffers, keys and position, data position) bitwise."""
+    # synchronous saves: step 6's checkpoint is committed before step 7 runs (an async save still
+    # in flight at the kill made a first attempt resume from step 3)
+    sync = ["--set", "checkpoint.async_save=false"]
     result = run_cli(
         "prove-resume",
         "--run-dir",
@@ -433,12 +437,16 @@ def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(trained_run, reward
         "--kill-at",
         "7",
         *proof_args(trained_run, reward_run),
+        *sync,
         timeout=1200,
     )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert v["identical"] and v["curves_identical"] and v["final_state_identical"]
     assert v["kill_step"] == 7 and v["resumed_from_step"] == 6 and v["steps_compared"] == 12
+    # the whole-state verdict covered every leaf of PPOState, the round's buffers and keys included
+    cfg = ppo_config(trained_run, reward_run)
+    assert v["leaves_compared"] == len(jax.tree.leaves(abstract_state(cfg, make_mesh())))
     resumed = read_meta(load_model(tmp_path / "run").checkpoint_dir)
     assert (
         resumed["identities"]["reward_model"]
