@@ -421,6 +421,7 @@ def proof_args(trained_run: Path, reward_run: Path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 3 processes each compile PPO's step: 600 s ran out at load 18
 def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(trained_run, reward_run, tmp_path):
     """Killed right after step 7 (round 2, position 2: after its rollouts, during its epochs),
     resumed from step 6 (round 2, position 1): per-step losses and the whole final state (policy,
