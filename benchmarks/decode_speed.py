@@ -1,7 +1,8 @@
-"""Decode speed: compiled loop vs step loop vs recomputation, and compiled-loop tokens/s vs batch per cache.
+"""Decode speed: compiled loop vs step loop vs recomputation, and compiled-loop tokens/s vs batch
+per cache.
 
-    python benchmarks/decode_speed.py --run-dir runs/demo/run [--prompt-lens 16 64] [--new-tokens 32] \
-        [--batches 1 8 32] [--out benchmarks/results/decode_speed_demo]
+    python benchmarks/decode_speed.py --run-dir runs/demo/run [--prompt-lens 16 64] \
+        [--new-tokens 32] [--batches 1 8 32] [--out benchmarks/results/decode_speed_demo]
 
 Prints Markdown tables; with --out writes OUT.json (raw rows + provenance: backend, device, dtypes,
 shapes, versions, commit) and OUT.md (the tables as the docs quote them).
@@ -17,7 +18,8 @@ from pathlib import Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The summary paragraph; argparse re-wraps it, so its line break does not show in --help.
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=None)
@@ -54,10 +56,11 @@ def main() -> None:
     env = environment()
     m = restored.config.model
     head = (
-        f"{describe_hardware(env)}; jax {env['packages']['jax']}; commit {env['git_commit']}; model d_model "
-        f"{m.d_model}, {m.n_layers} layers, {m.n_heads} heads, max_seq_len {m.max_seq_len}, "
-        f"{param_count(restored.model):,} parameters, {restored.config.precision.compute_dtype} compute; "
-        f"checkpoint step {restored.step}; batch 1, greedy, best of {args.repeats}; load average before "
+        f"{describe_hardware(env)}; jax {env['packages']['jax']}; commit {env['git_commit']}; "
+        f"model d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, "
+        f"max_seq_len {m.max_seq_len}, {param_count(restored.model):,} parameters, "
+        f"{restored.config.precision.compute_dtype} compute; checkpoint step {restored.step}; "
+        f"batch 1, greedy, best of {args.repeats}; load average before "
         f"{load_before[0]:.1f} on {os.cpu_count()} host cores"
     )
     text = [head, "", f"Cache {args.cache}:", "", speed_table(rows)]

@@ -16,6 +16,8 @@
 #   decode    benchmarks/decode_speed.py on the proof run (compiled loop vs step loop vs recompute; batch table)
 #   decode512 the issue's measuring point: a max_seq_len 512 model (20 steps), 448 + 64 and 64 + 64 tokens
 #   serve     tpulab serve-bench on the exported endpoints (needs export): serial vs batching server, 1/4/8/16 clients
+#   sft       prove-resume of SFT (objective.kind=sft, response-only loss) from the proof's reference run, deterministic ops
+#   lora      the same with LoRA adapters (rank 8): adapters, their Adam moments and the data position bitwise
 #   proof_nd  the proof without --xla_gpu_deterministic_ops (is the GPU bitwise resumable without it?)
 # Everything lands in $OUT/gpu_check.tar.gz; $OUT/summary.txt has one line per stage (rc, seconds).
 set -u
@@ -69,6 +71,9 @@ stage decode 300 "$PY benchmarks/decode_speed.py --run-dir $W/proof/proof/refere
 stage decode512 300 "$T train --run-dir $W/s512 $CFG --set model.max_seq_len=512 --steps 20 --no-progress --no-track &&
   $PY benchmarks/decode_speed.py --run-dir $W/s512 --prompt-lens 448 64 --new-tokens 64 --batches 1 8 32 --out $W/decode_speed_s512"
 stage serve 300 "$T serve-bench --artifacts $W/export --out $W/serve_bench --clients 1 4 8 16 --requests 30 --max-new $SERVE_NEW"
+SFT="--set objective.kind=sft --set objective.init=$W/proof/proof/reference"
+stage sft 300 "XLA_FLAGS=$DET $T prove-resume --run-dir $W/sft $CFG $SFT --steps $((STEPS / 3))"
+stage lora 300 "XLA_FLAGS=$DET $T prove-resume --run-dir $W/lora $CFG $SFT --set objective.lora.rank=8 --steps $((STEPS / 3))"
 stage proof_nd 300 "$T prove-resume --run-dir $W/proof_nd $CFG --steps $STEPS"
 
 # Results: logs, verdicts, receipts, bench/profile tables, decode and serve tables; no checkpoints, no traces, no cache.

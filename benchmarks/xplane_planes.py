@@ -1,4 +1,4 @@
-"""What an xplane trace holds, per plane: lines, event count, the most common stats, the HLO modules named.
+"""What an xplane trace holds, per plane: lines, event count, most common stats, HLO modules named.
 
     python benchmarks/xplane_planes.py PATH.xplane.pb
 

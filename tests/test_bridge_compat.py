@@ -1,4 +1,4 @@
-"""Each torchax workaround in tpulab.bridge.torchax_compat, and proof that its raw problem still exists.
+"""Each torchax workaround in tpulab.bridge.torchax_compat, and proof its raw problem still exists.
 
 When one of the ``test_raw_*`` tests fails, upstream fixed that problem: delete the workaround in
 torchax_compat.py (and its raw test) rather than keeping dead compatibility code.
@@ -76,7 +76,7 @@ def test_raw_torch_save_of_torchax_tensor_still_fails(torchax, tmp_path):
     env = torchax.default_env()
     with env:
         t = torch.ones(3, device="jax")
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="not pickleable"):
         torch.save({"t": t}, tmp_path / "raw.pt")
     torch.save(torchax_compat.to_cpu({"t": t}), tmp_path / "ok.pt")
     assert torch.equal(torch.load(tmp_path / "ok.pt")["t"], torch.ones(3))

@@ -1,4 +1,4 @@
-"""Bad input: one line on stderr naming the problem, a non-zero exit, no traceback, nothing deleted."""
+"""Bad input: one line on stderr naming the problem, a non-zero exit, no traceback, nothing lost."""
 
 import os
 import shutil
@@ -39,7 +39,7 @@ def test_bad_config_values(tmp_path, override, needle):
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc), including ones that started their own session."""
+    """Every live descendant of ``pid`` (from /proc), including ones that started a session."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():

@@ -145,9 +145,12 @@ def test_worker_job_refuses_a_job_that_ends_before_the_preemption_step(tmp_path)
 
 @pytest.mark.slow
 def test_worker_job_accepts_a_stop_it_did_not_signal(tmp_path):
-    """In a multi-process job a worker's process may stop on another process's notice before this worker's
-    wrapper saw the step (the shared metrics arrive late): the stop counts, and the record says who sent it.
-    Here the test itself SIGTERMs the trainer (its pid from the start record) long before --preempt-at."""
+    """In a multi-process job a worker's process may stop on another process's notice.
+
+    That can happen before this worker's wrapper saw the step (the shared metrics arrive late): the
+    stop counts, and the record says who sent it. Here the test itself SIGTERMs the trainer (its pid
+    from the start record) long before --preempt-at.
+    """
     import os
     import signal
     import subprocess
@@ -204,7 +207,7 @@ def test_worker_job_accepts_a_stop_it_did_not_signal(tmp_path):
 
 
 def test_recorder_times_out_and_reaps_the_whole_group(tmp_path):
-    """A hung call (gcloud and the ssh it started) is killed as a group and recorded with exit 124."""
+    """A hung call (gcloud and the ssh it started) is killed as a group, recorded with exit 124."""
     import os
     import time
 
@@ -229,7 +232,7 @@ def test_recorder_times_out_and_reaps_the_whole_group(tmp_path):
 
 
 def test_default_bootstrap_is_valid_shell_with_every_placeholder_filled():
-    """The default bootstrap cannot run here (it needs the network); it must at least parse as bash."""
+    """The default bootstrap cannot run here (it needs the network); it must at least parse."""
     import subprocess
 
     from tpulab.cloud.config import DEFAULT_BOOTSTRAP

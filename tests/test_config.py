@@ -134,17 +134,19 @@ def test_bounds_admit_their_edges():
 
 
 def test_the_seed_bound_is_what_jax_needs():
-    """Why seeds are uint32: JAX's (32-bit) PRNGKey keeps the low 32 bits, so 2**32 collides with 0."""
+    """Why seeds are uint32: JAX's 32-bit PRNGKey keeps the low 32 bits: 2**32 collides with 0."""
     import jax
     import numpy as np
 
-    key = lambda s: np.asarray(jax.random.key_data(jax.random.PRNGKey(s)))  # noqa: E731
+    def key(s):
+        return np.asarray(jax.random.key_data(jax.random.PRNGKey(s)))
+
     assert (key(2**32) == key(0)).all()
     assert not (key(2**32 - 1) == key(0)).all()
 
 
 def test_the_eps_bound_is_what_float32_needs():
-    """Why optim.eps >= 2**-126: a subnormal eps flushes to 0, and a parameter with zero gradient gets 0/0."""
+    """Why optim.eps >= 2**-126: a subnormal eps flushes to 0; a zero-gradient param gets 0/0."""
     import jax.numpy as jnp
     import optax
 
@@ -213,7 +215,7 @@ def test_param_count_matches_the_built_model(shape):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_train_state_bytes_matches_the_real_state(dtype):
-    """Params + gradients (param-shaped) + the optimizer's float leaves, from the real (abstract) state."""
+    """Params + gradients (param-shaped) + optimizer float leaves, from the real abstract state."""
     import jax
     import numpy as np
 
@@ -222,11 +224,14 @@ def test_train_state_bytes_matches_the_real_state(dtype):
 
     cfg = tiny_config(f"precision.param_dtype={dtype}", f"precision.compute_dtype={dtype}")
     state = make_steps(cfg).abstract_state()
-    nbytes = lambda tree: sum(
-        x.size * x.dtype.itemsize
-        for x in jax.tree.leaves(tree)  # noqa: E731
-        if np.issubdtype(x.dtype, np.floating) or x.dtype == jax.numpy.bfloat16
-    )
+
+    def nbytes(tree):
+        return sum(
+            x.size * x.dtype.itemsize
+            for x in jax.tree.leaves(tree)
+            if np.issubdtype(x.dtype, np.floating) or x.dtype == jax.numpy.bfloat16
+        )
+
     real = 2 * nbytes(state.params) + nbytes(state.opt_state)
     assert train_state_bytes(cfg.model, cfg.precision) == real
 

@@ -185,7 +185,7 @@ def test_unreadable_corpus_paths(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_train_cli_accepts_a_single_text_file(tmp_path):
-    """What the README promises: `tpulab train --data one_file.txt` trains, on documents cut from the file."""
+    """The README's promise: `tpulab train --data one_file.txt` trains on documents cut from it."""
     import json
 
     from conftest import TINY, run_cli

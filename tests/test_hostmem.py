@@ -1,4 +1,4 @@
-"""The host allocator setting that keeps XLA:CPU's per-execution temporaries on reused heap pages."""
+"""The host allocator setting that keeps XLA:CPU's per-execution temporaries on reused pages."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from conftest import REPO
 
 DEFAULT = REPO / "configs" / "default.yaml"
 
-# The default-config train step (dropout 0): XLA:CPU allocates its 122 MB of temporaries per execution, above
-# glibc's 32 MB mmap-threshold cap.
+# The default-config train step (dropout 0): XLA:CPU allocates its 122 MB of temporaries per
+# execution, above glibc's 32 MB mmap-threshold cap.
 _FAULTS_PER_CALL = """
 import resource, sys
 from tpulab.hostmem import allocator, reuse_freed_memory
@@ -56,9 +56,12 @@ def _faults_per_call(mode: str) -> tuple[str, float]:
 
 
 def test_temporaries_reuse_heap_pages_instead_of_faulting_in_new_ones():
-    """With tpulab's setting the median warmed default train step faults in ~0 new pages (measured 0; the heap may
-    still grow at an odd step); without it (negative control: a fresh process left at glibc's defaults) its
-    temporaries are a fresh mmap every step, ~34,000 4 KB pages (measured 33,500-34,300)."""
+    """With tpulab's setting the median warmed default train step faults in ~0 new pages.
+
+    Measured 0; the heap may still grow at an odd step. Without it (negative control: a fresh
+    process left at glibc's defaults) its temporaries are a fresh mmap every step, ~34,000 4 KB
+    pages (measured 33,500-34,300).
+    """
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc: tpulab leaves the allocator alone")
     described, faults = _faults_per_call("on")

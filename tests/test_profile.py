@@ -1,4 +1,4 @@
-"""`tpulab profile`: a real trace of warmed steps, a top-ops table read from it, categories from the HLO."""
+"""`tpulab profile`: a real trace of warmed steps, a top-ops table from it, HLO op categories."""
 
 from __future__ import annotations
 
@@ -74,10 +74,13 @@ with jax.profiler.trace(__import__("sys").argv[1], profiler_options=options):
 
 
 def test_off_a_tpu_no_profiler_thread_spins_while_tracing(tmp_path):
-    """Off TPU and GPU hosts tpulab keeps JAX from starting libtpu's backend, whose host profiler busy-waits on
-    a core for a whole profiler session (on 2 cores: profiled steps 50-60% slower than unprofiled ones). An idle
-    process under the profiler uses about no CPU; negative control: with JAX_PLATFORMS removed (libtpu loaded
-    by backend discovery) the same idle second costs about a CPU-second."""
+    """Off TPU and GPU hosts tpulab keeps JAX from starting libtpu's backend.
+
+    Its host profiler busy-waits on a core for a whole profiler session (on 2 cores: profiled steps
+    50-60% slower than unprofiled ones). An idle process under the profiler uses about no CPU;
+    negative control: with JAX_PLATFORMS removed (libtpu loaded by backend discovery) the same idle
+    second costs about a CPU-second.
+    """
     import os
     import subprocess
     import sys

@@ -1,5 +1,8 @@
-"""Scale-out units: the sharding table, mesh/batch/launcher bad input, the data split by process, the step
-watchdog and the topology refusal. The multi-process proofs are in test_scaleout_procs.py (slow)."""
+"""Scale-out units: the sharding table, bad mesh/batch/launcher input, the data split by process.
+
+Also the step watchdog and the topology refusal; the multi-process proofs are in
+test_scaleout_procs.py (slow).
+"""
 
 from __future__ import annotations
 
@@ -126,7 +129,7 @@ def test_processes_draw_disjoint_rows_whose_union_is_the_single_process_batch(pr
     for _ in range(7):  # several epochs
         rows = [next(it)["inputs"] for it in many]
         assert np.array_equal(np.concatenate(rows), next(one)["inputs"])
-    # negative control: slicing windows by process before shuffling (the old way) does not give that batch
+    # negative control: slicing windows by process before shuffling (the old way) gives other rows
     import grain
 
     ds = grain.MapDataset.source(windows)[0::2].shuffle(seed=cfg.shuffle_seed).repeat().batch(4)

@@ -1,9 +1,9 @@
-"""Orbax never reads JAX's preemption sync point behind the trainer's back (tpulab.checkpoint.store._Manager).
+"""Orbax never reads JAX's preemption sync point behind the trainer's back (store._Manager).
 
-In a multi-process job the trainer's AgreedPreemption is the one reader of the sync-point counter; Orbax's
-CheckpointManager reads it too on every save (with the step number), which can move the agreed stop to a
-value no process reads again. Here the JAX function is replaced by a recorder: Orbax's plain manager calls
-it on save (the negative control), the store's manager never does.
+In a multi-process job the trainer's AgreedPreemption is the one reader of the sync-point counter;
+Orbax's CheckpointManager reads it too on every save (with the step number), which can move the
+agreed stop to a value no process reads again. Here the JAX function is replaced by a recorder:
+Orbax's plain manager calls it on save (the negative control), the store's manager never does.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ UINT32_MAX = 2**32 - 1
 def field(
     default: Any, doc: str, *, resume_mutable: bool = False, allow_nonfinite: bool = False
 ) -> Any:
-    """A documented dataclass field; ``resume_mutable`` fields may change between a run and its resume.
+    """A documented dataclass field; a ``resume_mutable`` one may change on resume.
 
     Float fields must be finite unless ``allow_nonfinite``: an ``inf`` learning rate or epsilon
     trains into NaN (or into nothing) instead of failing at the edge.
@@ -58,7 +58,10 @@ def check(ok: bool, message: str) -> None:
 
 
 def short(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters: an error line names the value, it does not print 400 digits."""
+    """``repr(value)``, cut to ``limit`` characters.
+
+    An error line names the value; it does not print 400 digits.
+    """
     text = repr(value)
     return text if len(text) <= limit else f"{text[: limit - 20]}...({len(text)} characters)"
 
@@ -74,8 +77,8 @@ def check_int(value: int, key: str, lo: int, hi: int, why: str = "") -> None:
 def check_path(value: str, key: str) -> None:
     """Refuse a path string the OS cannot use: empty, a NUL byte, or over the Linux length limits.
 
-    A pure string check (no file system access), so it runs at config time, before a run dir is made.
-    An empty path would silently mean the current directory.
+    A pure string check (no file system access), so it runs at config time, before a run dir is
+    made. An empty path would silently mean the current directory.
     """
     check(value != "", f"{key} must not be empty")
     check("\0" not in value, f"{key} contains a NUL byte")
@@ -192,7 +195,7 @@ def load(
     overrides: list[str] | None = None,
     base: dict | None = None,
 ) -> T:
-    """Defaults, then ``base`` (e.g. a checkpoint's config), then a YAML file, then ``--set`` overrides."""
+    """Defaults, then ``base`` (a checkpoint's config), a YAML file, ``--set`` overrides."""
     data: dict = _deep_copy(base or {})
     if path is not None:
         loaded = _read_yaml(Path(path))
@@ -211,7 +214,7 @@ def load(
 
 
 def _read_yaml(p: Path) -> Any:
-    """The file's YAML, or a ConfigError naming the file: missing, unreadable, not UTF-8, not YAML."""
+    """The file's YAML, or a ConfigError naming it: missing, unreadable, not UTF-8, not YAML."""
     check_path(str(p), "config file path")
     try:
         raw = p.read_bytes()

@@ -12,8 +12,9 @@ and never to give freed memory back (``mallopt``): the heap grows to its peak ov
 (a default run with dropout: no new pages after step 80 of 160) and later steps reuse it. All
 three are needed: with mmap off alone the faults stayed (a thread arena that cannot grow to the
 request falls back to ``mmap``). Measured (same host, medians of 15 steps, dropout 0): default
-step 85 -> 58 ms with 0 faults per step; d_model 256 212 -> 152 ms; 512 573 -> 483 ms. The cost is memory: the process keeps its peak heap, fragmentation
-included (a default training run with dropout: RSS 660 -> 1,181 MB, flat after step 80).
+step 85 -> 58 ms with 0 faults per step; d_model 256 212 -> 152 ms; 512 573 -> 483 ms. The cost
+is memory: the process keeps its peak heap, fragmentation included (a default training run with
+dropout: RSS 660 -> 1,181 MB, flat after step 80).
 
 ``mallopt`` must run before JAX starts its threads (a thread keeps the arena it first used), so the
 CLI calls this first thing, as do the benchmark scripts. Library users call it themselves. The test

@@ -1,6 +1,8 @@
 """Progress for long loops: a bar on a terminal, one plain line per item in logs and subprocesses.
 
-Written to stdout, like the training loop's progress lines: stderr stays for the one ``error:`` line."""
+Written to stdout, like the training loop's progress lines: stderr stays for the one ``error:``
+line.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ T = TypeVar("T")
 
 
 def progress(items: Iterable[T], what: str, total: int | None = None, stream=None) -> Iterator[T]:
-    """Yield ``items``; on a terminal draw a tqdm bar, else print ``[progress] what: i/n`` after each item."""
+    """Yield ``items``: on a terminal a tqdm bar, else a ``[progress] what: i/n`` line per item."""
     stream = stream or sys.stdout
     items = list(items) if total is None else items
     total = len(items) if total is None else total

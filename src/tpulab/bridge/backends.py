@@ -46,23 +46,25 @@ def textbook_step(model, opt, x, y) -> torch.Tensor:
 
 
 def torch_xla_problem() -> str | None:
-    """None where torch_xla imports beside this torch; otherwise the one-line reason it cannot be used."""
+    """None where torch_xla imports beside this torch; otherwise the one-line reason it cannot."""
     if importlib.util.find_spec("torch_xla") is None:
         return (
-            "torch_xla is not installed here (the torch_xla backend needs a TPU VM with the torch_xla "
-            "build matched to its torch); use --backend torch or --backend torchax"
+            "torch_xla is not installed here (the torch_xla backend needs a TPU VM with the "
+            "torch_xla build matched to its torch); use --backend torch or --backend torchax"
         )
     try:
-        import torch_xla  # noqa: F401
-    except (
-        Exception
-    ) as e:  # an unmatched torch/torch_xla pair fails in many ways; name it, do not hide it
-        return f"torch_xla is installed but does not import beside torch {torch.__version__}: {type(e).__name__}: {e}"
+        importlib.import_module("torch_xla")
+    except Exception as e:
+        # An unmatched torch/torch_xla pair fails in many ways; name it, do not hide it.
+        return (
+            f"torch_xla is installed but does not import beside torch {torch.__version__}: "
+            f"{type(e).__name__}: {e}"
+        )
     return None
 
 
 class EagerRunner:
-    """The textbook loop on a torch device: torch on CPU, torchax's "jax" device, or the XLA device."""
+    """The textbook loop on a torch device: torch on CPU, torchax's "jax" device, or XLA's."""
 
     method = "eager"
 
@@ -104,7 +106,10 @@ class EagerRunner:
         return self.env if self.env is not None else contextlib.nullcontext()
 
     def _seed_device_rng(self, cfg, state) -> None:
-        """Dropout draws from the device's generator: torch's CPU one (saved by the loop), jax's key, or XLA's."""
+        """Dropout draws from the device's generator.
+
+        That is torch's CPU one (saved by the loop), jax's key, or XLA's.
+        """
         rng = (state or {}).get("device_rng")
         if self.backend == "torchax":
             import jax
@@ -175,7 +180,10 @@ class EagerRunner:
 
 
 class JitRunner:
-    """torchax's functional train step (jax.value_and_grad of the torch loss + optax.adam) under one jax.jit."""
+    """torchax's functional train step under one jax.jit.
+
+    jax.value_and_grad of the torch loss, then optax.adam.
+    """
 
     method = "jit"
     OPTIMIZER = "optax.adam"
@@ -223,7 +231,8 @@ class JitRunner:
                 )
             return loss, params, opt_state, key
 
-        # Donation saves a copy of params and optimizer state per step; the CPU client ignores it (and warns).
+        # Donation saves a copy of params and optimizer state per step; the CPU client ignores it
+        # (and warns).
         donate = (0, 1) if jax.default_backend() != "cpu" else ()
         self._step = jax.jit(jax_step, donate_argnums=donate)
 
@@ -289,7 +298,8 @@ def _optax_from_named(template, named: dict):
     names = [jax.tree_util.keystr(p) for p, _ in flat]
     if sorted(names) != sorted(leaves):
         raise CheckpointError(
-            f"optax state in the checkpoint has leaves {sorted(leaves)[:3]}..., expected {names[:3]}..."
+            f"optax state in the checkpoint has leaves {sorted(leaves)[:3]}..., "
+            f"expected {names[:3]}..."
         )
     return jax.tree_util.tree_unflatten(
         treedef, [jax.numpy.asarray(leaves[n].numpy()) for n in names]

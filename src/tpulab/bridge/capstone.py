@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from tpulab.bridge.config import BridgeConfig
+from tpulab.checkpoint.rundir import RunDir
 
 # Small enough for ~1.5 minutes on 2 CPU cores; augmentation and dropout on, so the generator state
 # matters.
@@ -62,10 +63,11 @@ def capstone_stage(out_dir: str | Path) -> str:
         )
         if v.get("negative_control"):
             state += ": caught" if not v["identical"] else ": NOT caught"
+        proof = RunDir(d).proof.root
         lines.append(
             f"| {label} | {state} | {v['kill_step']} | {v['resumed_from_step']} | "
-            f"[report]({rel(d / 'proof' / 'report.md')}) | "
-            f"[overlay]({rel(d / 'proof' / 'overlay.png')}) |"
+            f"[report]({rel(proof / 'report.md')}) | "
+            f"[overlay]({rel(proof / 'overlay.png')}) |"
         )
     lines += [
         "",

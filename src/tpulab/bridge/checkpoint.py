@@ -30,10 +30,11 @@ from tpulab.checkpoint.files import (
     verify_manifest,
     write_manifest,
 )
+from tpulab.checkpoint.rundir import CHECKPOINTS
 from tpulab.config import identity_diff
 from tpulab.errors import CheckpointError
 
-CKPT_DIR = "checkpoints"
+CKPT_DIR = CHECKPOINTS
 KEEP = 2
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 

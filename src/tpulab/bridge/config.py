@@ -24,7 +24,10 @@ DTYPE = "float32"
 
 @dataclasses.dataclass(frozen=True)
 class BridgeConfig:
-    """The small regression: x ~ N(0, 1) of shape (n, d), y = x.sum(1, keepdim=True), MLP d->h->1, MSE, Adam."""
+    """The small regression: x ~ N(0, 1) of shape (n, d), y = x.sum(1, keepdim=True).
+
+    An MLP d->h->1 fits it with MSE and Adam.
+    """
 
     n: int = field(256, "number of fixed training examples (full-batch training)")
     d: int = field(8, "input width")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tpulab.bridge import checkpoint as C
 from tpulab.bridge.config import BridgeConfig, check_backend_method, cli_flag
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
 from tpulab.proofs.driver import prove_resume, tpulab_argv
@@ -57,8 +58,9 @@ def prove(
     if cfg.steps < 2:
         raise TpulabError(f"--steps {cfg.steps} is too few for a kill/resume proof (need >= 2)")
     kill_at = default_kill_at(cfg) if kill_at is None else kill_at
-    proof_dir = Path(run_dir) / "proof"
-    if (proof_dir / "verdict.json").exists():
+    proof = RunDir(run_dir).proof
+    proof_dir = proof.root
+    if proof.verdict.exists():
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
     label = f"{backend}/{method}" + (
         "" if restore_rng else ", generator state left out (negative control)"

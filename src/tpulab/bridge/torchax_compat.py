@@ -1,4 +1,4 @@
-"""Every torchax workaround tpulab needs, in one place, each applied only when its problem is present.
+"""Every torchax workaround tpulab needs, in one place, each applied only where its problem is.
 
 torchax 0.0.13 with torch 2.13.0 has three problems this project hits:
 
@@ -67,7 +67,7 @@ def _tolerate_removed_overloads():
 
 
 def import_torchax():
-    """``import torchax`` and build its default environment, with the overload shim only if needed."""
+    """``import torchax`` and build its default environment; the overload shim only if needed."""
     if "torchax" in sys.modules and "named-overload-shim" not in APPLIED:
         import torchax
 
@@ -96,7 +96,7 @@ def enable_eager_autograd(env) -> None:
 
 
 def to_cpu(tree):
-    """A copy of ``tree`` with every tensor (torchax or not) as a CPU torch tensor, for torch.save."""
+    """A copy of ``tree`` with every tensor (torchax or not) a CPU torch tensor, for torch.save."""
     import contextlib
 
     from torch.utils import _pytree as pytree

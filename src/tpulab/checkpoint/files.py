@@ -76,7 +76,7 @@ def manifest_digest(root: str | Path) -> str:
 
 
 def verify_manifest(root: str | Path) -> dict:
-    """Raise CheckpointError naming the first problem; return the manifest when every file matches."""
+    """Raise CheckpointError naming the first problem; return the manifest if every file matches."""
     root = Path(root)
     mpath = root / MANIFEST
     if not mpath.is_file():

@@ -8,10 +8,10 @@ without a receipt whose backend is tpu, the log does not say TPU.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes
+from tpulab.checkpoint.rundir import METRICS, RunDir, read_json
 from tpulab.cloud.gcloud import read_calls
 from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import read_records
@@ -22,14 +22,10 @@ HTML = "experiment.html"  # the same log as one self-contained page (the curve e
 CURVE = "curve.png"
 
 
-def _load(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def _receipts(out: Path) -> list[tuple[int, Path, dict]]:
     found = []
     for p in sorted(out.glob("workers/*/*/receipt/receipt*.json")):
-        found.append((int(p.parts[-4]), p, json.loads(p.read_text())))
+        found.append((int(p.parts[-4]), p, read_json(p)))
     return found
 
 
@@ -51,8 +47,8 @@ def plot_curves(out: Path, run_name: str, path: Path) -> bool:
     dirs.append(
         ("shared run dir", out / "shared" / run_name)
     )  # one multi-process job's metrics (process 0)
-    for w, (label, run_dir) in enumerate(d for d in dirs if (d[1] / "metrics.jsonl").exists()):
-        records = read_records(run_dir / "metrics.jsonl")
+    for w, (label, run_dir) in enumerate(d for d in dirs if RunDir(d[1]).metrics.exists()):
+        records = read_records(RunDir(run_dir).metrics)
         for seg in sorted({r["segment"] for r in records if "step" in r}):
             pts = sorted(
                 (r["step"], r["loss"]) for r in records if r.get("segment") == seg and "loss" in r
@@ -102,11 +98,11 @@ def plot_curves(out: Path, run_name: str, path: Path) -> bool:
 def write_experiment_log(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     cloud = out / "cloud"
-    resource = _load(cloud / "resource.json")
-    staged = _load(cloud / "staged.json")
-    run = _load(cloud / "run.json")
-    fetch = _load(cloud / "fetch.json")
-    cleanup = _load(cloud / "cleanup.json")
+    resource = read_json(cloud / "resource.json", None)
+    staged = read_json(cloud / "staged.json", None)
+    run = read_json(cloud / "run.json", None)
+    fetch = read_json(cloud / "fetch.json", None)
+    cleanup = read_json(cloud / "cleanup.json", None)
     calls = read_calls(cloud)
     receipts = _receipts(out)
     on_tpu = bool(receipts) and all(r["runtime"]["backend"] == "tpu" for _, _, r in receipts)
@@ -181,7 +177,7 @@ def write_experiment_log(out_dir: str | Path) -> Path:
         )
     if not receipts:
         lines.append("- no receipt retrieved")
-    lines += ["", "## Job and training curve (cloud/run.json, workers/*/RUN/metrics.jsonl)", ""]
+    lines += ["", f"## Job and training curve (cloud/run.json, workers/*/RUN/{METRICS})", ""]
     if run:
         lines.append(
             f"- job: `tpulab {' '.join(run['job'])}` in `{run['run_dir']}`, "

@@ -105,7 +105,10 @@ def _read(f: Path) -> bytes:
 
 
 def load_corpus(path: str | None) -> Corpus:
-    """A directory of ``*.txt`` files (one document each, sorted by name) or one text file (cut in parts)."""
+    """A directory of ``*.txt`` files (one document each, sorted by name) or one text file.
+
+    One file is cut into parts, one document each.
+    """
     if path is None:
         docs = tuple(
             Document(f.name, _read(f)) for f in sorted(default_corpus_dir().glob("*_gut.txt"))
@@ -124,8 +127,9 @@ def load_corpus(path: str | None) -> Corpus:
             pieces = split_text(data)
             if len(pieces) < 2:
                 raise TpulabError(
-                    f"corpus file {p} is a single line; one file is cut into documents at blank lines "
-                    "or line breaks, so it needs at least two lines (or pass a directory of *.txt)"
+                    f"corpus file {p} is a single line; one file is cut into documents at blank "
+                    "lines or line breaks, so it needs at least two lines (or pass a directory of "
+                    "*.txt)"
                 )
             docs = tuple(
                 Document(f"{p.name}#{i + 1:02d}of{len(pieces):02d}", piece)

@@ -1,6 +1,9 @@
-"""Markdown -> one self-contained HTML page (the subset tpulab's reports use), shared by the evidence report,
-the decision dossier and the cloud experiment log. Images are embedded as data URIs and the page's
-Content-Security-Policy loads nothing from elsewhere, so a page can be mailed or archived as one file."""
+"""Markdown -> one self-contained HTML page (the subset tpulab's reports use).
+
+Shared by the evidence report, the decision dossier and the cloud experiment log. Images are
+embedded as data URIs and the page's Content-Security-Policy loads nothing from elsewhere, so a
+page can be mailed or archived as one file.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +13,16 @@ import mimetypes
 import re
 from pathlib import Path
 
-_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:60rem;margin:2rem auto;
-padding:0 1rem;line-height:1.45;color:#1b1b1b}table{border-collapse:collapse;margin:1rem 0}
-td,th{border:1px solid #ccc;padding:.3rem .6rem;text-align:left;vertical-align:top}th{background:#f3f3f3}
-code{background:#f3f3f3;padding:0 .2rem;border-radius:3px}pre{background:#f6f6f6;padding:.6rem;overflow:auto}
-img{max-width:100%;height:auto;border:1px solid #ddd}.missing{color:#b00020}"""
+_CSS = (
+    "body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:60rem;"
+    "margin:2rem auto;\n"
+    "padding:0 1rem;line-height:1.45;color:#1b1b1b}table{border-collapse:collapse;margin:1rem 0}\n"
+    "td,th{border:1px solid #ccc;padding:.3rem .6rem;text-align:left;vertical-align:top}"
+    "th{background:#f3f3f3}\n"
+    "code{background:#f3f3f3;padding:0 .2rem;border-radius:3px}"
+    "pre{background:#f6f6f6;padding:.6rem;overflow:auto}\n"
+    "img{max-width:100%;height:auto;border:1px solid #ddd}.missing{color:#b00020}"
+)
 
 
 def _data_uri(path: Path) -> str | None:
@@ -27,7 +35,10 @@ def _data_uri(path: Path) -> str | None:
 
 
 def _inline(text: str, base: Path) -> str:
-    """Escape, then code spans, images (embedded), links, bold. Code spans are protected from the rest."""
+    """Escape, then code spans, images (embedded), links, bold.
+
+    Code spans are protected from the rest.
+    """
     codes: list[str] = []
 
     def keep_code(m):

@@ -13,7 +13,9 @@ import json
 import os
 from pathlib import Path
 
-METRICS = "metrics.jsonl"
+from tpulab.checkpoint.rundir import METRICS
+
+__all__ = ["METRICS", "MetricsLog", "curve", "read_records", "starts"]
 
 
 class MetricsLog:

@@ -1,4 +1,7 @@
-"""What a run ran on: backend, devices, versions, commit. Never claims hardware JAX did not report."""
+"""What a run ran on: backend, devices, versions, commit.
+
+Never claims hardware JAX did not report.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tpulab.checkpoint.files import atomic_write_json
+from tpulab.checkpoint.rundir import RunDir, write_json
 from tpulab.hostmem import allocator
 
 BASE_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
@@ -26,7 +29,8 @@ def package_versions(names=BASE_PACKAGES) -> dict:
 
 
 def git_commit() -> str | None:
-    """The project's commit (with '-dirty' when the tree has changes), or None outside a checkout."""
+    """The project's commit (with '-dirty' when the tree has changes), or None outside a
+    checkout."""
     root = Path(__file__).resolve().parents[3]
     try:
         head = subprocess.run(
@@ -91,5 +95,5 @@ def write_environment(
     run_dir: str | Path, packages=BASE_PACKAGES, extra: dict | None = None
 ) -> dict:
     env = {**environment(packages), **(extra or {})}
-    atomic_write_json(Path(run_dir) / "env.json", env)
+    write_json(RunDir(run_dir).env, env)
     return env

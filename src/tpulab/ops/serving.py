@@ -20,12 +20,12 @@ one keeps serving, /v1/model says why) and retried only when the alias moves aga
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import threading
 import time
 from pathlib import Path
 
+from tpulab.checkpoint.rundir import RunDir, read_json
 from tpulab.data.drift import byte_histogram
 from tpulab.errors import TpulabError
 from tpulab.inference.serve import (
@@ -192,10 +192,10 @@ def training_reference(run_dir) -> tuple:
     from tpulab.data.pipeline import split_documents
     from tpulab.train.config import RunConfig
 
-    run = Path(run_dir)
+    run = RunDir(run_dir)
     try:
-        recorded = json.loads((run / "documents.json").read_text())
-        cfg = load(RunConfig, run / "config.yaml")
+        recorded = read_json(run.documents)
+        cfg = load(RunConfig, run.config)
         corpus = load_corpus(cfg.data.path)
         train, _ = split_documents(corpus, cfg.data)
     except (OSError, ValueError, TpulabError) as e:

@@ -1,5 +1,8 @@
-"""Named stages run in order, shared by the capstone and the dossier: a stage that fails with a one-line
-TpulabError becomes a FAILED section of the report instead of ending it, and every stage is timed."""
+"""Named stages run in order, shared by the capstone and the dossier.
+
+A stage that fails with a one-line TpulabError becomes a FAILED section of the report instead of
+ending it, and every stage is timed.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Each row is one chip (what a topology name like ``v5e:2x2`` counts), from Google Cloud's TPU
 system-architecture pages (cited per row, as read in 2025). ``jax_device_kind`` is what JAX reports
 for that generation's devices, which is how a measured run is matched to its row; v4 and v5p
-and v5p chips have two TensorCores: libtpu shows a v5p chip as one (megacore) device and a v4 chip
+chips have two TensorCores: libtpu shows a v5p chip as one (megacore) device and a v4 chip
 as two devices, so per-device figures are derived from the device count of the compiled topology
 (``tpulab.perf.aot``), never stored twice.
 """
@@ -26,7 +26,7 @@ class Chip:
     source: str
 
     def ridge(self, dtype: str = "bf16") -> float:
-        """FLOPs per HBM byte above which a step is compute-bound on this chip (peak / bandwidth)."""
+        """FLOPs per HBM byte above which a step is compute-bound here (peak / bandwidth)."""
         peak = self.peak_int8_ops if dtype == "int8" else self.peak_bf16_flops
         return peak / self.hbm_bytes_per_s
 
@@ -41,7 +41,8 @@ CHIPS: dict[str, Chip] = {
             275e12,
             32 * GiB,
             1200e9,
-            "https://cloud.google.com/tpu/docs/v4 (275 TFLOPS bf16 or int8, 32 GiB HBM2, 1200 GBps)",
+            "https://cloud.google.com/tpu/docs/v4 "
+            "(275 TFLOPS bf16 or int8, 32 GiB HBM2, 1200 GBps)",
         ),
         Chip(
             "v5e",
@@ -50,7 +51,8 @@ CHIPS: dict[str, Chip] = {
             394e12,
             16 * GiB,
             819e9,
-            "https://cloud.google.com/tpu/docs/v5e (197 TFLOPS bf16, 394 TOPS int8, 16 GiB HBM2, 819 GB/s)",
+            "https://cloud.google.com/tpu/docs/v5e "
+            "(197 TFLOPS bf16, 394 TOPS int8, 16 GiB HBM2, 819 GB/s)",
         ),
         Chip(
             "v5p",
@@ -59,7 +61,8 @@ CHIPS: dict[str, Chip] = {
             918e12,
             95 * GiB,
             2765e9,
-            "https://cloud.google.com/tpu/docs/v5p (459 TFLOPS bf16, 918 TOPS int8, 95 GiB HBM2e, 2765 GB/s)",
+            "https://cloud.google.com/tpu/docs/v5p "
+            "(459 TFLOPS bf16, 918 TOPS int8, 95 GiB HBM2e, 2765 GB/s)",
         ),
         Chip(
             "v6e",
@@ -68,14 +71,15 @@ CHIPS: dict[str, Chip] = {
             1836e12,
             32 * GiB,
             1640e9,
-            "https://cloud.google.com/tpu/docs/v6e (918 TFLOPS bf16, 1836 TOPS int8, 32 GiB HBM, 1640 GB/s)",
+            "https://cloud.google.com/tpu/docs/v6e "
+            "(918 TFLOPS bf16, 1836 TOPS int8, 32 GiB HBM, 1640 GB/s)",
         ),
     )
 }
 
 
 def chip_for_device_kind(device_kind: str) -> Chip | None:
-    """The row for a device JAX reported, or None (CPU, GPU, an unlisted TPU): no peak is invented."""
+    """The row for a device JAX reported, or None (CPU, GPU, unlisted TPU): no peak is invented."""
     for chip in CHIPS.values():
         if chip.jax_device_kind == device_kind:
             return chip

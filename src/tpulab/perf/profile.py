@@ -6,11 +6,12 @@ optional ``xprof`` package) and ``*.trace.json.gz`` (drag into https://ui.perfet
 needs no extra package: ``jax.profiler.ProfileData`` reads the xplane in-process; every event with
 an ``hlo_op`` stat from the train step's module is one HLO op or fusion executing. Its category is
 read from the compiled step's own HLO (not guessed from names: on XLA:CPU a ``ynn_fusion`` may be
-a GEMM or a reduction): matmul (a dot or convolution, alone or inside a fusion), copy/transposition,
-collective, rng (random-bit generation, i.e. dropout masks), fusion (other fused elementwise/reduction work), other; host is the rest of the
-step's wall time that no HLO op covers (dispatch, Python, waiting). On a GPU the op times are the
-kernels' device time (see ``read_trace``); profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``
-so that XLA launches ops one by one instead of as one CUDA graph (``command_buffer_N``).
+a GEMM or a reduction): matmul (a dot or convolution, alone or inside a fusion),
+copy/transposition, collective, rng (random-bit generation, i.e. dropout masks), fusion (other
+fused elementwise/reduction work), other; host is the rest of the step's wall time that no HLO op
+covers (dispatch, Python, waiting). On a GPU the op times are the kernels' device time (see
+``read_trace``); profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` so that XLA launches
+ops one by one instead of as one CUDA graph (``command_buffer_N``).
 
 The same steps are also timed without the profiler, half before and half after the trace (so a
 change in host load hits both), and the profiled median is checked against that unprofiled median
@@ -43,7 +44,8 @@ _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 
 
 def hlo_categories(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> category, from a compiled module's text (fusions judged by what they call)."""
+    """HLO instruction name -> category, from a compiled module's text (fusions judged by what
+    they call)."""
     comps: dict[str, list[tuple[str, str, str]]] = collections.defaultdict(list)
     current = None
     for line in hlo_text.splitlines():
@@ -99,9 +101,10 @@ def _category(opcode: str, kinds: set[str]) -> str:
 def read_trace(xplane: Path, module: str = "jit_train_step") -> dict:
     """Step annotations and per-op time of one module from an xplane file.
 
-    Op time comes from the accelerator's planes (``/device:GPU:0``: kernel time on the device) when they
-    hold ops of the module, else from the host plane (XLA:CPU runs its ops on host threads). Reading both
-    would count an op twice on a GPU: once as the host's launch, once as the kernel."""
+    Op time comes from the accelerator's planes (``/device:GPU:0``: kernel time on the device)
+    when they hold ops of the module, else from the host plane (XLA:CPU runs its ops on host
+    threads). Reading both would count an op twice on a GPU: once as the host's launch, once as the
+    kernel."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(str(xplane))
@@ -159,27 +162,30 @@ def top_ops(
         "op_time_per_step_ms": 1e3 * op_total,
         "op_time_source": trace.get("op_time_source", "host"),
         "note": (
-            "op time is kernel time on the device plane; kernels on several streams may overlap, and the "
-            "rest of the step is launch gaps and host work"
+            "op time is kernel time on the device plane; kernels on several streams may overlap, "
+            "and the rest of the step is launch gaps and host work"
             if trace.get("op_time_source") == "device"
-            else "op time is from the host plane: ops on XLA:CPU may run on several threads at once, so op "
-            "shares can add up past 100%"
+            else "op time is from the host plane: ops on XLA:CPU may run on several threads at "
+            "once, so op shares can add up past 100%"
         ),
     }
 
 
 def load_train_state(run_dir: Path):
-    """(config, Steps, TrainState) from a run dir's newest valid checkpoint; one-line error without one."""
+    """(config, Steps, TrainState) from a run dir's newest valid checkpoint; one-line error
+    without one."""
+    from tpulab.checkpoint.rundir import RunDir
     from tpulab.checkpoint.store import CheckpointStore
     from tpulab.config import from_dict
     from tpulab.errors import CheckpointError
     from tpulab.train.config import RunConfig
     from tpulab.train.step import make_steps
 
-    ckpt_dir = Path(run_dir) / "checkpoints"
+    ckpt_dir = RunDir(run_dir).checkpoints
     if not ckpt_dir.is_dir():
         raise TpulabError(
-            f"{run_dir} holds no checkpoints to profile (train first: tpulab train --run-dir {run_dir})"
+            f"{run_dir} holds no checkpoints to profile "
+            f"(train first: tpulab train --run-dir {run_dir})"
         )
     store = CheckpointStore(ckpt_dir, keep=1_000_000, async_save=False)
     try:
@@ -194,7 +200,8 @@ def load_train_state(run_dir: Path):
 
 
 def profile_run(run_dir, *, steps: int = 5, warmup: int = 3, timed: int = 20) -> dict:
-    """Profile K warmed train steps of a trained run (its config, its checkpointed state); write DIR/profile/."""
+    """Profile K warmed train steps of a trained run (its config, its checkpointed state); write
+    DIR/profile/."""
     import jax
 
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
@@ -275,10 +282,13 @@ def profile_run(run_dir, *, steps: int = 5, warmup: int = 3, timed: int = 20) ->
 
 
 def markdown(r: dict) -> str:
+    un = r["unprofiled"]
+    verdict = "agrees" if r["agrees"] else "DOES NOT agree"
     lines = [
-        f"Profiled step (median of {r['profiled_steps']}): {1e3 * r['profiled_step_median_s']:.2f} ms; "
-        f"unprofiled median of {r['unprofiled']['steps']}: {1e3 * r['unprofiled']['median_s']:.2f} ms "
-        f"({100 * r['relative_difference']:.1f}% apart: {'agrees' if r['agrees'] else 'DOES NOT agree'} "
+        f"Profiled step (median of {r['profiled_steps']}): "
+        f"{1e3 * r['profiled_step_median_s']:.2f} ms; "
+        f"unprofiled median of {un['steps']}: {1e3 * un['median_s']:.2f} ms "
+        f"({100 * r['relative_difference']:.1f}% apart: {verdict} "
         f"within {100 * r['agrees_within']:.0f}%)",
         "",
         "| category | ms/step | share of step |",
@@ -290,7 +300,8 @@ def markdown(r: dict) -> str:
     ]
     lines += ["", "| HLO op / fusion | category | ms/step | share of step |", "|---|---|---|---|"]
     lines += [
-        f"| {o['op']} | {o['category']} | {o['ms_per_step']:.2f} | {100 * o['share_of_step']:.1f}% |"
+        f"| {o['op']} | {o['category']} | {o['ms_per_step']:.2f} "
+        f"| {100 * o['share_of_step']:.1f}% |"
         for o in r["ops"]
     ]
     lines += ["", r["note"], f"Trace: {r['xplane']} — {r['how_to_open']}"]

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from tpulab.checkpoint.compare import compare_trees
+from tpulab.checkpoint.rundir import RunDir, read_json
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, document_windows, to_batch
 from tpulab.data.tokenizer import PAD
@@ -216,7 +217,6 @@ def check_disjoint(
 def run_checks(config: RunConfig, run_dir: Path | None = None) -> list[dict]:
     """All checks on the run's trained state (``run_dir``) or on a fresh init of ``config`` (model
     checks only: the data checks need a run's window ledger)."""
-    import json
 
     if run_dir is not None:
         from tpulab.train.restore import load_model
@@ -232,8 +232,7 @@ def run_checks(config: RunConfig, run_dir: Path | None = None) -> list[dict]:
         steps.model(state.params), config.data.seq_len, config.model.vocab_size
     ) + check_loss(steps, state, splits.train_windows, config.data.batch_size)
     if run_dir is not None:
-        docs = Path(run_dir) / "documents.json"
-        recorded = json.loads(docs.read_text()) if docs.exists() else None
+        recorded = read_json(RunDir(run_dir).documents, None)
         results += check_disjoint(
             splits,
             recorded,

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from tpulab.checkpoint.files import atomic_write_bytes
-from tpulab.config import to_dict
+from tpulab.checkpoint.rundir import RunDir, write_config
 from tpulab.errors import TpulabError
 from tpulab.proofs.cache import cache_env
 from tpulab.proofs.driver import prove_resume, tpulab_argv
@@ -21,8 +18,7 @@ from tpulab.train.config import RunConfig
 
 def write_child_config(config: RunConfig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, yaml.safe_dump(to_dict(config), sort_keys=False).encode())
-    return path
+    return write_config(path, config)
 
 
 def train_child_argv(
@@ -80,10 +76,11 @@ def prove_transformer_resume(
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
     check_kill_step(kill_at, steps, save_every)
-    proof_dir = Path(out_dir) / "proof"
-    if (proof_dir / "verdict.json").exists():
+    proof = RunDir(out_dir).proof
+    proof_dir = proof.root
+    if proof.verdict.exists():
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
-    config_path = write_child_config(config, proof_dir / "config.yaml")
+    config_path = write_child_config(config, proof.config)
     extra = [a for part in skip_restore for a in ("--skip-restore", part)]
     return prove_resume(
         lambda d: train_child_argv(config_path, d, extra=extra),

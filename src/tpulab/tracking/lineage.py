@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tpulab.checkpoint.rundir import RunDir, read_json
+
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     """A nested config as MLflow params: ``{"model": {"d_model": 32}}`` -> ``{"model.d_model":
@@ -29,9 +31,8 @@ def _sha(obj: Any) -> str:
 def lineage_tags(run_dir: Path, env: dict | None) -> dict[str, str]:
     """Corpus identity, split hashes, tokenizer, backend/device kind, versions, commit."""
     tags: dict[str, str] = {}
-    docs_path = run_dir / "documents.json"
-    if docs_path.exists():
-        docs = json.loads(docs_path.read_text())
+    docs = read_json(RunDir(run_dir).documents, None)
+    if docs is not None:
         tags.update(
             {
                 "tpulab.corpus.source": str(docs.get("source")),

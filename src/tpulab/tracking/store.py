@@ -7,15 +7,15 @@ mlflow is imported only inside these functions, so `tpulab --help` never pays it
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
+from tpulab.checkpoint.rundir import MLFLOW_RUN, RunDir, read_json
 from tpulab.errors import TpulabError
 
-RUN_FILE = "mlflow_run.json"  # in the run dir: which store and run this run dir logs to
+RUN_FILE = MLFLOW_RUN  # in the run dir: which store and run this run dir logs to
 EXPERIMENT = "tpulab"
 STORE_NAME = "mlruns.db"
 WRITE_CHECK_TAG = "tpulab.write_check"  # experiment tag the --require-tracking probe writes
@@ -63,7 +63,7 @@ def warn_tracking_off(uri: str, reason: str) -> None:
 def read_run_link(run_dir: str | Path) -> dict | None:
     """``{"tracking_uri", "run_id", "experiment_id"}`` of the run a run dir logs to, or None."""
     try:
-        return json.loads((Path(run_dir) / RUN_FILE).read_text())
+        return read_json(RunDir(run_dir).mlflow_run)
     except (OSError, ValueError):
         return None
 

@@ -1,10 +1,10 @@
-"""Callbacks the training loops call, so proofs, tests and trackers add behaviour without switches in the loop.
+"""Callbacks the training loops call, so proofs, tests and trackers add behaviour without switches.
 
-A caller passes ``hooks=[...]`` to ``train()``; each hook overrides only the methods it needs. The loop
-reads no environment variable and knows nothing about who listens: the kill/resume proof passes
-``HoldAfter`` (through the hidden ``--hold-after-step`` flag of its child trainer), tests pass hooks that
-withhold a checkpoint's completion marker or poison a step, trackers and watchdogs listen to the same
-calls.
+A caller passes ``hooks=[...]`` to ``train()``; each hook overrides only the methods it needs. The
+loop reads no environment variable and knows nothing about who listens: the kill/resume proof passes
+``HoldAfter`` (through the hidden ``--hold-after-step`` flag of its child trainer), tests pass hooks
+that withhold a checkpoint's completion marker or poison a step, trackers and watchdogs listen to
+the same calls.
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ class Hooks:
     """No-op base. Methods are called from the training thread, in this order per step."""
 
     def on_start(self, info: dict) -> None:
-        """Once, after the state is built or restored: run_dir, start_step, resumed_from, config, ..."""
+        """Once, after the state is built or restored.
+
+        ``info``: run_dir, start_step, resumed_from, config, ...
+        """
 
     def after_step(self, step: int, state: Any, metrics: dict) -> tuple[Any, dict]:
-        """Right after step ``step`` was dispatched, with its device values; may return replacements."""
+        """Right after step ``step`` was dispatched, with its device values; may replace them."""
         return state, metrics
 
     def on_metrics(self, step: int, record: dict) -> None:
@@ -31,7 +34,7 @@ class Hooks:
         evaluates)."""
 
     def allow_commit(self, step: int) -> bool:
-        """Whether checkpoint ``step`` may get its completion marker once Orbax finished writing it."""
+        """Whether checkpoint ``step`` may get its completion marker once Orbax has written it."""
         return True
 
     def on_checkpoint(self, step: int) -> None:

@@ -47,7 +47,8 @@ def _cgroup_available(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 def available_host_bytes() -> int | None:
     """Memory this process could still get: the smaller of MemAvailable and any cgroup v2 headroom.
 
-    Falls back to ``os.sysconf`` free pages where /proc/meminfo is missing; None if nothing is known.
+    Falls back to ``os.sysconf`` free pages where /proc/meminfo is missing; None if nothing is
+    known.
     """
     candidates = [_meminfo_available(), _cgroup_available()]
     if candidates[0] is None:
@@ -60,7 +61,7 @@ def available_host_bytes() -> int | None:
 
 
 def check_fits_host(config: RunConfig, available: int | None = None) -> int:
-    """Raise ConfigError if the train state cannot fit in ``available`` bytes (default: this host's).
+    """Raise ConfigError if the train state cannot fit in ``available`` bytes (default: the host's).
 
     Returns the estimate in bytes. Call it at the entry of training, before the run dir is written.
     """
@@ -69,9 +70,9 @@ def check_fits_host(config: RunConfig, available: int | None = None) -> int:
         available = available_host_bytes()
     if available is not None and need > available:
         raise ConfigError(
-            f"the model cannot fit in memory: {param_count(config.model):,} parameters need at least "
-            f"{need / GiB:,.1f} GiB for parameters, gradients and two Adam moments in "
-            f"{config.precision.param_dtype}, and this host has {available / GiB:,.1f} GiB available "
-            "(reduce model.d_model, model.n_layers or model.mlp_ratio)"
+            f"the model cannot fit in memory: {param_count(config.model):,} parameters need at "
+            f"least {need / GiB:,.1f} GiB for parameters, gradients and two Adam moments in "
+            f"{config.precision.param_dtype}, and this host has {available / GiB:,.1f} GiB "
+            "available (reduce model.d_model, model.n_layers or model.mlp_ratio)"
         )
     return need

@@ -23,6 +23,9 @@ class Preemption:
         signal.signal(signal.SIGTERM, self._old)
 
     def finished(self) -> None:
-        """The run is saved and done: ignore SIGTERM until exit. SIG_IGN, unlike a Python handler, survives
-        interpreter finalization (which resets Python handlers to the default, i.e. death by signal)."""
+        """The run is saved and done: ignore SIGTERM until exit.
+
+        SIG_IGN, unlike a Python handler, survives interpreter finalization (which resets Python
+        handlers to the default, i.e. death by signal).
+        """
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -16,7 +16,6 @@ manifest, topology) that ``tpulab train`` resumes from.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpulab.checkpoint.compare import compare_trees
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.rundir import RunDir, read_json, write_json
 from tpulab.checkpoint.store import CheckpointStore, read_meta, read_state
 from tpulab.config import from_dict, to_dict
 from tpulab.data.corpus import load_corpus
@@ -52,7 +51,7 @@ def data_positions(step_dir: Path) -> list[dict]:
     files = sorted((Path(step_dir) / "data").glob("process_*-of-*.json"))
     if not files:
         raise CheckpointError(f"{step_dir} holds no Grain data position")
-    return [json.loads(f.read_text()) for f in files]
+    return [read_json(f) for f in files]
 
 
 def read_back(
@@ -75,7 +74,8 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
     dir ``dst_run``."""
     step_dir = checkpoint_dir(src_run, step)
     dst_run = Path(dst_run)
-    if (dst_run / "checkpoints").exists() and any((dst_run / "checkpoints").iterdir()):
+    dst = RunDir(dst_run)
+    if dst.checkpoints.exists() and any(dst.checkpoints.iterdir()):
         raise TpulabError(f"--out {dst_run} already holds checkpoints; choose a new directory")
     meta = read_meta(step_dir)
     config = dataclasses.replace(from_dict(RunConfig, meta["config"]), mesh=mesh_cfg)
@@ -128,7 +128,7 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
     if primary:
         dst_run.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(
-        dst_run / "checkpoints", keep=config.checkpoint.keep, async_save=False, primary=primary
+        dst.checkpoints, keep=config.checkpoint.keep, async_save=False, primary=primary
     )
     try:
         store.save(step, state, data_iter, new_meta)
@@ -156,12 +156,8 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
         "source_checkpoint": str(step_dir),
     }
     if primary:
-        import yaml
-
-        atomic_write_bytes(
-            dst_run / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode()
-        )
-        atomic_write_json(dst_run / "reshard.json", result)
+        dst.write_config(config)
+        write_json(dst_run / "reshard.json", result)
     return result
 
 

@@ -1,15 +1,16 @@
 """Where every array of the training state lives on the device mesh: one readable table.
 
-The mesh has two axes, ``data`` and ``fsdp``. The batch is split over both (every device sees its own
-rows); parameters and both Adam moments are split over ``fsdp`` on one dimension (each large matrix),
-small vectors and scalars are replicated. With ``fsdp: 1`` this is plain data parallelism (replicated
-state, gradients all-reduced); with ``fsdp > 1`` XLA's partitioner all-gathers a matrix where the forward
-and backward pass need it and reduce-scatters its gradient into the shard that owns it. The default
-``{data: 0 (all devices), fsdp: 1}`` on one CPU is the same code: a 1x1 mesh.
+The mesh has two axes, ``data`` and ``fsdp``. The batch is split over both (every device sees its
+own rows); parameters and both Adam moments are split over ``fsdp`` on one dimension (each large
+matrix), small vectors and scalars are replicated. With ``fsdp: 1`` this is plain data parallelism
+(replicated state, gradients all-reduced); with ``fsdp > 1`` XLA's partitioner all-gathers a matrix
+where the forward and backward pass need it and reduce-scatters its gradient into the shard that
+owns it. The default ``{data: 0 (all devices), fsdp: 1}`` on one CPU is the same code: a 1x1 mesh.
 
-Rules match the leaf's path (``blocks/0/attn/qkv/kernel``; Adam's ``mu``/``nu`` paths end in the same
-parameter path, so a moment always lives where its parameter lives). First match wins. A dimension that
-``fsdp`` does not divide is replicated instead and reported by ``layout_table`` (never silently uneven).
+Rules match the leaf's path (``blocks/0/attn/qkv/kernel``; Adam's ``mu``/``nu`` paths end in the
+same parameter path, so a moment always lives where its parameter lives). First match wins. A
+dimension that ``fsdp`` does not divide is replicated instead and reported by ``layout_table``
+(never silently uneven).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ DATA_AXIS, FSDP_AXIS = "data", "fsdp"
 AXES = (DATA_AXIS, FSDP_AXIS)
 BATCH_SPEC = P((DATA_AXIS, FSDP_AXIS))  # rows of the global batch over every device, process-major
 
-# (pattern on the leaf path, PartitionSpec). Matrices split on their first (input / vocab) dimension.
+# (pattern on the leaf path, PartitionSpec). Matrices split on their first (input/vocab) dimension.
 RULES: tuple[tuple[str, P], ...] = (
     (r"embed/embedding$", P(FSDP_AXIS, None)),  # [vocab, d_model]: vocabulary rows
     (r"attn/qkv/kernel$", P(FSDP_AXIS, None)),  # [d_model, 3 d_model]
@@ -69,8 +70,11 @@ def resolve(cfg: MeshConfig, n_devices: int) -> tuple[int, int]:
 
 
 def make_mesh(cfg: MeshConfig | None = None, devices: list | None = None) -> Mesh:
-    """A (data, fsdp) mesh over all devices, ordered by process then id, so each process owns a contiguous
-    block of batch rows (what ``make_array_from_process_local_data`` expects)."""
+    """A (data, fsdp) mesh over all devices, ordered by process then id.
+
+    Each process then owns a contiguous block of batch rows (what
+    ``make_array_from_process_local_data`` expects).
+    """
     devices = sorted(devices or jax.devices(), key=lambda d: (d.process_index, d.id))
     data, fsdp = resolve(cfg or MeshConfig(), len(devices))
     return Mesh(np.array(devices, dtype=object).reshape(data, fsdp), AXES)
@@ -86,7 +90,10 @@ def check_batch(batch_size: int, mesh: Mesh) -> None:
 
 
 def spec_for(path: str, shape: tuple[int, ...], mesh: Mesh) -> tuple[P, str]:
-    """(PartitionSpec, the rule's pattern) for one leaf; a split dimension fsdp does not divide is replicated."""
+    """(PartitionSpec, the rule's pattern) for one leaf.
+
+    A split dimension that fsdp does not divide is replicated.
+    """
     for pattern, spec in RULES:
         if re.search(pattern, path):
             if len(spec) > len(shape):
@@ -112,7 +119,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
 
 
 def layout_table(abstract_state: Any, mesh: Mesh) -> list[dict]:
-    """One row per leaf: path, shape, PartitionSpec, per-device shape and the rule that decided it."""
+    """One row per leaf: path, shape, PartitionSpec, per-device shape, the rule that decided it."""
     rows = []
     for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
         path = leaf_path(p)
@@ -131,7 +138,10 @@ def layout_table(abstract_state: Any, mesh: Mesh) -> list[dict]:
 
 
 def topology(mesh: Mesh) -> dict:
-    """What a checkpoint records about where it was written; a resume elsewhere needs ``tpulab reshard``."""
+    """What a checkpoint records about where it was written.
+
+    A resume elsewhere needs ``tpulab reshard``.
+    """
     return {
         "mesh": {DATA_AXIS: int(mesh.shape[DATA_AXIS]), FSDP_AXIS: int(mesh.shape[FSDP_AXIS])},
         "process_count": jax.process_count(),
