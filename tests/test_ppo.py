@@ -448,7 +448,7 @@ def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(trained_run, reward
     # the whole-state verdict covered every leaf of PPOState, the round's buffers and keys included
     cfg = ppo_config(trained_run, reward_run)
     assert v["leaves_compared"] == len(jax.tree.leaves(abstract_state(cfg, make_mesh())))
-    resumed = read_meta(load_model(tmp_path / "run").checkpoint_dir)
+    resumed = read_meta(load_model(tmp_path / "proof" / "interrupted").checkpoint_dir)
     assert (
         resumed["identities"]["reward_model"]
         == load_reward_model(ppo_config(trained_run, reward_run)).digest
