@@ -5,7 +5,8 @@ trainer records the wall time of every step (forward, backward, optimizer, loss 
 host), excluding checkpoint writes. The first ``--warmup`` steps (compilation) are dropped and the
 median of the rest is reported, with the provenance each run recorded.
 
-    .venv/bin/python benchmarks/bridge_step_time.py [--steps 300] [--warmup 20] [--out runs/bench-bridge]
+    .venv/bin/python benchmarks/bridge_step_time.py [--steps 300] [--warmup 20] \
+        [--out runs/bench-bridge]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tpulab.bridge.prove import train_argv
 from tpulab.bridge.report import device_line, start_record
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.config import to_dict
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.driver import run_to_completion
 
 
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
             900,
             f"{backend}/{method}",
         )
-        times = M.curve(M.read_records(d), key="step_time_s")
+        times = curve(read_records(d), key="step_time_s")
         steady = [times[s] for s in sorted(times) if s > args.warmup]
         rec = start_record(d)
         rows.append(
@@ -77,13 +78,13 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['backend']} | {r['method']} | {1e3 * r['median_step_s']:.3f} | {1e3 * r['p90_step_s']:.3f} "
-            f"| {r['first_step_s']:.2f} | {r['device']} |"
+            f"| {r['backend']} | {r['method']} | {1e3 * r['median_step_s']:.3f} | "
+            f"{1e3 * r['p90_step_s']:.3f} | {r['first_step_s']:.2f} | {r['device']} |"
         )
     v = rows[0]["versions"]
     print(
-        f"versions: torch {v['torch']}, torchax {v['torchax']}, jax {v['jax']}, jaxlib {v['jaxlib']}; "
-        f"written to {args.out / 'step_time.json'}"
+        f"versions: torch {v['torch']}, torchax {v['torchax']}, jax {v['jax']}, "
+        f"jaxlib {v['jaxlib']}; written to {args.out / 'step_time.json'}"
     )
     return 0
 

@@ -1,4 +1,5 @@
-"""Steady-state training tokens/s of tpulab's train step against plain eager PyTorch, plus resume start-up.
+"""Steady-state training tokens/s of tpulab's train step against plain eager PyTorch, plus resume
+start-up.
 
 Part 1 (throughput, one process): tpulab's jitted, donated train step (``make_steps``) and an eager
 PyTorch implementation of the identical model and optimizer train side by side on the same numpy
@@ -16,7 +17,8 @@ from the parent.
 
     .venv/bin/python benchmarks/train_throughput.py [--steps 21] [--resume-repeats 2]
 
-Writes benchmarks/results/train_throughput.{md,json}; scratch runs go to runs/bench-train-throughput.
+Writes benchmarks/results/train_throughput.{md,json}; scratch runs go to
+runs/bench-train-throughput.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.config import load, to_dict
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import METRICS, read_records, starts
 from tpulab.model.config import ModelConfig
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps
 from tpulab.process_setup import prepare
@@ -56,7 +58,7 @@ CONFIG = ROOT / "configs" / "default.yaml"
 OVERRIDES = ["model.dropout=0"]  # the benchmark measures the deterministic step
 
 
-# --- the PyTorch eager baseline: the same architecture as tpulab.model.transformer -----------------
+# --- the PyTorch eager baseline: the same architecture as tpulab.model.transformer ---------------
 
 
 class TorchBlock(nn.Module):
@@ -113,7 +115,8 @@ class TorchTransformer(nn.Module):
 
     @torch.no_grad()
     def load_tpulab(self, params) -> None:
-        """Copy tpulab parameters (nnx.State as numpy) in; Linear kernels are [in, out], torch's [out, in]."""
+        """Copy tpulab parameters (nnx.State as numpy) in; Linear kernels are [in, out], torch's
+        [out, in]."""
         self.embed.weight.copy_(torch.tensor(np.asarray(params["embed"]["embedding"])))
         self.final_norm.copy_(torch.tensor(np.asarray(params["final_norm"]["scale"])))
         for i, blk in enumerate(self.blocks):
@@ -137,7 +140,8 @@ def masked_xent(logits_btv, targets_bt, mask_bt):
 
 
 class TorchTrainer:
-    """AdamW (decay on >= 2-D params only), the config's warmup-cosine schedule, global-norm clipping."""
+    """AdamW (decay on >= 2-D params only), the config's warmup-cosine schedule, global-norm
+    clipping."""
 
     def __init__(self, config: RunConfig, params, lrs: np.ndarray):
         o = config.optim
@@ -170,7 +174,7 @@ class TorchTrainer:
         return loss.detach()
 
 
-# --- part 1: throughput ------------------------------------------------------------------------------
+# --- part 1: throughput ---------------------------------------------------------------------------
 
 
 def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dict:
@@ -259,7 +263,7 @@ def throughput(config: RunConfig, n_steps: int, warmup: int, rounds: int) -> dic
     return res
 
 
-# --- part 2: time from process start to the first resumed step ----------------------------------------
+# --- part 2: time from process start to the first resumed step -----------------------------------
 
 
 def train_argv(run_dir: Path, cache: Path, steps: int) -> list[str]:
@@ -290,9 +294,10 @@ def run_logged(argv: list[str], log: Path, timeout: float = 300) -> None:
 
 
 def timed_resume(base: Path, run_dir: Path, cache: Path, first_step: int, last_step: int) -> dict:
-    """Copy ``base``, resume it in a fresh process; seconds from spawn to ``first_step``'s metrics line."""
+    """Copy ``base``, resume it in a fresh process; seconds from spawn to ``first_step``'s metrics
+    line."""
     shutil.copytree(base, run_dir)
-    segment = len(M.starts(M.read_records(run_dir)))
+    segment = len(starts(read_records(run_dir)))
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:
         t0 = time.monotonic()
@@ -302,12 +307,12 @@ def timed_resume(base: Path, run_dir: Path, cache: Path, first_step: int, last_s
         t_first, size = None, -1
         while t_first is None and proc.poll() is None:
             time.sleep(0.01)
-            new_size = (run_dir / M.METRICS).stat().st_size
+            new_size = (run_dir / METRICS).stat().st_size
             if new_size != size:
                 size = new_size
                 if any(
                     r.get("step") == first_step and r.get("segment") == segment
-                    for r in M.read_records(run_dir)
+                    for r in read_records(run_dir)
                 ):
                     t_first = time.monotonic() - t0
         rc = proc.wait(timeout=300)
@@ -316,7 +321,7 @@ def timed_resume(base: Path, run_dir: Path, cache: Path, first_step: int, last_s
         sys.exit(
             f"error: resume in {run_dir} exited {rc} before step {first_step} was logged; see {log}"
         )
-    start = M.starts(M.read_records(run_dir))[segment]
+    start = starts(read_records(run_dir))[segment]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "spawn_to_first_step_s": t_first,
@@ -350,7 +355,7 @@ def resume_startup(work: Path, repeats: int, base_steps: int = 12, resume_to: in
     return out
 
 
-# --- report ---------------------------------------------------------------------------------------------
+# --- report --------------------------------------------------------------------------------------
 
 
 def markdown(result: dict) -> str:
@@ -358,11 +363,14 @@ def markdown(result: dict) -> str:
     a = t["agreement"]
     m, d = c["model"], c["data"]
     lines = [
-        f"Shapes: {m['n_layers']} layers, {m['n_heads']} heads, d_model {m['d_model']}, seq {d['seq_len']}, "
-        f"batch {d['batch_size']}, vocab {m['vocab_size']} (bytes), fp32, AdamW + warmup-cosine + clip "
-        f"{c['optim']['clip_norm']}, dropout {m['dropout']}, same batches and same initial parameters. "
+        f"Shapes: {m['n_layers']} layers, {m['n_heads']} heads, d_model {m['d_model']}, "
+        f"seq {d['seq_len']}, batch {d['batch_size']}, vocab {m['vocab_size']} (bytes), fp32, "
+        "AdamW + warmup-cosine + clip "
+        f"{c['optim']['clip_norm']}, dropout {m['dropout']}, same batches and same initial "
+        "parameters. "
         f"Median of {t['timed_steps']} synchronized steps each "
-        f"({t['rounds']} interleaved rounds) after {t['warmup_steps']} warm-up steps; compile excluded.",
+        f"({t['rounds']} interleaved rounds) after {t['warmup_steps']} warm-up steps; "
+        "compile excluded.",
         "",
         "| implementation | median step (ms) | p10-p90 (ms) | tokens/s | vs torch eager |",
         "|---|---|---|---|---|",
@@ -378,26 +386,31 @@ def markdown(result: dict) -> str:
         r = t[key]
         lines.append(
             f"| {name} | {1e3 * r['median_s']:.1f} | {1e3 * r['p10_s']:.1f}-{1e3 * r['p90_s']:.1f} "
-            f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / t['torch_eager']['tokens_per_s']:.2f}x |"
+            f"| {r['tokens_per_s']:,.0f} "
+            f"| {r['tokens_per_s'] / t['torch_eager']['tokens_per_s']:.2f}x |"
         )
     lines += [
         "",
-        f"Agreement (same init, same batches): first-step loss tpulab {a['first_step_loss_tpulab']:.7f}, "
-        f"torch {a['first_step_loss_torch']:.7f}, relative difference {a['first_step_rel_diff']:.1e}; "
+        "Agreement (same init, same batches): first-step loss tpulab "
+        f"{a['first_step_loss_tpulab']:.7f}, "
+        f"torch {a['first_step_loss_torch']:.7f}, relative difference "
+        f"{a['first_step_rel_diff']:.1e}; "
         f"max over all {a['steps_compared']} steps {a['max_rel_loss_diff_all_steps']:.1e}.",
         f"tpulab / torch baseline: **{t['speedup']:.2f}x**; against the faster torch setting: "
         f"{t['speedup_vs_fastest_torch']:.2f}x.",
-        f"tpulab compile + first step: {t['tpulab']['compile_and_first_step_s']:.1f} s (not in the table).",
+        f"tpulab compile + first step: {t['tpulab']['compile_and_first_step_s']:.1f} s "
+        "(not in the table).",
     ]
     if "resume" in result:
         r = result["resume"]
         lines += [
             "",
-            f"Resume start-up (run trained to step {r['base_steps']}, resumed to {r['resume_to']} by `tpulab train` "
+            f"Resume start-up (run trained to step {r['base_steps']}, resumed to "
+            f"{r['resume_to']} by `tpulab train` "
             f"in a fresh process; median of {r['repeats']}):",
             "",
-            "| compilation cache | spawn to first resumed step (s) | in-process train() to first step (s) "
-            "| whole process (s) |",
+            "| compilation cache | spawn to first resumed step (s) "
+            "| in-process train() to first step (s) | whole process (s) |",
             "|---|---|---|---|",
         ]
         for kind in ("cold", "warm"):
@@ -410,8 +423,10 @@ def markdown(result: dict) -> str:
     pk = env["packages"]
     lines += [
         "",
-        f"Provenance: backend `{env['backend']}`, device kind `{env['device_kind']}` x{env['device_count']}, "
-        f"{env['cpu_count']} CPU cores, torch threads {result['torch_threads']} (baseline) and 1 (sensitivity row), "
+        f"Provenance: backend `{env['backend']}`, device kind `{env['device_kind']}` "
+        f"x{env['device_count']}, "
+        f"{env['cpu_count']} CPU cores, torch threads {result['torch_threads']} (baseline) "
+        "and 1 (sensitivity row), "
         "load average at start "
         f"{env['load_avg_1m_5m_15m']}; "
         + ", ".join(f"{k} {v}" for k, v in pk.items() if v)

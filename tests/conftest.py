@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny-config factory, one compilation cache for every process, one trained run."""
+"""Shared fixtures: a tiny-config factory, one compilation cache for every process, one trained run,
+and the preference tests' SFT policy and sampled pairs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from tpulab.libtpu_env import quiet_libtpu_off_tpu, set_explicitly
 
-quiet_libtpu_off_tpu()  # libtpu is installed for the AOT tests; off a TPU it must not print on every jax init
+# libtpu is installed for the AOT tests; off a TPU it must not print on every jax init
+quiet_libtpu_off_tpu()
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -61,3 +63,27 @@ def run_cli(
         env=set_explicitly(dict(os.environ), env or {}),
         cwd=cwd or REPO,
     )
+
+
+@pytest.fixture(scope="session")
+def sft_policy(trained_run, tmp_path_factory) -> Path:
+    """A tiny SFT run (12 steps from ``trained_run``): the policy and reference of the preference
+    tests (tests/test_reward.py, tests/test_dpo.py), read only."""
+    from tpulab.train.loop import train
+
+    run_dir = tmp_path_factory.mktemp("sft-policy") / "run"
+    sets = ("objective.kind=sft", f"objective.init={trained_run}", "train.steps=12")
+    train(
+        tiny_config(*sets, "train.eval_every=6", "checkpoint.save_every=6"), run_dir, progress=False
+    )
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def sampled_pairs(sft_policy, tmp_path_factory) -> Path:
+    """``tpulab pairs`` output from ``sft_policy``: 64 training and 16 held-out prompts."""
+    from tpulab.posttrain.pairs import PairsConfig, make_pairs
+
+    out = tmp_path_factory.mktemp("pairs") / "pairs"
+    make_pairs(sft_policy, out, PairsConfig(train_prompts=64, eval_prompts=16))
+    return out

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from tpulab.config import load
+from tpulab.errors import ExitCode
 from tpulab.train.config import RunConfig
 from tpulab.train.hooks import HoldAfter, Hooks
 from tpulab.train.loop import train
@@ -110,14 +111,14 @@ def main() -> int:
     if args.hang_at:
         hooks.append(HangAt(args.hang_at))
     if args.stall_timeout:
-        from tpulab.train.watchdog import STALL_EXIT_CODE, STARTUP_S, StallWatchdog
+        from tpulab.train.watchdog import STARTUP_S, StallWatchdog
 
         hooks.append(
             StallWatchdog(
                 args.run_dir,
                 timeout_s=args.stall_timeout,
                 startup_s=args.stall_startup_timeout or STARTUP_S,
-                exit_code=STALL_EXIT_CODE if args.stall_exit else None,
+                exit_code=ExitCode.STALLED if args.stall_exit else None,
             )
         )
     from tpulab.errors import TpulabError

@@ -19,7 +19,7 @@ LAYERS = [
     {"train"},
     {"proofs"},
     {"inference", "bridge", "cloud", "tracking"},
-    {"perf", "ops"},
+    {"perf", "ops", "posttrain"},
     {"orchestrate"},
     {"cli"},
 ]

@@ -1,4 +1,5 @@
-"""Bridge CLI and checkpoints, in-process and fast: bad input, refusals, resume identity on torch."""
+"""Bridge CLI and checkpoints, in-process and fast: bad input, refusals, resume identity on
+torch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tpulab.bridge import checkpoint as C
 from tpulab.bridge.backends import torch_xla_problem
 from tpulab.checkpoint.files import write_manifest
 from tpulab.cli.main import main
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import curve, read_records, starts
 
 SMALL = ["--steps", "6", "--checkpoint-every", "3", "--n", "32", "--hidden", "16"]
 
@@ -228,15 +229,13 @@ def test_force_loads_other_config(trained, capsys):
         "--force",
     )
     assert rc == 0, err
-    last = M.starts(M.read_records(trained))[-1]
+    last = starts(read_records(trained))[-1]
     assert last["resumed_from"] == 6 and "lr: 0.01 -> 0.02" in last["forced"][0]
 
 
 def _curve(d):
-    recs = M.read_records(d)
-    return {
-        s: v for seg in M.starts(recs) for s, v in M.curve(recs, segment=seg["segment"]).items()
-    }
+    recs = read_records(d)
+    return {s: v for seg in starts(recs) for s, v in curve(recs, segment=seg["segment"]).items()}
 
 
 @pytest.mark.parametrize("restore_rng", [True, False])

@@ -10,14 +10,14 @@ from tpulab.bridge.compare import FLOAT64_RTOL
 from tpulab.bridge.config import BridgeConfig
 from tpulab.bridge.loop import train
 from tpulab.bridge.reference import float64_curve, rel_diffs
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import curve, read_records
 
 CFG = BridgeConfig(steps=60)
 
 
 def test_torch_agrees_with_the_float64_reference_and_a_wrong_reference_does_not(tmp_path):
     train(CFG, "torch", "eager", tmp_path)
-    torch_curve = M.curve(M.read_records(tmp_path))
+    torch_curve = curve(read_records(tmp_path))
     same = rel_diffs(torch_curve, float64_curve(CFG))
     assert same["steps"] == 60 and same["final"] < FLOAT64_RTOL and same["max"] < 1e-5, same
     off = rel_diffs(torch_curve, float64_curve(dataclasses.replace(CFG, lr=CFG.lr * 1.001)))

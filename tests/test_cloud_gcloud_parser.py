@@ -16,8 +16,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from cloud_forms import command_forms
 from tpulab.cloud.config import CloudConfig
-from tpulab.cloud.gcloud import command_forms, create_argv
+from tpulab.cloud.gcloud import create_argv
 
 NO_ACCOUNT = "You do not currently have an active account selected"
 
@@ -91,7 +92,8 @@ def test_real_gcloud_parser_accepts_every_form_offline(tmp_path):
     for (kind, name), p in results.items():
         if kind == "form":
             assert p.returncode == 1 and NO_ACCOUNT in p.stderr, (
-                f"gcloud rejected tpulab's '{name}' form: {jobs[(kind, name)]}\nrc={p.returncode}\n{p.stderr[-600:]}"
+                f"gcloud rejected tpulab's '{name}' form: {jobs[(kind, name)]}\n"
+                f"rc={p.returncode}\n{p.stderr[-600:]}"
             )
         else:
             assert p.returncode == 2 and NO_ACCOUNT not in p.stderr, (

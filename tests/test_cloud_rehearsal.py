@@ -33,6 +33,7 @@ import yaml
 
 from conftest import REPO, TINY, run_cli, set_explicitly
 from tpulab.checkpoint.files import MANIFEST, verify_manifest
+from tpulab.errors import ExitCode
 from tpulab.evidence.metrics import read_records
 
 FAKE_DIR = REPO / "tests" / "fake_gcloud"
@@ -327,8 +328,8 @@ def test_up_full_cycle_with_preemption_rehearsal(tmp_path, fake_cloud):
     ):
         assert expected in steps, (expected, steps)
     # ...and each form is one the real gcloud parser accepted (tests/test_cloud_gcloud_parser.py).
+    from cloud_forms import command_forms
     from tpulab.cloud.config import CloudConfig
-    from tpulab.cloud.gcloud import command_forms
 
     tested = {form_signature(a) for a in command_forms(CloudConfig(project="p", zone="z")).values()}
     assert {form_signature(c["argv"]) for c in recorded} <= tested
@@ -658,7 +659,7 @@ def test_delete_failure_is_loud(tmp_path, fake_cloud):
 
     configure(fail={"delete": "PERMISSION_DENIED: tpu.nodes.delete"})
     p = run_tpu("delete", "--dir", str(out), env=env, timeout=120)  # config from DIR/cloud/
-    assert p.returncode == 5
+    assert p.returncode == ExitCode.DELETE_NOT_VERIFIED
     line = one_error_line(p)
     assert (
         "DELETE NOT VERIFIED: VM tpulab-rehearsal in project rehearsal-project, zone us-central1-a"
@@ -881,7 +882,7 @@ def test_sigterm_to_up_kills_the_hung_call_and_deletes_the_vm(tmp_path, fake_clo
         proc.send_signal(signal.SIGTERM)
     finally:
         rc, err = _ends(proc, 60)
-    assert rc == 143, err[-2000:]
+    assert rc == ExitCode.TERMINATED, err[-2000:]
     assert err.strip().splitlines()[-1] == (
         "error: terminated (SIGTERM) during stage: VM tpulab-rehearsal in project "
         "rehearsal-project, zone us-central1-a deleted and verified gone"

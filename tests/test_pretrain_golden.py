@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from tpulab.config import load
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.state import data_position
 from tpulab.train.config import RunConfig
 from tpulab.train.loop import train
@@ -36,10 +36,10 @@ def leaf_digests(state) -> dict[str, str]:
 
 
 def run_record(run_dir: Path) -> dict:
-    recs = M.read_records(run_dir)
+    recs = read_records(run_dir)
     restored = load_model(run_dir)
     return {
-        "losses": {str(k): v for k, v in sorted(M.curve(recs).items())},
+        "losses": {str(k): v for k, v in sorted(curve(recs).items())},
         "val_losses": {str(r["step"]): r["val_loss"] for r in recs if r.get("event") == "eval"},
         "final_step": restored.step,
         "state_leaf_sha256": leaf_digests(restored.state),

@@ -68,7 +68,7 @@ options.python_tracer_level = 0
 options.host_tracer_level = 0
 with jax.profiler.trace(__import__("sys").argv[1], profiler_options=options):
     c0 = cpu()
-    time.sleep(1.5)
+    time.sleep(3.0)
     print(cpu() - c0)
 """
 
@@ -103,10 +103,8 @@ def test_off_a_tpu_no_profiler_thread_spins_while_tracing(tmp_path):
         assert p.returncode == 0, p.stderr[-2000:]
         return float(p.stdout.split()[-1])
 
-    assert (
-        idle_cpu_s(dict(os.environ), "placeholders") < 0.3
-    )  # 1.5 s idle under the profiler: ~0.00 CPU-s measured
+    # 3 s idle under the profiler: ~0.00 CPU-s measured. libtpu's spinning thread gets its share of
+    # a core: ~1.5 CPU-s per 1.5 s idle, 1.0 per 3 s at load average 12 on 2 cores (measured).
+    assert idle_cpu_s(dict(os.environ), "placeholders") < 0.2
     discovery = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", MARKER)}
-    assert (
-        idle_cpu_s(discovery, "discovery") > 0.75
-    )  # libtpu's profiler thread: ~1.5 CPU-s measured
+    assert idle_cpu_s(discovery, "discovery") > 0.5

@@ -26,3 +26,18 @@ def test_a_bar_on_a_terminal_and_no_plain_lines():
     assert (
         "[progress]" not in out.getvalue() and "bench" in out.getvalue() and "4/4" in out.getvalue()
     )
+
+
+def test_the_step_bar_draws_on_stderr_only_when_enabled_or_on_a_terminal(capsys):
+    from tpulab.train.step_progress import step_bar
+
+    bar = step_bar(5, 2, True)
+    bar.update(1)
+    bar.close()
+    out, err = capsys.readouterr()
+    assert out == "" and "3/5" in err and "step" in err
+    for enabled in (False, None):  # None: a terminal decides; pytest's stderr is none
+        bar = step_bar(5, 2, enabled)
+        bar.update(1)
+        bar.close()
+        assert bar.disable and capsys.readouterr() == ("", "")

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import run_cli
+from tpulab.errors import ExitCode
 from tpulab.evidence.receipt import (
     Target,
     check_collective,
@@ -139,7 +140,7 @@ def test_receipt_joins_a_multi_process_job(tmp_path):
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
         timeout=120,
     )
-    assert p.returncode == 4 and "expected 4 devices, JAX reports 2" in p.stderr
+    assert p.returncode == ExitCode.WRONG_TARGET and "expected 4 devices, JAX reports 2" in p.stderr
     alone = json.loads((tmp_path / "alone" / "receipt.json").read_text())
     assert (
         alone["runtime"]["process_count"] == 1
@@ -243,7 +244,7 @@ def test_expect_tpu_fails_on_cpu_with_one_line(tmp_path):
     p = run_cli(
         "receipt", "--out", str(tmp_path), "--expect", "tpu:v5e", "--matmul-size", "64", timeout=120
     )
-    assert p.returncode == 4
+    assert p.returncode == ExitCode.WRONG_TARGET
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr
     assert lines[0].startswith(
@@ -260,7 +261,9 @@ def test_expect_device_count_and_bad_target(tmp_path):
     with pytest.raises(Exception, match="expected 64 devices"):
         run_receipt(receipt_dir, Target.parse("cpu", 64), matmul_size=64)
     p = run_cli("receipt", "--out", str(tmp_path / "bad"), "--expect", "tpu:v9", timeout=60)
-    assert p.returncode == 2 and p.stderr.startswith("error: unknown TPU generation 'v9'")
+    assert p.returncode == ExitCode.BAD_INPUT and p.stderr.startswith(
+        "error: unknown TPU generation 'v9'"
+    )
     assert not (tmp_path / "bad").exists()  # bad input: nothing written
 
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import REPO, TINY, run_cli
+from tpulab.errors import ExitCode
 from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.driver import Proc, prove_resume
 
@@ -58,7 +59,7 @@ def test_negative_control_resume_without_part_is_caught(tmp_path, part):
     result = run_cli(
         "prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--skip-restore", part
     )
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == ExitCode.FAILED, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert verdict["identical"] is False and verdict["max_abs_diff"] > 0
     assert verdict["first_differing_step"] == verdict["resumed_from_step"] + 1
@@ -81,7 +82,7 @@ def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
         "rng",
         "--warm-resume-cache",
     )
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == ExitCode.FAILED, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert verdict["curves_identical"] is True and verdict["max_abs_diff"] == 0.0
     # the warm path (control of the cold one): the resumed process loaded the killed run's programs
@@ -146,7 +147,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
         os.killpg(proc.p.pid, signal.SIGTERM)
         rc = proc.p.wait(timeout=60)
         took = time.monotonic() - t0
-    assert rc == 0, (tmp_path / "log.txt").read_text()
+    assert rc == ExitCode.OK, (tmp_path / "log.txt").read_text()
     assert took < 30
     summary = json.loads((run / "summary.json").read_text())
     last = max(curve(read_records(run)))

@@ -43,7 +43,6 @@ PENDING = {
     "cli/cloud_cmds.py": 1,
     "cli/ops_cmds.py": 2,
     "cli/train_cmds.py": 4,
-    "cloud/gcloud.py": 1,
     "cloud/lifecycle.py": 4,
     "cloud/worker.py": 1,
     "evidence/goodput.py": 1,

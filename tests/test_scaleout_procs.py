@@ -1,20 +1,23 @@
 """Scale-out proofs 1-5 with real processes (tpulab launch, gloo over loopback), tiny sizes.
 
-One module fixture trains the same run on three layouts (proof 1); its 2 processes x 2 devices run is
-the uninterrupted reference of the kill (2, 4), stall (2), reshard (3) and ledger (5) proofs. The corpus
-is small enough that an epoch lasts about four steps, so every resume crosses an epoch boundary.
-Every child runs in a process group that is killed on exit (Proc), and launched trainers die with their
-launcher (PR_SET_PDEATHSIG).
+One module fixture trains the same run on three layouts (proof 1); its 2 processes x 2 devices run
+is the uninterrupted reference of the kill (2, 4), stall (2), reshard (3) and ledger (5) proofs. The
+corpus is small enough that an epoch lasts about four steps, so every resume crosses an epoch
+boundary. Every child runs in a process group that is killed on exit (Proc), and launched trainers
+die with their launcher (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from conftest import tiny_config
+from tpulab.errors import ExitCode
+from tpulab.evidence.ledger import read_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +64,8 @@ def test_same_math_on_every_layout(layouts):
     out, v = layouts
     assert v["passed"], (out / "layouts.md").read_text()
     assert all(r["steps"] == STEPS for r in v["rows"])
-    # the two {2,2} layouts compile the same partitioned program; only the all-reduce's transport differs
+    # the two {2,2} layouts compile the same partitioned program; only the all-reduce's transport
+    # differs
     four_vs_two = v["rows"][2]
     assert four_vs_two["a"].startswith("1 proc x 4") and four_vs_two["b"].startswith("2 proc x 2")
     assert four_vs_two["within_tolerance"]
@@ -77,7 +81,6 @@ def test_same_math_on_every_layout(layouts):
 
 def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, layouts, tmp_path):
     from tpulab.proofs.scaleout import GRACE_S, _with_mesh, prove_multiprocess_resume
-    from tpulab.train.distributed import EXIT_PEER_FAILED
 
     out, _ = layouts
     v = prove_multiprocess_resume(
@@ -91,7 +94,8 @@ def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, la
     assert v["identical"], v
     assert v["final_state_identical"] and v["leaves_compared"] == 46
     assert (
-        v["event"]["launcher_exit_code"] == EXIT_PEER_FAILED and v["event"]["survivors_after"] == []
+        v["event"]["launcher_exit_code"] == ExitCode.PEER_FAILED
+        and v["event"]["survivors_after"] == []
     )
     assert v["event"]["job_end_s"] < GRACE_S + 5  # the survivor is gone within the stated bound
     assert v["resumed_from_step"] == 5 and v["kill_step"] == 9
@@ -103,7 +107,6 @@ def test_kill_one_of_two_processes_and_resume_bitwise_across_an_epoch(config, la
 
 def test_stall_one_process_watchdog_tears_down_and_resume_is_bitwise(config, layouts, tmp_path):
     from tpulab.proofs.scaleout import _with_mesh, prove_multiprocess_resume
-    from tpulab.train.distributed import EXIT_STALLED
 
     out, _ = layouts
     timeout = 15.0
@@ -115,7 +118,7 @@ def test_stall_one_process_watchdog_tears_down_and_resume_is_bitwise(config, lay
         reference_dir=out / "p2d2",
         stall_timeout_s=timeout,
     )
-    assert v["event"]["launcher_exit_code"] == EXIT_STALLED, v
+    assert v["event"]["launcher_exit_code"] == ExitCode.STALLED, v
     assert v["stack_dumped"] and v["event"]["survivors_after"] == []
     assert (
         timeout <= v["event"]["job_end_s"] < timeout + 10
@@ -142,11 +145,37 @@ def test_reshard_two_processes_onto_one_and_continue(config, layouts, tmp_path):
     assert (tmp_path / "overlay.png").stat().st_size > 10_000
 
 
+def ledger_verdict(multi_dir: Path, single_dir: Path) -> dict:
+    """Proof 5 (no duplicated data) from what the runs really drew (window sha256 per process and
+    step): in each step no window hash appears in two processes' rows, and the processes' rows
+    together equal, as a multiset, the single-process run's batch. (A corpus with repeated text has
+    equal windows; give it unique ones.) A corrupt ledger line fails it."""
+    multi, single = read_ledger(multi_dir), read_ledger(single_dir)
+    per_process = [{s: set(h) for s, h in p.items()} for p in multi["per_process"]]
+    steps = sorted(set(multi["train"]) & set(single["train"]))
+    overlap = [
+        s
+        for s in steps
+        if any(
+            a.get(s, set()) & b.get(s, set())
+            for i, a in enumerate(per_process)
+            for b in per_process[i + 1 :]
+        )
+    ]
+    differ = [s for s in steps if sorted(multi["train"][s]) != sorted(single["train"][s])]
+    return {
+        "steps_compared": len(steps),
+        "process_files": multi["files"],
+        "steps_with_overlap": overlap[:10],
+        "steps_where_union_differs": differ[:10],
+        "corrupt_lines": multi["corrupt"] + single["corrupt"],
+        "passed": bool(steps) and not (overlap or differ or multi["corrupt"] or single["corrupt"]),
+    }
+
+
 def test_windows_of_a_step_are_disjoint_across_processes_and_equal_the_single_process_batch(
     layouts, tmp_path
 ):
-    from tpulab.proofs.scaleout import ledger_verdict
-
     out, _ = layouts
     v = ledger_verdict(out / "p2d2", out / "p1d1")
     assert v["passed"] and v["process_files"] == 2 and v["steps_compared"] == STEPS, v

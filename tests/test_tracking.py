@@ -362,7 +362,7 @@ def test_every_number_of_a_record_reaches_mlflow(tmp_path):
 def test_progress_lines_take_eval_metrics_or_a_float():
     import io
 
-    from tpulab.tracking.progress import LogLines
+    from tpulab.train.step_progress import LogLines
 
     out = io.StringIO()
     lines = LogLines(stream=out, force=True)

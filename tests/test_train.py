@@ -11,7 +11,7 @@ from tpulab.checkpoint.store import CheckpointStore
 from tpulab.compile_cache import count_compiles
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.train.loop import train
 from tpulab.train.step import make_steps
@@ -46,7 +46,8 @@ def test_compile_counter_sees_a_recompile():
 
 
 def test_checkpoint_holds_the_full_state(trained_run):
-    """Params, both Adam moments, count, step, dropout key and data position all come back exactly."""
+    """Params, both Adam moments, count, step, dropout key and data position all come back
+    exactly."""
     cfg = tiny_config()
     steps = make_steps(cfg)
     store = CheckpointStore(trained_run / "checkpoints", keep=3, async_save=False)
@@ -153,4 +154,4 @@ def test_non_finite_loss_stops_the_run_naming_step_and_checkpoint(tmp_path):
             tmp_path / "run",
             progress=False,
         )
-    assert info.value.exit_code == 3
+    assert info.value.exit_code == ExitCode.BAD_STATE

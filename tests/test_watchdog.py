@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import REPO, TINY
+from tpulab.errors import ExitCode
 from tpulab.evidence.metrics import read_records
-from tpulab.train.watchdog import STALL_EXIT_CODE, Watchdog, metrics_progress
+from tpulab.train.watchdog import Watchdog, metrics_progress
 
 
 def _hooked(run_dir, *extra):
@@ -41,10 +42,12 @@ def _hooked(run_dir, *extra):
 def test_injected_hang_is_caught_dumped_and_exits(tmp_path):
     run = tmp_path / "run"
     out = _hooked(run, "--hang-at", "6", "--stall-timeout", "6", "--stall-exit")
-    assert out.returncode == STALL_EXIT_CODE, out.stderr
+    assert out.returncode == ExitCode.STALLED, out.stderr
     assert "error: stalled" in out.stderr
     stall = [r for r in read_records(run) if r.get("event") == "stall"]
-    assert len(stall) == 1 and stall[0]["waited_s"] > 6 and stall[0]["exit_code"] == STALL_EXIT_CODE
+    assert (
+        len(stall) == 1 and stall[0]["waited_s"] > 6 and stall[0]["exit_code"] == ExitCode.STALLED
+    )
     assert stall[0]["last_step"] in (
         4,
         5,
@@ -226,7 +229,7 @@ def test_real_stalls_in_the_first_steps_are_caught_within_their_bounds(tmp_path)
         outs = list(pool.map(run, cases))
     for (hang_at, phase, last_step, stall_s, startup_s), out in zip(cases, outs):
         bound = startup_s if phase == "start-up" else stall_s
-        assert out.returncode == STALL_EXIT_CODE, out.stderr[-2000:]
+        assert out.returncode == ExitCode.STALLED, out.stderr[-2000:]
         (stall,) = [
             r for r in read_records(tmp_path / f"hang{hang_at}") if r.get("event") == "stall"
         ]

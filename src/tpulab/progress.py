@@ -1,8 +1,9 @@
-"""Progress for long loops: a bar on a terminal, one plain line per item in logs and subprocesses.
+"""Progress over a loop of items (export endpoints, KV-cache policies, benchmark cases): a bar on a
+terminal, one plain line per item in logs and subprocesses. The training loop's steps have their
+own bar and lines (``tpulab.train.step_progress``): they print by time, not per item.
 
 Written to stdout, like the training loop's progress lines: stderr stays for the one ``error:``
-line.
-"""
+line."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from tpulab.bridge.reference import float64_curve, rel_diffs
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import METRICS, curve, read_records
 from tpulab.proofs.driver import run_to_completion
 
 # Relative difference of the final loss from the float64 reference. Measured over the default 200
@@ -38,7 +38,7 @@ def compare(
     curves, devices = {}, {}
     for backend, method in pairs:
         d = run_dir / "runs" / f"{backend}-{method}"
-        if (d / M.METRICS).exists():
+        if (d / METRICS).exists():
             raise TpulabError(f"{d} already holds a run; use a fresh --run-dir")
         d.mkdir(parents=True)
         run_to_completion(
@@ -48,7 +48,7 @@ def compare(
             timeout_s,
             f"{backend}/{method} run",
         )
-        curves[(backend, method)] = M.curve(M.read_records(d))
+        curves[(backend, method)] = curve(read_records(d))
         devices[(backend, method)] = device_line(start_record(d).get("device", {}))
     ref = curves[("torch", "eager")]
     ref64 = float64_curve(cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import read_records, starts
 from tpulab.evidence.provenance import describe_hardware, git_commit
 from tpulab.proofs.driver import verdict_text
 
@@ -37,8 +37,8 @@ def device_line(device: dict) -> str:
 
 
 def start_record(run_dir: Path) -> dict:
-    starts = M.starts(M.read_records(run_dir))
-    return starts[0] if starts else {}
+    lifetimes = starts(read_records(run_dir))
+    return lifetimes[0] if lifetimes else {}
 
 
 def shapes(cfg: dict) -> str:

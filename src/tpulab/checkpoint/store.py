@@ -30,7 +30,7 @@ import grain
 import orbax.checkpoint as ocp
 
 from tpulab.checkpoint.files import MANIFEST, manifest_digest, verify_manifest, write_manifest
-from tpulab.errors import CheckpointError
+from tpulab.errors import CheckpointError, ExitCode
 
 FORMAT = "tpulab-transformer-checkpoint-v1"
 # Orbax writes step N into "N.orbax-checkpoint-tmp-<id>", then renames it.
@@ -362,7 +362,8 @@ class CheckpointStore:
     def step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
-    def _fail(self, what: str, e: BaseException) -> CheckpointError:
+    def _record_failure(self, what: str, e: BaseException) -> CheckpointError:
+        """Remember the failure (later calls raise the same line) and return the error to raise."""
         last = f"step {self.latest} in {self.directory}" if self.latest is not None else "none"
         cause = _root_cause(e)
         self._failure = (
@@ -375,7 +376,7 @@ class CheckpointStore:
         """The one line, with how many of Orbax's error records of the failure were dropped."""
         n = self._log_filter.dropped
         echoes = f"; {n} Orbax error records of this failure suppressed" if n else ""
-        return CheckpointError(self._failure + echoes, exit_code=4)
+        return CheckpointError(self._failure + echoes, exit_code=ExitCode.IO_FAILED)
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
@@ -397,7 +398,7 @@ class CheckpointStore:
         try:
             self.manager.save(step, force=True, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - any failure to write is reported as one line
-            raise self._fail(f"saving checkpoint step {step}", e) from None
+            raise self._record_failure(f"saving checkpoint step {step}", e) from None
         with self._lock:
             self._uncommitted.append(step)
             self._last_saved = step
@@ -415,7 +416,9 @@ class CheckpointStore:
             try:
                 self.manager.check_for_errors()  # a failed async save never gets a marker
             except Exception as e:  # noqa: BLE001
-                raise self._fail(f"saving checkpoint step {self._uncommitted[-1]}", e) from None
+                raise self._record_failure(
+                    f"saving checkpoint step {self._uncommitted[-1]}", e
+                ) from None
             ended = False  # a save known to have finished: its held Orbax records were no echoes
             for step in self._uncommitted:
                 if not self._allow_commit(step):
@@ -431,7 +434,9 @@ class CheckpointStore:
                     try:
                         write_manifest(self.step_dir(step), {"step": step})
                     except OSError as e:
-                        raise self._fail(f"committing checkpoint step {step}", e) from None
+                        raise self._record_failure(
+                            f"committing checkpoint step {step}", e
+                        ) from None
                     self.latest = max(self.latest or 0, step)
                     self._on_commit(step)
                     ended = True
@@ -445,7 +450,7 @@ class CheckpointStore:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            raise self._fail(f"saving checkpoint step {self._last_saved}", e) from None
+            raise self._record_failure(f"saving checkpoint step {self._last_saved}", e) from None
         self.commit_finished()
         self._raise_failure()
 

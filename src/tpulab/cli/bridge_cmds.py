@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from tpulab.cli.train_cmds import add_warm_resume_cache_arg, checked_path, path_arg
+from tpulab.errors import ExitCode
 
 BACKEND_HELP = (
     "torch (plain PyTorch on CPU, the reference), torchax (torch on JAX), torch_xla (TPU VMs only)"
@@ -154,7 +155,7 @@ def _train(args) -> int:
         f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); "
         f"run dir {out['run_dir']}"
     )
-    return 0
+    return ExitCode.OK
 
 
 def _prove(args) -> int:
@@ -179,9 +180,8 @@ def _prove(args) -> int:
         f"{verdict_text(verdict)}; killed after step {verdict['kill_step']}, resumed from "
         f"{verdict['resumed_from_step']}; see {args.run_dir / 'proof'}"
     )
-    return (
-        0 if verdict["identical"] else 1
-    )  # as `tpulab prove-resume`: exit 1 whenever not identical
+    # as `tpulab prove-resume`: FAILED whenever not identical
+    return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
 
 
 def _compare(args) -> int:
@@ -190,4 +190,4 @@ def _compare(args) -> int:
 
     result = compare(_config(args), args.run_dir, timeout_s=args.timeout)
     print(result["markdown"])
-    return 0
+    return ExitCode.OK

@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from tpulab.errors import ExitCode
+
 CLOUD_CONFIG_COPY = "cloud_config.yaml"
 
 
@@ -22,7 +24,7 @@ def cmd_receipt(args) -> int:
         target = Target.parse(_backend_now(), args.expect_devices)
     receipt = run_receipt(args.out, target, matmul_size=args.matmul_size)
     print(table(receipt), end="")
-    return 0
+    return ExitCode.OK
 
 
 def _backend_now() -> str:
@@ -109,7 +111,7 @@ def cmd_create(args) -> int:
         f"{len(identity['network_endpoints'])} worker(s) -> "
         f"{Path(args.dir) / 'cloud' / 'resource.json'}"
     )
-    return 0
+    return ExitCode.OK
 
 
 def cmd_stage(args) -> int:
@@ -118,7 +120,7 @@ def cmd_stage(args) -> int:
     with session.interruptible("stage"):
         staged = session.stage(job)
     print(f"staged {staged['wheel']} on every worker")
-    return 0
+    return ExitCode.OK
 
 
 def cmd_run(args) -> int:
@@ -130,7 +132,7 @@ def cmd_run(args) -> int:
         f"job finished on every worker (run dir {args.run_name}); next: tpulab tpu fetch "
         f"--dir {args.dir}"
     )
-    return 0
+    return ExitCode.OK
 
 
 def cmd_fetch(args) -> int:
@@ -149,7 +151,7 @@ def cmd_fetch(args) -> int:
         f"retrieved {where}, {n} checkpoint manifest(s) verified; "
         f"log: {write_experiment_log(args.dir)}"
     )
-    return 0
+    return ExitCode.OK
 
 
 def cmd_delete(args) -> int:
@@ -160,14 +162,14 @@ def cmd_delete(args) -> int:
         cleanup = session.delete()
     write_experiment_log(args.dir)
     print(f"{cleanup['name']} deleted; verified gone (describe: NOT_FOUND, list: absent)")
-    return 0
+    return ExitCode.OK
 
 
 def cmd_up(args) -> int:
     job = _job(args)
     result = _session(args).up(job, preempt_at=args.preempt_at)
     print(f"done; VM deleted and verified gone. Log: {result['experiment_log']}")
-    return 0
+    return ExitCode.OK
 
 
 def cmd_worker_job(args) -> int:
@@ -186,7 +188,7 @@ def cmd_worker_job(args) -> int:
         f"preempted (SIGTERM) at step {result['preempted_at_step']}; checkpoint saved, "
         f"exit {result['job_rc']}"
     )
-    return 0
+    return ExitCode.OK
 
 
 def _common(p: argparse.ArgumentParser) -> None:

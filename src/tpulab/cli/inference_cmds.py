@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from tpulab.cli.train_cmds import checked_path, path_arg
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.model.policies import POLICIES as _POLICIES
 
 
@@ -32,7 +32,7 @@ def _kvcache(args) -> int:
     result = write_kvcache_report(load_model(args.run_dir, args.step), out)
     print(markdown_table(result))
     print(f"wrote {out}/kvcache.json, kvcache.md, kvcache.png")
-    return 0
+    return ExitCode.OK
 
 
 def _export(args) -> int:
@@ -47,7 +47,7 @@ def _export(args) -> int:
         print(f"{a['file']}  {a['sha256'][:16]}  platforms={','.join(a['platforms'])}")
     step = manifest["source"]["checkpoint_step"]
     print(f"wrote {args.out / ARTIFACT_MANIFEST} (checkpoint step {step})")
-    return 0
+    return ExitCode.OK
 
 
 def _verify(args) -> int:
@@ -58,13 +58,13 @@ def _verify(args) -> int:
     print(verification_table(result))
     if not result["passed"]:
         failed = [r["artifact"] for r in result["rows"] if not r["passed"]]
-        raise TpulabError(f"verification failed for {', '.join(failed)}", exit_code=1)
+        raise TpulabError(f"verification failed for {', '.join(failed)}", exit_code=ExitCode.FAILED)
     src = result["checkpoint_source"]
     print(
         f"all {len(result['rows'])} endpoints match checkpoint step {result['checkpoint_step']} "
         f"of {src['run_dir']} (run dir given by the {src['given_by']})"
     )
-    return 0
+    return ExitCode.OK
 
 
 def _generate(args) -> int:
@@ -96,7 +96,7 @@ def _generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    return 0
+    return ExitCode.OK
 
 
 def _serve(args) -> int:
@@ -125,7 +125,7 @@ def _serve(args) -> int:
         trace_log=args.trace_log,
         drift_reference=args.drift_reference,
     )
-    return 0
+    return ExitCode.OK
 
 
 def _serve_bench(args) -> int:
@@ -141,7 +141,7 @@ def _serve_bench(args) -> int:
         batch_window_ms=args.batch_window_ms,
     )
     serve_bench(args.artifacts, cfg, args.out)
-    return 0
+    return ExitCode.OK
 
 
 def _port(text: str) -> int:

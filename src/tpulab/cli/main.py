@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         ops_cmds,
         ops_image_cmds,
         perf_cmds,
+        posttrain_cmds,
         scale_cmds,
         track_cmds,
         train_cmds,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         track_cmds,
         ops_cmds,
         ops_image_cmds,
+        posttrain_cmds,
     ):
         module.register(sub)
     return parser
@@ -53,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args) or 0)
+        return int(args.handler(args) or ExitCode.OK)
     except TpulabError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from tpulab.cli.train_cmds import checked_path, path_arg
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 
 
 def _open(args):
@@ -51,7 +51,7 @@ def _register(args) -> int:
     print(
         f"registered {r['name']} v{r['version']} in {r['store']} (ledger entry {r['entry']['seq']})"
     )
-    return 0
+    return ExitCode.OK
 
 
 def _promote(args) -> int:
@@ -62,7 +62,7 @@ def _promote(args) -> int:
     r = promote(reg, args.name, args.version, args.to, reason=args.reason)
     was = f"v{r['from']}" if r["from"] else "none"
     print(f"{r['alias']}: {was} -> v{r['version']} (ledger entry {r['entry']['seq']})")
-    return 0
+    return ExitCode.OK
 
 
 def _rollback(args) -> int:
@@ -74,7 +74,7 @@ def _rollback(args) -> int:
     if r["skipped"]:
         print(f"skipped {', '.join(r['skipped'])}")
     print(f"{r['alias']}: v{r['from']} -> v{r['version']}")
-    return 0
+    return ExitCode.OK
 
 
 def _retire(args) -> int:
@@ -82,7 +82,7 @@ def _retire(args) -> int:
 
     r = retire(_open(args), args.name, args.version, reason=args.reason)
     print(f"retired {r['name']} v{r['version']} (ledger entry {r['entry']['seq']})")
-    return 0
+    return ExitCode.OK
 
 
 def _delete(args) -> int:
@@ -90,7 +90,7 @@ def _delete(args) -> int:
 
     r = delete(_open(args), args.name, args.version, reason=args.reason)
     print(f"deleted {r['name']} v{r['version']} from the store (ledger entry {r['entry']['seq']})")
-    return 0
+    return ExitCode.OK
 
 
 def _status(args) -> int:
@@ -129,7 +129,7 @@ def _status(args) -> int:
         print(f"  #{e['seq']} {e['time_utc']} {who} {e['action']}{move}: {e['reason']}")
     for d in s["drift"]:
         _err(f"warning: {d}")
-    return 1 if s["drift"] else 0
+    return ExitCode.FAILED if s["drift"] else ExitCode.OK
 
 
 def _prompt(args) -> int:
@@ -153,10 +153,10 @@ def _prompt(args) -> int:
             raise TpulabError(f"no prompt {args.name} in {reg.db}")
         for p in versions:
             print(f"{p.uri}  sha256 {p.sha256}  variables: {', '.join(p.variables) or '-'}")
-        return 0
+        return ExitCode.OK
     p, created = register_prompt(reg, args.name, template, message=args.message)
     print(f"{p.uri}  sha256 {p.sha256}  ({'new version' if created else 'same text as before'})")
-    return 0
+    return ExitCode.OK
 
 
 def register(sub) -> None:

@@ -7,6 +7,7 @@ import json
 
 from tpulab.cli.inference_cmds import _paths_checked
 from tpulab.cli.train_cmds import checked_path, path_arg
+from tpulab.errors import ExitCode
 
 
 def _contract_record(args) -> int:
@@ -29,7 +30,7 @@ def _contract_record(args) -> int:
         f"{r['total_bytes']} bytes, entropy {r['entropy_bits_per_byte']:.4f} bits/byte "
         f"(band {c.entropy_bits_per_byte[0]:.4f}..{c.entropy_bits_per_byte[1]:.4f})"
     )
-    return 0
+    return ExitCode.OK
 
 
 def _contract_check(args) -> int:
@@ -52,7 +53,7 @@ def _contract_check(args) -> int:
         f"corpus {corpus.source} honours {found[1]}: {s.documents} documents, "
         f"{s.total_bytes} bytes, entropy {s.entropy_bits_per_byte:.4f} bits/byte"
     )
-    return 0
+    return ExitCode.OK
 
 
 def _image_build(args) -> int:
@@ -60,7 +61,7 @@ def _image_build(args) -> int:
 
     r = build_image(args.artifacts, args.out, tag=args.tag, key_file=args.key_file)
     print(json.dumps(r["summary"], indent=1) if args.json else r["line"])
-    return 0
+    return ExitCode.OK
 
 
 def _image_verify(args) -> int:
@@ -71,7 +72,7 @@ def _image_verify(args) -> int:
         f"{args.layout}: {len(r['blobs'])} blobs match their digests; "
         f"manifest {r['manifest_digest']}"
     )
-    return 0
+    return ExitCode.OK
 
 
 def _image_run(args) -> int:
@@ -79,14 +80,14 @@ def _image_run(args) -> int:
 
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
     run_image(args.layout, args.rootfs, extra or None)  # replaces this process (exec)
-    return 0
+    return ExitCode.OK
 
 
 def _capacity(args) -> int:
     from tpulab.ops.capacity import plan, plan_text
 
     print(plan_text(plan(args.table, args.p99_ms, args.load, args.headroom, server=args.server)))
-    return 0
+    return ExitCode.OK
 
 
 def register(sub) -> None:

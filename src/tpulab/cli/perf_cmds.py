@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tpulab.cli.train_cmds import add_config_args, load_run_config
+from tpulab.errors import ExitCode
 
 
 def _budget(args) -> int:
@@ -19,7 +20,7 @@ def _budget(args) -> int:
     )
     print(table(result))
     print(f"wrote {out}/budget.json, budget.md, budget.png")
-    return 0
+    return ExitCode.OK
 
 
 def _bench(args) -> int:
@@ -43,7 +44,7 @@ def _bench(args) -> int:
     if sweep:
         print(sweep_table(key, [(r["value"], r) for r in result["sweep"]["rows"]]))
     print(f"wrote {args.run_dir}/bench/bench.json, bench.md")
-    return 0
+    return ExitCode.OK
 
 
 def _default_config():
@@ -58,7 +59,7 @@ def _profile(args) -> int:
     result = profile_run(args.run_dir, steps=args.steps)
     print(markdown(result))
     print(f"wrote {args.run_dir}/profile/profile.json, profile.md and the trace")
-    return 0
+    return ExitCode.OK
 
 
 def _precision(args) -> int:
@@ -67,7 +68,7 @@ def _precision(args) -> int:
     result = write_precision(args.run_dir)
     print(markdown(result))
     print(f"wrote {args.run_dir}/precision/precision.json, precision.md")
-    return 0
+    return ExitCode.OK
 
 
 def _hypothesis(args) -> int:
@@ -85,7 +86,7 @@ def _hypothesis(args) -> int:
     )
     print(markdown(result))
     print(f"wrote {args.run_dir}/hypothesis/hypothesis.json, hypothesis.md, hypothesis.png")
-    return 0
+    return ExitCode.OK
 
 
 def _dossier(args) -> int:
@@ -100,7 +101,7 @@ def _dossier(args) -> int:
     )
     result = build_dossier(config, args.out, plan)
     print(f"dossier: {result['md']} and {result['html']}")
-    return 0
+    return ExitCode.OK
 
 
 def register(sub) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tpulab.errors import ExitCode
+
 
 def cmd_launch(args) -> int:
     from tpulab.orchestrate.launch import launch
@@ -71,11 +73,12 @@ def cmd_reshard(args) -> int:
     initialize_from_env()
     result = reshard(Path(args.run_dir), Path(args.out), mesh, args.step)
     print(
-        f"resharded step {result['step']} from {result['from']} onto {result['to']}: {result['leaves']} leaves "
-        f"bitwise equal after gathering -> {result['out']} (continue: tpulab train --run-dir {args.out} ...)",
+        f"resharded step {result['step']} from {result['from']} onto {result['to']}: "
+        f"{result['leaves']} leaves bitwise equal after gathering -> {result['out']} "
+        f"(continue: tpulab train --run-dir {args.out} ...)",
         flush=True,
     )
-    return 0
+    return ExitCode.OK
 
 
 def cmd_prove_layouts(args) -> int:
@@ -86,7 +89,7 @@ def cmd_prove_layouts(args) -> int:
 
     v = prove_layouts(config, Path(args.run_dir))
     print((Path(args.run_dir) / "layouts.md").read_text(), end="")
-    return 0 if v["passed"] else 1
+    return ExitCode.OK if v["passed"] else ExitCode.FAILED
 
 
 def cmd_prove_reshard(args) -> int:
@@ -98,11 +101,12 @@ def cmd_prove_reshard(args) -> int:
     v = prove_reshard(config, Path(args.run_dir), at_step=args.at_step)
     c = v["continued_vs_reference"]
     print(
-        f"{'PASSED' if v['passed'] else 'FAILED'}: restored state bitwise equal ({v['reshard']['leaves']} leaves, "
-        f"{v['reshard']['from']} -> {v['reshard']['to']}); continued curve vs 2-process reference: max rel diff "
-        f"{c['max_rel_diff']:.2e} over {c['steps']} steps (rtol {v['rtol']:g}) -> {Path(args.run_dir) / 'overlay.png'}"
+        f"{'PASSED' if v['passed'] else 'FAILED'}: restored state bitwise equal "
+        f"({v['reshard']['leaves']} leaves, {v['reshard']['from']} -> {v['reshard']['to']}); "
+        f"continued curve vs 2-process reference: max rel diff {c['max_rel_diff']:.2e} over "
+        f"{c['steps']} steps (rtol {v['rtol']:g}) -> {Path(args.run_dir) / 'overlay.png'}"
     )
-    return 0 if v["passed"] else 1
+    return ExitCode.OK if v["passed"] else ExitCode.FAILED
 
 
 def register(sub) -> None:
@@ -126,10 +130,11 @@ def register(sub) -> None:
     p = sub.add_parser(
         "launch",
         help="run a tpulab command in P local processes on JAX's distributed runtime",
-        description="Start P processes on loopback (coordinator on a free port, gloo CPU collectives, "
-        "K host devices each), stream process 0's output, forward SIGTERM/SIGINT, and tear "
-        "everything down within --grace seconds if any process dies. Exit 75: a process's "
-        "step watchdog found the job stalled; 76: a process died or failed.",
+        description="Start P processes on loopback (coordinator on a free port, gloo CPU "
+        "collectives, K host devices each), stream process 0's output, forward SIGTERM/SIGINT, "
+        "and tear everything down within --grace seconds if any process dies. Exit "
+        f"{int(ExitCode.STALLED)}: a process's step watchdog found the job stalled; "
+        f"{int(ExitCode.PEER_FAILED)}: a process died or failed.",
     )
     p.add_argument("--processes", type=int, required=True, help="number of processes")
     p.add_argument(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tpulab.errors import ExitCode
+
 
 def cmd_runs(args) -> int:
     from tpulab.errors import TpulabError
@@ -18,7 +20,7 @@ def cmd_runs(args) -> int:
     rows = list_runs(uri)
     if not rows:
         print(f"no runs in {uri}")
-        return 0
+        return ExitCode.OK
     fmt = lambda v: "-" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))  # noqa: E731
     header = (
         "name",
@@ -48,7 +50,7 @@ def cmd_runs(args) -> int:
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-    return 0
+    return ExitCode.OK
 
 
 def cmd_report(args) -> int:
@@ -61,7 +63,7 @@ def cmd_report(args) -> int:
 
         log_files_to_run(run_dir, [md, page, args.run_dir / "plots" / "curves.png"], "report")
     print(f"report: {md} and {page}")
-    return 0
+    return ExitCode.OK
 
 
 def register(sub) -> None:

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tpulab.errors import ExitCode
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "default.yaml"
 
 
@@ -38,8 +40,7 @@ def checked_path(value: Path | str, flag: str) -> Path:
 
 
 def load_run_config(args):
-    from tpulab.config import load
-    from tpulab.train.config import RunConfig
+    from tpulab import load_config
 
     overrides = list(args.overrides)
     if args.steps is not None:
@@ -52,7 +53,7 @@ def load_run_config(args):
         path = checked_path(args.config, "--config")
     else:
         path = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
-    return load(RunConfig, path, overrides)
+    return load_config(path, overrides)
 
 
 def cmd_train(args) -> int:
@@ -115,7 +116,7 @@ def cmd_train(args) -> int:
         + f" (checkpoint step {summary['latest_checkpoint']} in {args.run_dir})",
         flush=True,
     )
-    return 0
+    return ExitCode.OK
 
 
 def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
@@ -154,7 +155,7 @@ def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
     g.add_argument(
         "--stall-exit",
         action="store_true",
-        help="on a stall, exit with code 75 after dumping stacks "
+        help=f"on a stall, exit with code {int(ExitCode.STALLED)} after dumping stacks "
         "(so a supervisor restarts the run)",
     )
 
@@ -187,12 +188,12 @@ def tracker_for(args, run_dir: Path, **kwargs):
 
 def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
     """The stall watchdog and plain progress lines. In a multi-process job a stall always ends the
-    process (exit 75), with a 300 s default: a peer stuck inside a collective never errors by
-    itself."""
+    process (``ExitCode.STALLED``), with a 300 s default: a peer stuck inside a collective never
+    errors by itself."""
     import jax
 
-    from tpulab.tracking.progress import LogLines
-    from tpulab.train.watchdog import MULTIPROCESS_STALL_S, STALL_EXIT_CODE, StallWatchdog
+    from tpulab.train.step_progress import LogLines
+    from tpulab.train.watchdog import MULTIPROCESS_STALL_S, StallWatchdog
 
     timeout = args.stall_timeout
     if timeout is None and distributed:
@@ -200,7 +201,7 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
     return [
         StallWatchdog(
             run_dir,
-            exit_code=STALL_EXIT_CODE if (args.stall_exit or distributed) else None,
+            exit_code=ExitCode.STALLED if (args.stall_exit or distributed) else None,
             timeout_s=timeout,
             startup_s=args.stall_startup_timeout,
             records=jax.process_index() == 0,
@@ -235,7 +236,7 @@ def cmd_prove_resume(args) -> int:
             f"{'bitwise identical' if v['final_state_identical'] else 'differs'} -> "
             f"{Path(args.run_dir) / ('proof-' + ('stall' if args.stall else 'kill'))}"
         )
-        return 0 if ok else 1
+        return ExitCode.OK if ok else ExitCode.FAILED
     from tpulab.proofs.driver import verdict_text
     from tpulab.proofs.transformer import prove_transformer_resume
 
@@ -253,7 +254,7 @@ def cmd_prove_resume(args) -> int:
         f"{verdict['resumed_from_step']} -> "
         f"{run_dir / 'proof'}"
     )
-    return 0 if verdict["identical"] else 1
+    return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
 
 
 def cmd_chaos(args) -> int:
@@ -274,7 +275,7 @@ def cmd_chaos(args) -> int:
         f"SIGKILLs ({verdict['kills_during_save']} while a save was in flight), "
         f"{verdict['segments']} process lifetimes; {verdict['summary']} -> {run_dir / 'chaos'}"
     )
-    return 0 if verdict["identical"] else 1
+    return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
 
 
 def cmd_check(args) -> int:
@@ -284,7 +285,7 @@ def cmd_check(args) -> int:
 
     results = run_checks(config, run_dir=run_dir)
     print_table(results)
-    return 0 if all(r["passed"] for r in results) else 1
+    return ExitCode.OK if all(r["passed"] for r in results) else ExitCode.FAILED
 
 
 def cmd_capstone(args) -> int:
@@ -315,7 +316,7 @@ def cmd_capstone(args) -> int:
             f"{g['total_s']:.1f} s over {len(g['lifetimes'])} process lifetimes "
             f"({g['restart_s']:.1f} s lost to the restart; details in the report)"
         )
-    return 0
+    return ExitCode.OK
 
 
 def cmd_merge_lora(args) -> int:
@@ -330,7 +331,7 @@ def cmd_merge_lora(args) -> int:
         f"(relative) of the adapter model's -> {out} "
         f"(checkpoint {r['merged_checkpoint_digest'][:12]})"
     )
-    return 0
+    return ExitCode.OK
 
 
 def register(sub) -> None:
@@ -385,7 +386,7 @@ def register(sub) -> None:
         "--stall",
         action="store_true",
         help="with --processes: SIGSTOP one process instead; the "
-        "others' step watchdog must end the job (exit 75)",
+        f"others' step watchdog must end the job (exit {int(ExitCode.STALLED)})",
     )
     p.add_argument(
         "--stall-timeout", type=float, default=10.0, help="with --processes: watchdog timeout (s)"

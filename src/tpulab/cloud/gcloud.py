@@ -26,9 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpulab.cloud.config import CloudConfig
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 
 CALLS = "calls.jsonl"
+# The status recorded for a call tpulab killed at its time bound (what coreutils `timeout` exits
+# with); a gcloud status, never one tpulab exits with.
+TIMED_OUT_RC = 124
 _KEEP_CHARS = 20000
 
 
@@ -121,29 +124,6 @@ def scp_from_argv(cfg: CloudConfig, remote: str, local: str, worker: int | str) 
     ]
 
 
-def command_forms(cfg: CloudConfig) -> dict[str, list[str]]:
-    """Every command form tpulab sends, with placeholder operands; the parser test runs these."""
-    return {
-        "create": create_argv(cfg),
-        "describe": describe_argv(cfg),
-        "list": list_argv(cfg),
-        "scp to --worker=all": scp_to_argv(
-            cfg, ["/tmp/tpulab-x.whl", "/tmp/config.yaml"], "tpulab/"
-        ),
-        "scp from --worker=N": scp_from_argv(cfg, "tpulab/runs/r", "/tmp/out/", 1),
-        "scp from --worker=N, absolute (shared dir)": scp_from_argv(
-            cfg, "/mnt/shared/runs/r", "/tmp/out/", 0
-        ),
-        "ssh --worker=all --command": ssh_argv(
-            cfg, "cd tpulab && .venv/bin/tpulab receipt --out runs/r/receipt"
-        ),
-        "ssh --worker=N --command": ssh_argv(
-            cfg, "cd tpulab && env A=1 .venv/bin/tpulab train", worker=0
-        ),
-        "delete --quiet": delete_argv(cfg),
-    }
-
-
 @dataclass
 class Call:
     step: str
@@ -206,10 +186,10 @@ def sigterm_as_interrupt():
 
 
 def interruption(e: BaseException) -> tuple[str, int]:
-    """How an interrupt reads in a one-line error, and the exit code it gets (128 + signal)."""
+    """How an interrupt reads in a one-line error, and the exit code it gets."""
     if isinstance(e, Terminated):
-        return "terminated (SIGTERM)", 128 + signal.SIGTERM
-    return "interrupted (SIGINT)", 128 + signal.SIGINT
+        return "terminated (SIGTERM)", ExitCode.TERMINATED
+    return "interrupted (SIGINT)", ExitCode.INTERRUPTED
 
 
 class Gcloud:
@@ -275,11 +255,11 @@ class Gcloud:
             _kill_group(proc)
             out, err = proc.communicate()
             if isinstance(e, subprocess.TimeoutExpired):
-                rc, why = 124, f"timed out after {timeout_s:.0f} s"
+                rc, why = TIMED_OUT_RC, f"timed out after {timeout_s:.0f} s"
             else:
                 why, rc = interruption(e)
             err += f"\ntpulab: {why}"
-            if rc != 124:
+            if rc != TIMED_OUT_RC:
                 self._record(step, argv, rc, started, t0, out, err, timeout_s)
                 raise
         finally:

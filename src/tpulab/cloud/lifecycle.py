@@ -32,10 +32,24 @@ from tpulab.checkpoint.files import (
     sha256_file,
     verify_manifest,
 )
-from tpulab.cloud import gcloud as g
 from tpulab.cloud.config import CloudConfig
+from tpulab.cloud.gcloud import (
+    Call,
+    Gcloud,
+    Terminated,
+    create_argv,
+    delete_argv,
+    describe_argv,
+    interruption,
+    list_argv,
+    resolve_gcloud,
+    scp_from_argv,
+    scp_to_argv,
+    sigterm_as_interrupt,
+    ssh_argv,
+)
 from tpulab.cloud.worker import PREEMPT_RECORD
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.provenance import git_commit
 
@@ -47,19 +61,20 @@ FAIL_STATES = {"PREEMPTED", "TERMINATED", "DELETING", "STOPPED", "STOPPING", "HI
 
 
 class CloudError(TpulabError):
-    """A lifecycle step failed (exit 1); the message names the step and gcloud's last line."""
+    """A lifecycle step failed; the message names the step and gcloud's last line."""
 
-    exit_code = 1
+    exit_code = ExitCode.FAILED
 
 
 class DeleteError(TpulabError):
-    """The VM may still exist (and cost money): exit 5, resource named, manual command given."""
+    """The VM may still exist (and cost money): resource named, manual command given."""
 
-    exit_code = 5
+    exit_code = ExitCode.DELETE_NOT_VERIFIED
 
 
 class Interrupted(TpulabError):
-    """SIGTERM or Ctrl-C ended a step: exit 128 + the signal, the VM named (deleted or not)."""
+    """SIGTERM or Ctrl-C ended a step (``ExitCode.TERMINATED``, ``INTERRUPTED``), the VM named
+    (deleted or not)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +153,10 @@ class CloudSession:
     ):
         cfg.require_target()
         # the binary named, not whichever PATH finds first later: every call record shows it
-        self.cfg = dataclasses.replace(cfg, gcloud=g.resolve_gcloud(cfg.gcloud, env))
+        self.cfg = dataclasses.replace(cfg, gcloud=resolve_gcloud(cfg.gcloud, env))
         self.dir = Path(out_dir)
         self.cloud_dir = self.dir / "cloud"
-        self.gcloud = g.Gcloud(
+        self.gcloud = Gcloud(
             self.cloud_dir, env=env, echo=echo, max_timeout_s=self.cfg.call_timeout_s
         )
         self.echo = echo or (lambda _msg: None)
@@ -154,7 +169,8 @@ class CloudSession:
         p = self.cloud_dir / name
         return json.loads(p.read_text()) if p.exists() else None
 
-    def _fail(self, step: str, call: g.Call, what: str) -> CloudError:
+    def _gcloud_failure(self, step: str, call: Call, what: str) -> CloudError:
+        """The error to raise for a failed gcloud call: the step, what failed, its exit and tail."""
         return CloudError(
             f"{step}: {what} (gcloud exit {call.rc}: {call.tail()}; see {self.gcloud.path})"
         )
@@ -166,12 +182,12 @@ class CloudSession:
     def interruptible(self, step: str):
         """One step command (``tpu create``, ``run``, ...): SIGTERM acts like Ctrl-C, every gcloud
         child is killed, and the one-line error names the VM, which the step does not delete."""
-        with g.sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             try:
                 yield
             except KeyboardInterrupt as e:
                 self.gcloud.kill_all()
-                how, code = g.interruption(e)
+                how, code = interruption(e)
                 raise Interrupted(
                     f"{how} during tpu {step}: {self._resource()} may exist and cost money "
                     f"(not verified deleted; tpulab tpu delete --dir {self.dir})",
@@ -183,19 +199,19 @@ class CloudSession:
         tpulab = shlex.join([".venv/bin/tpulab", *args])
         return f"cd {self.cfg.remote_dir} && {_env_prefix(env or {})}{tpulab}"
 
-    def ssh_all(self, step: str, command, timeout_s: float | None = None) -> list[g.Call]:
+    def ssh_all(self, step: str, command, timeout_s: float | None = None) -> list[Call]:
         """One ``--worker=all`` call, or one call per worker in parallel when ``command`` is a
         function of the worker index (per-worker environment)."""
         timeout = timeout_s or self.cfg.call_timeout_s
         if isinstance(command, str):
-            return [self.gcloud(step, g.ssh_argv(self.cfg, command), timeout)]
+            return [self.gcloud(step, ssh_argv(self.cfg, command), timeout)]
         calls: list = [None] * self.workers()
         finished = [threading.Event() for _ in calls]
 
         def one(i: int) -> None:
             try:
                 calls[i] = self.gcloud(
-                    f"{step}[worker {i}]", g.ssh_argv(self.cfg, command(i), worker=i), timeout
+                    f"{step}[worker {i}]", ssh_argv(self.cfg, command(i), worker=i), timeout
                 )
             except TpulabError as e:
                 calls[i] = e
@@ -222,10 +238,10 @@ class CloudSession:
                 raise c
         return calls
 
-    def describe(self, step: str = "describe") -> tuple[str, dict | None, g.Call]:
+    def describe(self, step: str = "describe") -> tuple[str, dict | None, Call]:
         """('present', data); ('absent', None) when gcloud says NOT_FOUND; ('malformed', None) for
         exit 0 without a JSON object; ('unknown', None) for any other failure."""
-        call = self.gcloud(step, g.describe_argv(self.cfg), 300)
+        call = self.gcloud(step, describe_argv(self.cfg), 300)
         if call.ok:
             try:
                 data = json.loads(call.stdout)
@@ -251,9 +267,9 @@ class CloudSession:
             f"creating {self.cfg.name} ({self.cfg.accelerator_type}, {self.cfg.runtime_version}) "
             f"in {self.cfg.project}/{self.cfg.zone}"
         )
-        call = self.gcloud("create", g.create_argv(self.cfg), self.cfg.ready_timeout_s)
+        call = self.gcloud("create", create_argv(self.cfg), self.cfg.ready_timeout_s)
         if not call.ok:
-            raise self._fail("create", call, f"could not create {self.cfg.name}")
+            raise self._gcloud_failure("create", call, f"could not create {self.cfg.name}")
         return self.wait_ready()
 
     def wait_ready(self) -> dict:
@@ -263,16 +279,16 @@ class CloudSession:
             if state == "present" and data.get("state") == "READY":
                 return self.record_identity(data)
             if state == "present" and data.get("state") in FAIL_STATES:
-                raise self._fail(
+                raise self._gcloud_failure(
                     "create", call, f"{self.cfg.name} is {data.get('state')}, not READY"
                 )
             if state == "absent":
-                raise self._fail(
+                raise self._gcloud_failure(
                     "create", call, f"{self.cfg.name} vanished while waiting for READY"
                 )
             if time.monotonic() > deadline:
                 last = _describe_problem(state, call) if state != "present" else data.get("state")
-                raise self._fail(
+                raise self._gcloud_failure(
                     "create",
                     call,
                     f"{self.cfg.name} not READY after {self.cfg.ready_timeout_s:.0f} s "
@@ -328,10 +344,12 @@ class CloudSession:
             0
         ]
         if not call.ok:
-            raise self._fail("stage", call, "could not prepare the remote directory")
-        call = self.gcloud("stage: copy", g.scp_to_argv(self.cfg, [str(local)], f"{rd}/"), 3600)
+            raise self._gcloud_failure("stage", call, "could not prepare the remote directory")
+        call = self.gcloud("stage: copy", scp_to_argv(self.cfg, [str(local)], f"{rd}/"), 3600)
         if not call.ok:
-            raise self._fail("stage", call, "could not copy the wheel and config to the workers")
+            raise self._gcloud_failure(
+                "stage", call, "could not copy the wheel and config to the workers"
+            )
         bootstrap = self.cfg.bootstrap.format(
             remote_dir=rd,
             python=self.cfg.python,
@@ -340,7 +358,9 @@ class CloudSession:
         )
         call = self.ssh_all("stage: bootstrap", bootstrap, 3600)[0]
         if not call.ok:
-            raise self._fail("stage", call, "bootstrapping the venv on the workers failed")
+            raise self._gcloud_failure(
+                "stage", call, "bootstrapping the venv on the workers failed"
+            )
         staged = {
             "wheel": wheel.name,
             "wheel_sha256": sha256_file(wheel),
@@ -366,14 +386,14 @@ class CloudSession:
             args += ["--expect-devices", str(devices)]
         for call in self._ssh_job("run: receipt", args, job):
             if not call.ok:
-                raise self._fail(
+                raise self._gcloud_failure(
                     "run",
                     call,
                     f"target qualification ({expect}) failed on the workers; the job "
                     "was not started",
                 )
 
-    def _ssh_job(self, step: str, args: list[str], job: JobSpec) -> list[g.Call]:
+    def _ssh_job(self, step: str, args: list[str], job: JobSpec) -> list[Call]:
         if job.worker_env:
             return self.ssh_all(
                 step, lambda i: self.remote(args, {**job.env, **job.worker_env.get(i, {})})
@@ -392,18 +412,18 @@ class CloudSession:
         write = f"test -d {q(shared)} && mkdir -p {q(run_dir)} && echo {nonce} > {q(marker)}"
         call = self.gcloud(
             "run: shared dir (write on worker 0)",
-            g.ssh_argv(self.cfg, write, worker=0),
+            ssh_argv(self.cfg, write, worker=0),
             self.cfg.call_timeout_s,
         )
         if not call.ok:
-            raise self._fail(
+            raise self._gcloud_failure(
                 "run", call, f"cannot write to the shared dir {shared} on worker 0 (is it mounted?)"
             )
         call = self.ssh_all(
             "run: shared dir (read on every worker)", f'test "$(cat {q(marker)})" = {nonce}'
         )[0]
         if not call.ok:
-            raise self._fail(
+            raise self._gcloud_failure(
                 "run",
                 call,
                 f"the shared dir {shared} is not one directory on every worker: worker "
@@ -455,7 +475,7 @@ class CloudSession:
             ]
             for call in self._ssh_job("run: job until preemption", wrapped, job):
                 if not call.ok:
-                    raise self._fail(
+                    raise self._gcloud_failure(
                         "run", call, f"the preemption rehearsal at step {preempt_at} failed"
                     )
             record["segments"].append("preempted")
@@ -463,7 +483,7 @@ class CloudSession:
         step = "run: job (resume after preemption)" if preempt_at is not None else "run: job"
         for call in self._ssh_job(step, args, job):
             if not call.ok:
-                raise self._fail("run", call, "the job failed on the workers")
+                raise self._gcloud_failure("run", call, "the job failed on the workers")
         record["segments"].append("completed")
         self._write("run.json", record)
         return record
@@ -537,7 +557,7 @@ class CloudSession:
         incoming.mkdir(parents=True)
         call = self.gcloud(
             f"fetch[{label}]",
-            g.scp_from_argv(self.cfg, remote, str(incoming) + "/", worker=worker),
+            scp_from_argv(self.cfg, remote, str(incoming) + "/", worker=worker),
             3600,
         )
         if not call.ok or not (incoming / run_name).is_dir():
@@ -545,7 +565,9 @@ class CloudSession:
             if not strict:
                 return None
             what = run_name if label.startswith("worker") else f"the shared run dir {remote}"
-            raise self._fail("fetch", call, f"could not retrieve {what} from worker {worker}")
+            raise self._gcloud_failure(
+                "fetch", call, f"could not retrieve {what} from worker {worker}"
+            )
         dest.mkdir(parents=True, exist_ok=True)
         if (dest / run_name).exists():
             shutil.rmtree(dest / run_name)
@@ -556,10 +578,10 @@ class CloudSession:
     # --- delete -----------------------------------------------------------------------------
     def delete(self) -> dict:
         """Delete, then verify it is gone: describe says NOT_FOUND, list does not show the name."""
-        call = self.gcloud("delete", g.delete_argv(self.cfg), 3600)
+        call = self.gcloud("delete", delete_argv(self.cfg), 3600)
         already_gone = not call.ok and "NOT_FOUND" in (call.stderr + call.stdout)
         state, _, described = self.describe("delete: verify (describe)")
-        listed = self.gcloud("delete: verify (list)", g.list_argv(self.cfg), 300)
+        listed = self.gcloud("delete: verify (list)", list_argv(self.cfg), 300)
         names = _listed_names(listed.stdout) if listed.ok else None
         gone = state == "absent" and names is not None and self.cfg.name not in names
         cleanup = {
@@ -590,7 +612,7 @@ class CloudSession:
     def _not_verified(self, why: str) -> DeleteError:
         return DeleteError(
             f"DELETE NOT VERIFIED: {self._resource()} may still exist and cost money: {why}. "
-            f"Delete it by hand: {shlex.join(g.delete_argv(self.cfg))}"
+            f"Delete it by hand: {shlex.join(delete_argv(self.cfg))}"
         )
 
     # --- up ---------------------------------------------------------------------------------
@@ -605,7 +627,7 @@ class CloudSession:
 
         failure: BaseException | None = None
         ran, step = False, "create"
-        with g.sigterm_as_interrupt() as signals:
+        with sigterm_as_interrupt() as signals:
             try:
                 self.create()
                 step = "stage"
@@ -635,10 +657,10 @@ class CloudSession:
                     cleanup_error = self._not_verified(f"the cleanup failed: {e}")
                 except KeyboardInterrupt as e:  # a second Ctrl-C
                     self.gcloud.kill_all()
-                    cleanup_error = self._not_verified(f"the cleanup was {g.interruption(e)[0]}")
+                    cleanup_error = self._not_verified(f"the cleanup was {interruption(e)[0]}")
                 log = write_experiment_log(self.dir)
         if failure is None and signals.received:  # a SIGTERM during the cleanup of a success
-            failure = g.Terminated()
+            failure = Terminated()
         if cleanup_error is not None:
             if failure is not None:
                 raise DeleteError(
@@ -646,7 +668,7 @@ class CloudSession:
                 ) from None
             raise cleanup_error
         if isinstance(failure, KeyboardInterrupt):
-            how, code = g.interruption(failure)
+            how, code = interruption(failure)
             raise Interrupted(
                 f"{how} during {step}: {self._resource()} deleted and verified gone",
                 exit_code=code,
@@ -676,11 +698,11 @@ class CloudSession:
 
 def _failure_text(failure: BaseException, step: str) -> str:
     if isinstance(failure, KeyboardInterrupt):
-        return f"{g.interruption(failure)[0]} during {step}"
+        return f"{interruption(failure)[0]} during {step}"
     return str(failure) or type(failure).__name__
 
 
-def _describe_problem(state: str, call: g.Call) -> str | None:
+def _describe_problem(state: str, call: Call) -> str | None:
     """What a describe result says against 'the VM is gone' (None: it says NOT_FOUND)."""
     if state == "absent":
         return None
@@ -691,7 +713,7 @@ def _describe_problem(state: str, call: g.Call) -> str | None:
     return f"describe says {state!r} (exit {call.rc}: {call.tail()})"
 
 
-def _list_problem(call: g.Call, names: list[str] | None, name: str) -> str | None:
+def _list_problem(call: Call, names: list[str] | None, name: str) -> str | None:
     if not call.ok:
         return f"list failed (exit {call.rc}: {call.tail()})"
     if names is None:

@@ -5,9 +5,10 @@ rehearsal does the same from a parent process on each worker: it watches the job
 (local disk, so no ssh round trip delays it) and signals the job once the step is logged. The
 trainer finishes its step, saves and exits; the record of what happened goes to ``preempt.json``.
 
-In a multi-process job every worker runs this wrapper on the one shared run dir: each signals its own
-process once process 0's metrics show the step (as a slice's maintenance event reaches every host), the
-processes agree on the step to stop at, and each wrapper writes its record to its own worker's disk.
+In a multi-process job every worker runs this wrapper on the one shared run dir: each signals its
+own process once process 0's metrics show the step (as a slice's maintenance event reaches every
+host), the processes agree on the step to stop at, and each wrapper writes its record to its own
+worker's disk.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import read_records
 
 PREEMPT_RECORD = "preempt.json"
@@ -39,13 +40,15 @@ def run_with_preemption(
     record: str | Path | None = None,
     settle_s: float = 60.0,
 ) -> dict:
-    """Start ``argv``, SIGTERM it once ``run_dir/metrics.jsonl`` shows step >= preempt_at in its segment.
+    """Start ``argv``, SIGTERM it once ``run_dir/metrics.jsonl`` shows step >= preempt_at in its
+    segment.
 
-    The record goes to ``record`` (default ``run_dir/preempt.json``). In a multi-process job only process 0
-    writes metrics, into a shared dir whose appends may reach other hosts late (NFS attribute caching,
-    gcsfuse uploads on flush): a worker may then see its process stop on the notice another worker's process
-    got (the processes agree on the step) before it signalled, and a process that exited cleanly waits up to
-    ``settle_s`` for the segment's 'preempted' record (or its 'end' without one) to become visible."""
+    The record goes to ``record`` (default ``run_dir/preempt.json``). In a multi-process job only
+    process 0 writes metrics, into a shared dir whose appends may reach other hosts late (NFS
+    attribute caching, gcsfuse uploads on flush): a worker may then see its process stop on the
+    notice another worker's process got (the processes agree on the step) before it signalled, and
+    a process that exited cleanly waits up to ``settle_s`` for the segment's 'preempted' record (or
+    its 'end' without one) to become visible."""
     run_dir = Path(run_dir)
     record = Path(record) if record is not None else run_dir / PREEMPT_RECORD
     metrics = run_dir / "metrics.jsonl"
@@ -69,7 +72,7 @@ def run_with_preemption(
         r.get("event") == "start" and r.get("segment") == segment for r in read_records(metrics)
     )
     deadline = time.monotonic() + (
-        settle_s if proc.returncode == 0 and (started or signalled_at is not None) else 0
+        settle_s if proc.returncode == ExitCode.OK and (started or signalled_at is not None) else 0
     )
     while True:
         records = read_records(metrics)
@@ -100,12 +103,12 @@ def run_with_preemption(
         raise TpulabError(
             f"the job ended (exit {proc.returncode}) at step {result['last_step']} before the "
             f"preemption step {preempt_at}; choose a smaller --preempt-at",
-            exit_code=1,
+            exit_code=ExitCode.FAILED,
         )
-    if proc.returncode != 0 or result["preempted_at_step"] is None:
+    if proc.returncode != ExitCode.OK or result["preempted_at_step"] is None:
         raise TpulabError(
             f"the job did not stop cleanly on SIGTERM (exit {proc.returncode}, no 'preempted' "
             f"record in {metrics})",
-            exit_code=1,
+            exit_code=ExitCode.FAILED,
         )
     return result

@@ -299,10 +299,15 @@ def check_batch(batch: dict[str, np.ndarray]) -> None:
 
 
 def train_dataset(
-    rows: np.ndarray, cfg: DataConfig, process_index: int = 0, process_count: int = 1
+    rows: np.ndarray,
+    cfg: DataConfig,
+    process_index: int = 0,
+    process_count: int = 1,
+    batch_fn=to_batch,
 ) -> grain.IterDataset:
     """Shuffled (reshuffled each epoch), repeated batches of pairs; each process its own rows,
-    cut from the shuffled stream as ``tpulab.data.pipeline.train_dataset`` cuts windows."""
+    cut from the shuffled stream as ``tpulab.data.pipeline.train_dataset`` cuts windows.
+    ``batch_fn`` turns a batch of rows into arrays (preference pairs bring their own)."""
     if cfg.batch_size % process_count:
         raise TpulabError(
             f"data.batch_size={cfg.batch_size} is not divisible by {process_count} processes"
@@ -312,7 +317,7 @@ def train_dataset(
     ds = ds.batch(local, drop_remainder=True)
     if process_count > 1:
         ds = ds[process_index::process_count]
-    return ds.map(to_batch).to_iter_dataset()
+    return ds.map(batch_fn).to_iter_dataset()
 
 
 def eval_batches(rows: np.ndarray, batch_size: int, max_batches: int) -> list[dict]:

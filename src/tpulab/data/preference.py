@@ -14,10 +14,19 @@ It rewards what a good reply in this format does and an untrained policy does no
 
 So r* lies in [-1, 2.5]. Pairs are stored as prompt / chosen / rejected byte strings (prompt framed
 as in ``tpulab.data.dialogue``: it ends with the responder's name; replies exclude the stop byte,
-which the encoding appends). Two datasets are built here without a model: *natural* pairs (the
+which the encoding appends) and, per reply, whether it stops: a reply sampled from a policy that
+ran out of room without the stop byte is kept as it is (``*_stops`` false: no stop byte is
+appended, and r* sees none). Two datasets are built here without a model: *natural* pairs (the
 true reply against a length-matched reply from the same scene, ordered by r* with a seeded
 Bradley-Terry draw) and user pairs from a JSONL file; pairs sampled from a policy are built by
-``tpulab pairs`` (it needs the generation loop) and stored in the same JSONL form.
+``tpulab pairs`` (it needs the generation loop) and stored in the same JSONL form, in a directory
+with its ``dataset.json`` (``read_dir``).
+
+Every pair fits ``seq_len`` tokens framed (one fewer than an SFT pair may take), so the last
+response byte is an *input* position as well as a target: a reward model reads its score there
+(``read_positions``), and the stop byte is what it has seen last. Batches lay each pair out as two
+consecutive rows, chosen then rejected (``to_batch``): one forward over ``2B`` rows, and the
+window ledger and the mask checks see ordinary ``inputs`` / ``targets`` / ``mask`` rows.
 """
 
 from __future__ import annotations
@@ -35,11 +44,13 @@ from tpulab.data import dialogue
 from tpulab.data.config import DataConfig
 from tpulab.data.corpus import Corpus
 from tpulab.data.pipeline import split_documents
+from tpulab.data.tokenizer import DEFINITION as TOKENIZER
+from tpulab.data.tokenizer import PAD
 from tpulab.errors import TpulabError
 
 MAX_REPLY = 96  # bytes a reply may take before its stop byte counts as missing
 LINE_BAND = (20, 60)  # verse-like line lengths, bytes
-BUILDER = "tpulab-preference-v1"
+BUILDER = "tpulab-preference-v2"  # v2: per-reply stops, pairs fit seq_len tokens
 _PRINTABLE = set(range(0x20, 0x7F)) | {0x09, 0x0A}
 
 
@@ -69,6 +80,25 @@ class Pref:
     chosen: bytes
     rejected: bytes
     source: str
+    chosen_stops: bool = True  # False: the reply ran out of room before its stop byte
+    rejected_stops: bool = True
+
+    def rewards(self) -> tuple[float, float]:
+        """(r*(chosen), r*(rejected)), each reply with its stop byte when it has one."""
+        return (
+            gold_reward(self.prompt, replied(self.chosen, self.chosen_stops)),
+            gold_reward(self.prompt, replied(self.rejected, self.rejected_stops)),
+        )
+
+
+def replied(reply: bytes, stops: bool) -> bytes:
+    """A stored reply as the policy's stream after STX: with the stop byte when it stops."""
+    return reply + bytes([dialogue.STOP]) if stops else reply
+
+
+def tokens_needed(prompt: bytes, reply: bytes, stops: bool) -> int:
+    """Tokens a framed pair side takes: BOS SOH prompt STX reply [ETX]."""
+    return 3 + len(prompt) + len(reply) + int(stops)
 
 
 def bradley_terry(
@@ -86,15 +116,16 @@ def gold_optimal_accuracy(prefs: list[Pref]) -> float:
         return float("nan")
     acc = 0.0
     for pr in prefs:
-        d = gold_reward(pr.prompt, pr.chosen) - gold_reward(pr.prompt, pr.rejected)
-        p = 1.0 / (1.0 + math.exp(-d))
+        chosen, rejected = pr.rewards()
+        p = 1.0 / (1.0 + math.exp(rejected - chosen))
         acc += max(p, 1.0 - p)
     return acc / len(prefs)
 
 
 def natural_pairs(docs, seq_len: int, seed: int) -> list[Pref]:
     """Per consecutive (cue, reply) in a scene: the true reply against another speech of the same
-    scene whose length is closest to it, ordered by a Bradley-Terry draw on r*; both must fit."""
+    scene whose length is closest to it, ordered by a Bradley-Terry draw on r* (both are whole
+    speeches: each stops); both must fit ``seq_len`` tokens framed."""
     rng = np.random.default_rng(seed)
     out = []
     for doc in docs:
@@ -110,11 +141,13 @@ def natural_pairs(docs, seq_len: int, seed: int) -> list[Pref]:
                 other = min(others, key=lambda s: (abs(len(s.text) - len(reply.text)), s.text))
                 prompt = cue.speaker + b".\n" + cue.text + b"\n\n" + reply.speaker + b".\n"
                 longest = max(reply.text, other.text, key=len)
-                fitted = dialogue.fit(dialogue.Pair(prompt, longest, doc.name), seq_len)
+                # fit() leaves seq_len + 1 tokens; one fewer keeps the stop byte an input
+                fitted = dialogue.fit(dialogue.Pair(prompt, longest, doc.name), seq_len - 1)
                 if fitted is None:
                     continue
-                chosen, rejected = bradley_terry(fitted.prompt, reply.text, other.text, rng)
-                out.append(Pref(fitted.prompt, chosen, rejected, doc.name))
+                stop = bytes([dialogue.STOP])
+                a, b = bradley_terry(fitted.prompt, reply.text + stop, other.text + stop, rng)
+                out.append(Pref(fitted.prompt, a[:-1], b[:-1], doc.name))
     return out
 
 
@@ -144,6 +177,7 @@ def identity_of(params: dict, train, evals) -> str:
             for b in (p.prompt, p.chosen, p.rejected):
                 h.update(len(b).to_bytes(8, "little"))
                 h.update(b)
+            h.update(bytes([p.chosen_stops, p.rejected_stops]))
     return h.hexdigest()
 
 
@@ -166,14 +200,8 @@ def from_plays(corpus: Corpus, cfg: DataConfig, seed: int = 0) -> Preferences:
     )
 
 
-def read_jsonl(
-    path: str | Path, cfg: DataConfig, extra: dict | None = None, eval_fraction: float = 0.1
-) -> Preferences:
-    """``{"prompt", "chosen", "rejected"}`` per line (replies without the stop byte); a bad line is
-    refused with its number: invalid JSON or UTF-8, a missing field, an empty reply, chosen equal
-    to rejected, a delimiter byte, a pair longer than the context. ``extra`` joins the identity
-    (a sampled set's policy digest and labeller seed)."""
-    path = Path(path)
+def _read_lines(path: Path, cfg: DataConfig) -> tuple[bytes, list[Pref]]:
+    """(file bytes, pairs) of a preference JSONL file; the first bad line is refused by number."""
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -194,22 +222,46 @@ def read_jsonl(
         for key in ("prompt", "chosen", "rejected"):
             if not isinstance(rec.get(key), str):
                 raise TpulabError(f"{where}: '{key}' is missing or not a string")
-        p = Pref(rec["prompt"].encode(), rec["chosen"].encode(), rec["rejected"].encode(), where)
-        if not p.chosen or not p.rejected:
-            raise TpulabError(f"{where}: a reply is empty")
-        if p.chosen == p.rejected:
+        stops = []
+        for key in ("chosen_stops", "rejected_stops"):
+            value = rec.get(key, True)
+            if not isinstance(value, bool):
+                raise TpulabError(f"{where}: '{key}' must be true or false, not {value!r}")
+            stops.append(value)
+        p = Pref(
+            rec["prompt"].encode(), rec["chosen"].encode(), rec["rejected"].encode(), where, *stops
+        )
+        for side, stop in zip(("chosen", "rejected"), stops):
+            if not getattr(p, side) and not stop:
+                raise TpulabError(f"{where}: the {side} reply is empty and does not stop")
+        if (p.chosen, p.chosen_stops) == (p.rejected, p.rejected_stops):
             raise TpulabError(f"{where}: chosen equals rejected (the pair prefers nothing)")
         bad = set(p.prompt + p.chosen + p.rejected) & set(dialogue.DELIMITERS)
         if bad:
             raise TpulabError(f"{where}: holds byte 0x{min(bad):02x}, a delimiter of the format")
-        for reply in (p.chosen, p.rejected):
-            n_tokens = 1 + len(dialogue.framed(dialogue.Pair(p.prompt, reply, where)))
-            if n_tokens > cfg.seq_len + 1:
+        for reply, stop in ((p.chosen, p.chosen_stops), (p.rejected, p.rejected_stops)):
+            n_tokens = tokens_needed(p.prompt, reply, stop)
+            if n_tokens > cfg.seq_len:
                 raise TpulabError(
-                    f"{where}: prompt and reply take {n_tokens} tokens framed, longer than the "
-                    f"context (data.seq_len + 1 = {cfg.seq_len + 1})"
+                    f"{where}: prompt and reply take {n_tokens} tokens framed, more than "
+                    f"data.seq_len = {cfg.seq_len} (a preference pair keeps its last byte an "
+                    "input: the reward model reads it)"
                 )
         prefs.append(p)
+    return raw, prefs
+
+
+def read_jsonl(
+    path: str | Path, cfg: DataConfig, extra: dict | None = None, eval_fraction: float = 0.1
+) -> Preferences:
+    """``{"prompt", "chosen", "rejected"}`` per line (replies without the stop byte; optional
+    ``chosen_stops`` / ``rejected_stops`` booleans, default true: a reply that ran out of room is
+    false); a bad line is refused with its number: invalid JSON or UTF-8, a missing field, an
+    empty reply that does not stop, chosen equal to rejected, a delimiter byte, a pair longer than
+    ``data.seq_len`` tokens. The last ``ceil(eval_fraction * n)`` pairs are held out. ``extra``
+    joins the identity (a sampled set's policy digest and labeller seed)."""
+    path = Path(path)
+    raw, prefs = _read_lines(path, cfg)
     if len(prefs) < 2:
         raise TpulabError(f"{path} holds {len(prefs)} usable pair(s); at least 2 are needed")
     n_eval = max(1, int(np.ceil(eval_fraction * len(prefs))))
@@ -225,18 +277,75 @@ def read_jsonl(
     )
 
 
-def write_jsonl(path: str | Path, prefs) -> None:
-    lines = [
-        json.dumps(
-            {
-                "prompt": p.prompt.decode(),
-                "chosen": p.chosen.decode(),
-                "rejected": p.rejected.decode(),
-            }
+# A sampled set's directory (``tpulab pairs --out DIR``): dataset.json names what made the pairs.
+DATASET_FILE, TRAIN_FILE, EVAL_FILE = "dataset.json", "pairs.jsonl", "eval.jsonl"
+
+
+def read_dir(path: str | Path, cfg: DataConfig) -> Preferences:
+    """A directory ``tpulab pairs`` wrote: ``pairs.jsonl`` (train), ``eval.jsonl`` (held-out
+    prompts' pairs) and ``dataset.json``, whose recorded sha256 of each file must match (a
+    changed or corrupt file is refused) and whose tokenizer must be this one. The identity hashes
+    the policy's checkpoint digest, the sampling and labelling seeds and every pair."""
+    path = Path(path)
+    meta_path = path / DATASET_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except OSError as e:
+        raise TpulabError(f"cannot read {meta_path}: {e.strerror}") from None
+    except ValueError as e:
+        raise TpulabError(f"{meta_path} is not valid JSON ({e}): a corrupt dataset") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        raise TpulabError(f"{meta_path} names no files: not a dataset written by tpulab pairs")
+    if meta.get("tokenizer") != TOKENIZER:
+        raise TpulabError(
+            f"{meta_path}: the pairs were encoded with another tokenizer "
+            f"({meta.get('tokenizer')!r}, this one is {TOKENIZER!r})"
         )
-        for p in prefs
-    ]
-    Path(path).write_text("".join(line + "\n" for line in lines))
+    splits = []
+    for name in (TRAIN_FILE, EVAL_FILE):
+        raw, prefs = _read_lines(path / name, cfg)
+        want = meta["files"].get(name)
+        if hashlib.sha256(raw).hexdigest() != want:
+            raise TpulabError(
+                f"{path / name} does not match the sha256 {str(want)[:12]}… that {DATASET_FILE} "
+                "records: a changed or corrupt dataset"
+            )
+        splits.append(prefs)
+    train, evals = splits
+    params = {
+        "source": "sampled",
+        "seq_len": cfg.seq_len,
+        "files": meta["files"],
+        **{k: meta.get(k) for k in ("policy", "sampling", "labeller_seed")},
+    }
+    return checked(
+        Preferences(tuple(train), tuple(evals), params, identity_of(params, train, evals))
+    )
+
+
+def load(data: str | Path | None, corpus: Corpus | None, cfg: DataConfig) -> Preferences:
+    """``objective.data``: None = natural pairs from ``corpus``; a directory = sampled pairs
+    (``read_dir``); a file = a user's JSONL (``read_jsonl``)."""
+    if data is None:
+        return from_plays(corpus, cfg)
+    return read_dir(data, cfg) if Path(data).is_dir() else read_jsonl(data, cfg)
+
+
+def write_jsonl(path: str | Path, prefs) -> bytes:
+    """The pairs as JSONL (what ``read_jsonl`` reads); returns the bytes written."""
+    lines = []
+    for p in prefs:
+        rec = {
+            "prompt": p.prompt.decode(),
+            "chosen": p.chosen.decode(),
+            "rejected": p.rejected.decode(),
+        }
+        if not (p.chosen_stops and p.rejected_stops):
+            rec.update(chosen_stops=p.chosen_stops, rejected_stops=p.rejected_stops)
+        lines.append(json.dumps(rec))
+    data = "".join(line + "\n" for line in lines).encode()
+    Path(path).write_bytes(data)
+    return data
 
 
 def checked(p: Preferences) -> Preferences:
@@ -248,29 +357,79 @@ def checked(p: Preferences) -> Preferences:
 
 
 def encode(prefs, seq_len: int) -> np.ndarray:
-    """[N, 2, seq_len + 2] int32: (chosen, rejected) each as ``dialogue.encode`` lays a pair out."""
-    chosen = dialogue.encode(
-        tuple(dialogue.Pair(p.prompt, p.chosen, p.source) for p in prefs), seq_len
-    )
-    rejected = dialogue.encode(
-        tuple(dialogue.Pair(p.prompt, p.rejected, p.source) for p in prefs), seq_len
-    )
-    return np.stack([chosen, rejected], axis=1)
+    """[N, 2, seq_len + 2] int32: (chosen, rejected) each as ``dialogue.encode`` lays a pair out;
+    a reply that does not stop has its stop byte replaced by PAD (out of the mask)."""
+    out = []
+    for side in ("chosen", "rejected"):
+        pairs = tuple(dialogue.Pair(p.prompt, getattr(p, side), p.source) for p in prefs)
+        rows = dialogue.encode(pairs, seq_len)
+        for i, p in enumerate(prefs):
+            if not getattr(p, f"{side}_stops"):
+                rows[i, 1 + len(dialogue.framed(pairs[i])) - 1] = PAD
+        out.append(rows)
+    return np.stack(out, axis=1)
 
 
-def to_batch(rows: np.ndarray) -> dict[str, np.ndarray]:
-    """[B, 2, S + 2] rows -> ``chosen_*`` and ``rejected_*`` inputs, targets and masks [B, S]."""
-    out = {}
-    for i, side in enumerate(("chosen", "rejected")):
-        for k, v in dialogue.to_batch(rows[:, i]).items():
-            out[f"{side}_{k}"] = v
+def read_positions(mask_bt: np.ndarray) -> np.ndarray:
+    """Per row, the input position holding the last response byte (the stop byte when it stops):
+    target j is token j + 1, so it is ``last_response_index + 1``; 0 for a row with no mask."""
+    return (last_response_index(mask_bt) + 1).astype(np.int32)
+
+
+def to_batch(rows: np.ndarray, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """[B, 2, S + 2] rows of pairs ``ids`` -> [2B] rows, chosen then rejected per pair:
+    ``inputs``, ``targets``, ``mask`` [2B, S] (``dialogue.to_batch``), ``read`` [2B] (the reward
+    model's position, ``read_positions``) and ``index`` [2B] = 2 * id + side (a row of a table
+    kept per pair side, such as precomputed reference log-probs)."""
+    b = rows.shape[0]
+    out = dialogue.to_batch(rows.reshape(2 * b, rows.shape[-1]))
+    out["read"] = read_positions(out["mask"])
+    out["index"] = (2 * np.asarray(ids, np.int64)[:, None] + np.arange(2)).reshape(-1)
+    out["index"] = out["index"].astype(np.int32)
     return out
 
 
 def check_batch(batch: dict[str, np.ndarray]) -> None:
-    """Each side's mask must cover a response in every live row (never nothing, never all)."""
-    for side in ("chosen", "rejected"):
-        dialogue.check_batch({"inputs": batch[f"{side}_inputs"], "mask": batch[f"{side}_mask"]})
+    """Each side's mask must cover a response in every live row (never nothing, never all), and
+    the last response byte must be an input position (where a reward model reads)."""
+    dialogue.check_batch(batch)
+    live = batch["mask"].sum(axis=1) > 0
+    if (batch["read"][live] >= batch["inputs"].shape[1]).any():
+        raise TpulabError("a preference row's last response byte is past the inputs")
+
+
+def train_dataset(
+    rows: np.ndarray, cfg: DataConfig, process_index: int = 0, process_count: int = 1
+):
+    """Shuffled, repeated batches of ``cfg.batch_size`` pairs (``2 * batch_size`` rows), cut and
+    split among processes as the SFT pairs are (``dialogue.train_dataset``)."""
+    return dialogue.train_dataset(
+        np.arange(len(rows)),
+        cfg,
+        process_index,
+        process_count,
+        batch_fn=lambda ids: to_batch(rows[ids], ids),
+    )
+
+
+def eval_batches(
+    rows: np.ndarray, batch_size: int, max_batches: int, first_id: int = 0
+) -> list[dict]:
+    """The first ``max_batches`` batches of held-out pairs, in order; a short last batch is filled
+    with PAD pairs (mask 0), so every pair counts once. Ids start at ``first_id``."""
+    n = min(len(rows), batch_size * max_batches)
+    ids = np.arange(first_id, first_id + n)
+    rows = rows[:n]
+    short = -n % batch_size
+    if short:
+        filler = np.full((short, *rows.shape[1:]), PAD, dtype=np.int32)
+        filler[..., -1] = rows.shape[-1]  # a response start past the end: nothing in the mask
+        rows = np.concatenate([rows, filler])
+        ids = np.concatenate([ids, np.full(short, first_id, ids.dtype)])
+    return [
+        to_batch(rows[i : i + batch_size], ids[i : i + batch_size])
+        for i in range(0, len(rows), batch_size)
+    ]
 
 
 def last_response_index(mask_bt: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import read_records, starts
 
 BUCKETS = (
     "productive",
@@ -57,10 +57,10 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
     """The arithmetic, on parsed records (see the module docstring). ``kill_tail_s``: time the
     driver saw killed processes live beyond what their records show (chaos: kill moments minus
     logged time)."""
-    starts = M.starts(records)
+    segments = starts(records)
     totals = dict.fromkeys(BUCKETS, 0.0)
     lifetimes, walls = [], []
-    for i, start in enumerate(starts):
+    for i, start in enumerate(segments):
         seg = start["segment"]
         resumed = start.get("resumed_from") is not None
         steps = [
@@ -72,9 +72,9 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
         end = next(
             (r for r in records if r.get("segment") == seg and r.get("event") == "end"), None
         )
-        nxt = starts[i + 1].get("resumed_from") if i + 1 < len(starts) else None
+        nxt = segments[i + 1].get("resumed_from") if i + 1 < len(segments) else None
         nxt = (
-            0 if (i + 1 < len(starts) and nxt is None) else nxt
+            0 if (i + 1 < len(segments) and nxt is None) else nxt
         )  # next process started from scratch
         b = dict.fromkeys(BUCKETS, 0.0)
         gaps = [(a["step"], c["step"], c["wall_s"] - a["wall_s"]) for a, c in zip(steps, steps[1:])]
@@ -146,7 +146,7 @@ def account(records: list[dict], save_every: int | None = None, kill_tail_s: flo
 
 def goodput(run_dir: str | Path, kill_tail_s: float = 0.0) -> dict:
     run_dir = Path(run_dir)
-    out = account(M.read_records(run_dir), _save_every(run_dir), kill_tail_s)
+    out = account(read_records(run_dir), _save_every(run_dir), kill_tail_s)
     out["run_dir"] = str(run_dir)
     return out
 
@@ -156,7 +156,7 @@ def chaos_kill_tail(victim: str | Path, kill_log: list[dict]) -> float:
     sum of kill moments (seconds after each start) minus the logged time of the killed lifetimes.
     Includes lifetimes killed before they wrote any record and the Python start-up of each killed
     process."""
-    g = account(M.read_records(victim), _save_every(Path(victim)))
+    g = account(read_records(victim), _save_every(Path(victim)))
     logged = sum(lt["total_s"] for lt in g["lifetimes"] if not lt["ended"])
     return max(0.0, sum(float(k.get("at_s", 0.0)) for k in kill_log) - logged)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import json
 import os
 import platform
 import re
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.provenance import git_commit
 from tpulab.libtpu_env import MARKER, placeholders
 
@@ -48,9 +47,9 @@ TPU_KINDS = {
 
 
 class QualificationError(TpulabError):
-    """The runtime is not the target the user asked for (exit 4)."""
+    """The runtime is not the target the user asked for."""
 
-    exit_code = 4
+    exit_code = ExitCode.WRONG_TARGET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,7 +399,8 @@ def run_receipt(out_dir: str | Path, target: Target | None = None, matmul_size: 
     """Collect, write ``receipt.json`` and ``receipt.md`` under ``out_dir``, then judge.
 
     The receipt is written even when it fails (it is the evidence of the failure). Raises
-    QualificationError (one line, exit 4) when the target does not match, TpulabError (exit 1)
+    QualificationError (one line, ``ExitCode.WRONG_TARGET``) when the target does not match,
+    TpulabError (``ExitCode.FAILED``)
     when any runtime evidence fails; returns the receipt otherwise. The capstone calls this.
     """
     if matmul_size < 1:
@@ -429,10 +429,7 @@ def run_receipt(out_dir: str | Path, target: Target | None = None, matmul_size: 
     failed = [k for k, c in receipt["evidence"].items() if not c["passed"]]
     if failed:
         raise TpulabError(
-            f"runtime evidence failed: {', '.join(failed)} (see {out / name})", exit_code=1
+            f"runtime evidence failed: {', '.join(failed)} (see {out / name})",
+            exit_code=ExitCode.FAILED,
         )
     return receipt
-
-
-def load_receipt(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 
 # The bounds the issue sets for the default model (also asserted by the slow test).
 INT8_MIN_GREEDY_AGREEMENT = 0.99
@@ -77,9 +77,9 @@ def capstone_stage(run_dir: Path, out_dir: Path) -> str:
         )
     except subprocess.TimeoutExpired:
         raise TpulabError(
-            f"inference: verify-export {art} did not finish within 900 s", exit_code=1
+            f"inference: verify-export {art} did not finish within 900 s", exit_code=ExitCode.FAILED
         ) from None
-    verified = proc.returncode == 0
+    verified = proc.returncode == ExitCode.OK
     tail = (proc.stdout.strip() + ("\n" + proc.stderr.strip() if not verified else "")).strip()
     d, env = result["dtypes"], result["environment"]
     section = "\n".join(
@@ -130,6 +130,7 @@ def capstone_stage(run_dir: Path, out_dir: Path) -> str:
     if missed or not verified:
         problems = missed + ([] if verified else ["export verification failed"])
         raise TpulabError(
-            f"inference: {', '.join(problems)} (see {out_dir / 'inference.md'})", exit_code=1
+            f"inference: {', '.join(problems)} (see {out_dir / 'inference.md'})",
+            exit_code=ExitCode.FAILED,
         )
     return section

@@ -36,7 +36,7 @@ import urllib.parse
 from pathlib import Path
 
 from tpulab.checkpoint.files import sha256_file
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.ops import behaviour, ledger
 from tpulab.ops import tags as T
 from tpulab.tracking.store import cause
@@ -325,7 +325,9 @@ def _read_manifest(root: Path) -> tuple[dict, str]:
     except FileNotFoundError:
         raise TpulabError(f"artifacts {root}: missing {ARTIFACT_MANIFEST}") from None
     except (OSError, ValueError, KeyError, TypeError):
-        raise TpulabError(f"artifacts {root}: {ARTIFACT_MANIFEST} is not a valid manifest") from None
+        raise TpulabError(
+            f"artifacts {root}: {ARTIFACT_MANIFEST} is not a valid manifest"
+        ) from None
     return manifest, digest
 
 
@@ -663,7 +665,7 @@ def promote(
         raise TpulabError(
             f"promotion of {name} v{version} to {alias} refused by the behaviour "
             f"gate{against}: " + "; ".join(failures),
-            exit_code=1,
+            exit_code=ExitCode.FAILED,
         )
     evidence["behaviour"] = {
         **_eval_record(result),

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.orchestrate import report
 from tpulab.orchestrate.stages import Stages
 from tpulab.proofs.driver import run_to_completion, verdict_text
@@ -311,5 +311,7 @@ def run_capstone(
 
         log_files_to_run(run_dir, [path, page, out / "plots" / "curves.png"], "report")
     if failures:
-        raise TpulabError(f"capstone failed ({'; '.join(failures)}); report: {path}", exit_code=1)
+        raise TpulabError(
+            f"capstone failed ({'; '.join(failures)}); report: {path}", exit_code=ExitCode.FAILED
+        )
     return path

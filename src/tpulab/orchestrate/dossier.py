@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.html import render_html
 from tpulab.orchestrate.stages import Stages
 
@@ -237,7 +237,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     )
     if failures:
         raise TpulabError(
-            f"dossier incomplete ({'; '.join(failures)}); see {out / 'dossier.md'}", exit_code=1
+            f"dossier incomplete ({'; '.join(failures)}); see {out / 'dossier.md'}",
+            exit_code=ExitCode.FAILED,
         )
     return {"md": out / "dossier.md", "html": out / "dossier.html", "results": results}
 

@@ -2,19 +2,20 @@
 
 Each child is ``tpulab <command...>`` with ``TPULAB_COORDINATOR`` (127.0.0.1 and a free port),
 ``TPULAB_NUM_PROCESSES``, ``TPULAB_PROCESS_ID``, ``JAX_PLATFORMS=cpu`` and
-``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K host devices each); the trainer joins the job
-from that environment (tpulab.train.distributed) and collectives run over gloo. Process 0's output is
-the launcher's own; the others write ``<log_dir>/p<i>.log``. ``launch.json`` in the log dir names the
-pids, so a proof can kill or stop one process.
+``XLA_FLAGS=--xla_force_host_platform_device_count=K`` (K host devices each); the trainer joins the
+job from that environment (tpulab.train.distributed) and collectives run over gloo. Process 0's
+output is the launcher's own; the others write ``<log_dir>/p<i>.log``. ``launch.json`` in the log
+dir names the pids, so a proof can kill or stop one process.
 
 Teardown is bounded: the launcher polls every ``POLL_S``; when a process exits non-zero or dies by a
-signal, every other one gets SIGCONT and SIGTERM, and SIGKILL after ``grace_s``: nothing outlives the
-launcher by more than ``POLL_S + grace_s`` (``+ SETTLE_S`` after a clean error exit; a process blocked in a collective cannot run its SIGTERM
-handler, hence the SIGKILL). Children also get SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG).
-SIGTERM and SIGINT sent to the launcher are forwarded to every process (a preemption notice: they agree
-on a step, save and exit 0). Exit codes: 0 all finished; the common code when every process failed the
-same way (bad input: 2); ``EXIT_STALLED`` (75) when a process's step watchdog fired; ``EXIT_PEER_FAILED``
-(76) when a process died or failed and the rest were torn down.
+signal, every other one gets SIGCONT and SIGTERM, and SIGKILL after ``grace_s``: nothing outlives
+the launcher by more than ``POLL_S + grace_s`` (``+ SETTLE_S`` after a clean error exit; a process
+blocked in a collective cannot run its SIGTERM handler, hence the SIGKILL). Children also get
+SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG). SIGTERM and SIGINT sent to the launcher are
+forwarded to every process (a preemption notice: they agree on a step, save and exit 0). Exit codes
+(``tpulab.errors.ExitCode``): ``OK`` when all finished; the common code when every process failed
+the same way (bad input: ``BAD_INPUT``); ``STALLED`` when a process's step watchdog fired;
+``PEER_FAILED`` when a process died or failed and the rest were torn down.
 """
 
 from __future__ import annotations
@@ -29,16 +30,10 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.libtpu_env import set_explicitly
 from tpulab.proofs.driver import tpulab_argv
-from tpulab.train.distributed import (
-    ENV_COORDINATOR,
-    ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
-    EXIT_PEER_FAILED,
-    EXIT_STALLED,
-)
+from tpulab.train.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 POLL_S = 0.1
 GRACE_S = 10.0
@@ -60,7 +55,8 @@ def check_port(port: int) -> None:
             s.bind(("127.0.0.1", port))
         except OSError:
             raise TpulabError(
-                f"coordinator port {port} on 127.0.0.1 is in use (leave --port out to pick a free one)"
+                f"coordinator port {port} on 127.0.0.1 is in use "
+                "(leave --port out to pick a free one)"
             ) from None
 
 
@@ -91,7 +87,8 @@ def child_env(base: dict, *, coordinator: str, processes: int, index: int, devic
 
 
 def default_log_dir(command: list[str]) -> Path:
-    """``<run dir>/launch`` when the command names one (--run-dir or --out), else a fresh temp dir."""
+    """``<run dir>/launch`` when the command names one (--run-dir or --out), else a fresh temp
+    dir."""
     for flag in ("--run-dir", "--out"):
         if flag in command[:-1]:
             return Path(command[command.index(flag) + 1]) / "launch"
@@ -110,14 +107,16 @@ def launch(
     grace_s: float = GRACE_S,
     env: dict | None = None,
 ) -> int:
-    """Run ``tpulab COMMAND`` in ``processes`` processes; returns the job's exit code (see module doc)."""
+    """Run ``tpulab COMMAND`` in ``processes`` processes; returns the job's exit code (see the
+    module doc)."""
     if processes < 1:
         raise TpulabError(f"--processes {processes} must be at least 1")
     if devices_per_process < 1:
         raise TpulabError(f"--devices-per-process {devices_per_process} must be at least 1")
     if not command:
         raise TpulabError(
-            "nothing to launch: give a command after --, e.g. tpulab launch --processes 2 -- train ..."
+            "nothing to launch: give a command after --, e.g. "
+            "tpulab launch --processes 2 -- train ..."
         )
     if port is not None:
         check_port(port)
@@ -177,11 +176,11 @@ def launch(
         )
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, ExitCode.OK)]
             if failed:
                 return _tear_down(procs, failed[0], grace_s, log_dir, t_start)
-            if all(c == 0 for c in codes):
-                return 0
+            if all(c == ExitCode.OK for c in codes):
+                return ExitCode.OK
             time.sleep(POLL_S)
     finally:
         for p in procs:  # nothing outlives the launcher, whatever happened above
@@ -197,7 +196,7 @@ def launch(
 def _describe(code: int) -> str:
     if code < 0:
         return f"was killed by {signal.Signals(-code).name}"
-    if code == EXIT_STALLED:
+    if code == ExitCode.STALLED:
         return f"exited with {code} (its step watchdog found the job stalled)"
     return f"exited with {code}"
 
@@ -212,7 +211,7 @@ def _tear_down(
     index, code = first
     t0 = time.monotonic()
     if (
-        code > 0 and code != EXIT_STALLED
+        code > 0 and code != ExitCode.STALLED
     ):  # a clean error (bad input) usually ends every process alike: let them
         while time.monotonic() < t0 + SETTLE_S and any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
@@ -253,9 +252,9 @@ def _tear_down(
         return code  # every process failed alike (bad input): its own code and message
     print(
         f"error: process {index} (pid {procs[index].pid}) {_describe(code)}; tore down the other "
-        f"{len(procs) - 1} process(es) in {took:.1f}s ({killed} needed SIGKILL after {grace_s:.0f}s; "
-        f"logs in {log_dir})",
+        f"{len(procs) - 1} process(es) in {took:.1f}s ({killed} needed SIGKILL after "
+        f"{grace_s:.0f}s; logs in {log_dir})",
         file=sys.stderr,
         flush=True,
     )
-    return EXIT_STALLED if EXIT_STALLED in codes else EXIT_PEER_FAILED
+    return ExitCode.STALLED if ExitCode.STALLED in codes else ExitCode.PEER_FAILED

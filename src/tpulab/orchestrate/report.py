@@ -1,10 +1,11 @@
-"""The evidence report: Markdown sections (provenance, the run, curves, goodput, the proof, chaos, the checks)
-and one self-contained HTML page with the same content.
+"""The evidence report: Markdown sections (provenance, the run, curves, goodput, the proof, chaos,
+the checks) and one self-contained HTML page with the same content.
 
 report.html is rendered from the very Markdown written to report.md (one source, so the two cannot
-disagree), with every image embedded as a data URI and no script, font or style fetched from anywhere:
-it opens offline, from a mail attachment or an artifact store. ``build_report(dir)`` assembles the
-report from the evidence already on disk (a run dir, a prove-resume dir or a capstone dir).
+disagree), with every image embedded as a data URI and no script, font or style fetched from
+anywhere: it opens offline, from a mail attachment or an artifact store. ``build_report(dir)``
+assembles the report from the evidence already on disk (a run dir, a prove-resume dir or a
+capstone dir).
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import json
 import statistics
 from pathlib import Path
 
-from tpulab.evidence import metrics as M
 from tpulab.evidence.html import render_html
+from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.evidence.provenance import describe_hardware
 from tpulab.proofs.checks import table_markdown
 from tpulab.proofs.driver import verdict_text
 
 
 def steady_tokens_per_s(run_dir: Path, tokens_per_step: int, skip: int = 5) -> float | None:
-    """Median over steps of tokens / wall-clock delta, first ``skip`` steps (compile, warm-up) left out."""
-    recs = [r for r in M.read_records(run_dir) if "loss" in r and r.get("segment") == 0]
+    """Median over steps of tokens / wall-clock delta, first ``skip`` steps (compile, warm-up) left
+    out."""
+    recs = [r for r in read_records(run_dir) if "loss" in r and r.get("segment") == 0]
     deltas = [
         b["wall_s"] - a["wall_s"]
         for a, b in zip(recs, recs[1:])
@@ -39,7 +41,8 @@ def provenance_section(env: dict) -> str:
         [
             "## What this ran on",
             "",
-            f"- Hardware: **{describe_hardware(env)}** (as JAX reported it: backend `{env.get('backend')}`, "
+            f"- Hardware: **{describe_hardware(env)}** "
+            f"(as JAX reported it: backend `{env.get('backend')}`, "
             f"device kind `{env.get('device_kind')}`, {env.get('device_count')} device(s), "
             f"{env.get('process_count')} process(es))",
             f"- Python {env.get('python')} on {env.get('platform')}",
@@ -67,19 +70,24 @@ def run_section(run_dir: Path) -> str:
             "|---|---|",
             f"| precision policy | params {prec['param_dtype']}, compute {prec['compute_dtype']}, "
             f"accumulation {prec['accum_dtype']} |",
-            f"| shapes | batch {shapes['batch']} × sequence {shapes['seq_len']}; d_model {shapes['d_model']}, "
-            f"{shapes['n_layers']} layers, {shapes['n_heads']} heads, vocab {shapes['vocab']} (bytes + BOS + PAD) |",
+            f"| shapes | batch {shapes['batch']} × sequence {shapes['seq_len']}; "
+            f"d_model {shapes['d_model']}, {shapes['n_layers']} layers, {shapes['n_heads']} heads, "
+            f"vocab {shapes['vocab']} (bytes + BOS + PAD) |",
             f"| parameters | {env['param_count']:,} |",
             f"| steps | {summary['final_step']} |",
             f"| final train loss | {summary['final_loss']:.4f} |",
-            f"| final validation loss | {summary['final_val_loss']:.4f} (held-out whole documents) |",
-            f"| steady-state throughput | {tps:,.0f} tokens/s (median over steps, compile and warm-up excluded) |"
+            f"| final validation loss | {summary['final_val_loss']:.4f} "
+            "(held-out whole documents) |",
+            f"| steady-state throughput | {tps:,.0f} tokens/s "
+            "(median over steps, compile and warm-up excluded) |"
             if tps
             else "| steady-state throughput | n/a |",
             f"| time to first step (incl. compile) | {summary['time_to_first_step_s']:.1f} s |",
             f"| corpus | {docs['source']}: {len(docs['train_documents'])} train / "
-            f"{len(docs['validation_documents'])} validation documents, identity `{docs['identity'][:16]}…` |",
-            f"| final checkpoint | step {summary['latest_checkpoint']}, manifest sha256 `{sha256_file(manifest)[:16]}…` |"
+            f"{len(docs['validation_documents'])} validation documents, "
+            f"identity `{docs['identity'][:16]}…` |",
+            f"| final checkpoint | step {summary['latest_checkpoint']}, "
+            f"manifest sha256 `{sha256_file(manifest)[:16]}…` |"
             if manifest.exists()
             else "| final checkpoint | missing |",
         ]
@@ -97,12 +105,14 @@ def proof_section(proof_dir: Path, rel: str) -> str:
         [
             "## Kill/resume proof",
             "",
-            f"A second run with the same config was killed with **{v['signal']}** right after step {v['kill_step']} "
-            f"(a real process; no handler ran). A fresh process resumed from the newest valid checkpoint, step "
-            f"{v['resumed_from_step']}, redid {v['steps_redone']} steps and trained to step {v['steps']}.",
+            f"A second run with the same config was killed with **{v['signal']}** right after "
+            f"step {v['kill_step']} (a real process; no handler ran). A fresh process resumed from "
+            f"the newest valid checkpoint, step {v['resumed_from_step']}, redid "
+            f"{v['steps_redone']} steps and trained to step {v['steps']}.",
             "",
             f"Verdict: {verdict} against the uninterrupted run: {verdict_text(v)}; "
-            f"max |diff| = {v['max_abs_diff']:g}. Checkpoint dir at the kill: {', '.join(v.get('checkpoints_at_kill', [])) or 'n/a'}.",
+            f"max |diff| = {v['max_abs_diff']:g}. Checkpoint dir at the kill: "
+            f"{', '.join(v.get('checkpoints_at_kill', [])) or 'n/a'}.",
             "",
             f"![overlay]({rel}/overlay.png)",
             "",
@@ -117,16 +127,18 @@ def chaos_section(chaos_dir: Path, rel: str) -> str:
         [
             "## Chaos: SIGKILL at random moments",
             "",
-            f"The run was SIGKILLed **{v['kills']}** times at random wall-clock moments (seed {v['seed']}; no hold, "
-            f"no withheld marker), {v['kills_during_save']} of them while a checkpoint save was in flight, and "
-            f"resumed each time in a fresh process ({v['segments']} process lifetimes; resumed from steps "
+            f"The run was SIGKILLed **{v['kills']}** times at random wall-clock moments "
+            f"(seed {v['seed']}; no hold, no withheld marker), {v['kills_during_save']} of them "
+            "while a checkpoint save was in flight, and resumed each time in a fresh process "
+            f"({v['segments']} process lifetimes; resumed from steps "
             f"{', '.join(str(s) for s in v['resumed_from_steps'])}).",
             "",
             f"Verdict: **{'identical' if v['identical'] else 'NOT identical'}**: {v['summary']}.",
             "",
             f"![chaos]({rel}/segments.png)",
             "",
-            f"Evidence: `{rel}/verdict.json`, the victim's `metrics.jsonl` (one segment per process lifetime).",
+            f"Evidence: `{rel}/verdict.json`, the victim's `metrics.jsonl` "
+            "(one segment per process lifetime).",
         ]
     )
 
@@ -136,9 +148,10 @@ def checks_section(results: list[dict]) -> str:
 
 
 def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
-    """Training loss (every process lifetime) and validation loss over steps, plotted to ``out_png``."""
-    recs = M.read_records(run_dir)
-    loss = M.curve(recs, "loss")
+    """Training loss (every process lifetime) and validation loss over steps, plotted to
+    ``out_png``."""
+    recs = read_records(run_dir)
+    loss = curve(recs, "loss")
     val = {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval"}
     if not loss:
         return "## Training curves\n\nNo step was logged."
@@ -156,7 +169,7 @@ def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
         ax.plot(
             vs, [val[s] for s in vs], "o-", lw=1.2, label="validation loss (held-out documents)"
         )
-    for st in M.starts(recs)[1:]:
+    for st in starts(recs)[1:]:
         if st.get("resumed_from") is not None:
             ax.axvline(st["resumed_from"], color="k", ls=":", lw=0.8)
     ax.set_xlabel("step (dotted: a process resumed from this checkpoint)")
@@ -176,7 +189,7 @@ def goodput_section(run_dir: Path, title: str, kill_tail_s: float = 0.0) -> str:
 
 def find_run_dir(d: Path) -> Path | None:
     for cand in (d, d / "run", d / "proof" / "reference"):
-        if (cand / "env.json").exists() and (cand / M.METRICS).exists():
+        if (cand / "env.json").exists() and (cand / METRICS).exists():
             return cand
     return None
 

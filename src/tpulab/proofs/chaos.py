@@ -22,8 +22,8 @@ from pathlib import Path
 
 from tpulab.checkpoint.files import MANIFEST, atomic_write_json
 from tpulab.checkpoint.store import TMP_MARK, scan
-from tpulab.errors import TpulabError
-from tpulab.evidence import metrics as M
+from tpulab.errors import ExitCode, TpulabError
+from tpulab.evidence.metrics import curve, read_records, starts
 from tpulab.proofs import cache
 from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
 from tpulab.proofs.state import final_state_verdict
@@ -96,7 +96,7 @@ def run_chaos(
     )
     t_ref = time.monotonic() - t0
     processes["reference"] = cache.read_stats(stats_dir / "reference.json")
-    walls = [r["wall_s"] for r in M.read_records(reference) if "loss" in r]
+    walls = [r["wall_s"] for r in read_records(reference) if "loss" in r]
     step_s = max(1e-3, (walls[-1] - walls[0]) / max(1, len(walls) - 1)) if len(walls) > 1 else 0.05
 
     rng = random.Random(seed)
@@ -107,7 +107,7 @@ def run_chaos(
     while True:
         lifetime = len(kill_log)
         log_path = chaos_dir / f"victim-{lifetime}.log"
-        n_before = len(M.read_records(victim))  # this lifetime's records come after these
+        n_before = len(read_records(victim))  # this lifetime's records come after these
         saves_before = saves_in_flight(victim / "checkpoints")  # leftovers of earlier lifetimes
         # a kill landed after the final save
         finished = (scan(victim / "checkpoints").latest or 0) >= steps
@@ -133,7 +133,7 @@ def run_chaos(
                 processes[role] = _lifetime_cache(stats_dir / f"{role}.json", fresh, lifetime)
                 if "first_step_s" in plan:
                     observed_startup.append(plan.pop("first_step_s"))
-                logged = M.curve(M.read_records(victim)[n_before:])
+                logged = curve(read_records(victim)[n_before:])
                 kill_log.append(
                     {
                         **plan,
@@ -151,7 +151,7 @@ def run_chaos(
                 raise TpulabError(
                     f"the final victim process did not finish within {timeout_s:.0f}s"
                 ) from None
-            if rc != 0:
+            if rc != ExitCode.OK:
                 raise TpulabError(
                     f"victim process {lifetime} exited with {rc}: {proc.tail(1)} (log: {log_path})"
                 )
@@ -220,7 +220,7 @@ def _wait_for(
         except Exception:  # noqa: BLE001 - TimeoutExpired: alive at the moment
             return True
     while True:  # the drawn step logged by *this* lifetime (records appended after it started)
-        recs = M.read_records(victim)[n_before:]
+        recs = read_records(victim)[n_before:]
         if "first_step_s" not in plan and any("loss" in r for r in recs):
             plan["first_step_s"] = round(time.monotonic() - t_start, 3)
         if any(r.get("step") == plan["after_step"] and "loss" in r for r in recs):
@@ -235,14 +235,14 @@ def _wait_for(
 def judge_segments(reference: Path, victim: Path, steps: int) -> dict:
     """Every step each process lifetime logged equals the reference; together they cover every
     step. The first differing step is the earliest of any lifetime, with the lifetime named."""
-    ref = M.curve(M.read_records(reference))
-    recs = M.read_records(victim)
-    seg_ids = [s["segment"] for s in M.starts(recs)]
+    ref = curve(read_records(reference))
+    recs = read_records(victim)
+    seg_ids = [s["segment"] for s in starts(recs)]
     worst, first, first_lifetime, covered, compared = 0.0, None, None, set(), 0
     for i, seg in enumerate(seg_ids):
-        c = compare_curves(ref, M.curve(recs, segment=seg))
+        c = compare_curves(ref, curve(recs, segment=seg))
         compared += c["steps_compared"]
-        covered |= set(M.curve(recs, segment=seg))
+        covered |= set(curve(recs, segment=seg))
         worst = max(worst, c["max_abs_diff"]) if c["steps_compared"] else worst
         step = c["first_differing_step"]
         if step is not None and (first is None or step < first):
@@ -256,7 +256,7 @@ def judge_segments(reference: Path, victim: Path, steps: int) -> dict:
         "missing_steps": missing[:10],
         "steps_compared": compared,
         "logged_segments": len(seg_ids),
-        "resumed_from_steps": [s.get("resumed_from") for s in M.starts(recs)[1:]],
+        "resumed_from_steps": [s.get("resumed_from") for s in starts(recs)[1:]],
     }
 
 
@@ -283,8 +283,8 @@ def plot_segments(reference: Path, victim: Path, verdict: dict, path: Path) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ref = M.curve(M.read_records(reference))
-    recs = M.read_records(victim)
+    ref = curve(read_records(reference))
+    recs = read_records(victim)
     fig, (ax, ax_d) = plt.subplots(
         2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
     )
@@ -294,8 +294,8 @@ def plot_segments(reference: Path, victim: Path, verdict: dict, path: Path) -> N
     )
     cmap = plt.get_cmap("tab10")
     diffs: dict[int, float] = {}
-    for i, start in enumerate(M.starts(recs)):
-        seg = M.curve(recs, segment=start["segment"])
+    for i, start in enumerate(starts(recs)):
+        seg = curve(recs, segment=start["segment"])
         xs = sorted(seg)
         if not xs:
             continue

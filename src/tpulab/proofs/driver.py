@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.errors import TpulabError
-from tpulab.evidence import metrics as M
+from tpulab.errors import ExitCode, TpulabError
+from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.proofs import cache
 
 HOLD_FLAG = "--hold-after-step"  # every trainer the driver starts accepts it (hidden from --help)
@@ -86,7 +86,7 @@ def run_to_completion(
             raise TpulabError(
                 f"{what} did not finish within {timeout_s:.0f}s (log: {log_path})"
             ) from None
-        if rc != 0:
+        if rc != ExitCode.OK:
             raise TpulabError(f"{what} exited with {rc}: {proc.tail(1)} (log: {log_path})")
 
 
@@ -98,7 +98,7 @@ def run_and_kill(
     with Proc([*argv, HOLD_FLAG, str(kill_at)], log_path, env) as proc:
         deadline = time.monotonic() + timeout_s
         while True:
-            logged = M.curve(M.read_records(run_dir / M.METRICS))
+            logged = curve(read_records(run_dir / METRICS))
             if kill_at in logged:
                 break
             if proc.p.poll() is not None:
@@ -114,7 +114,7 @@ def run_and_kill(
         proc.kill(signal.SIGKILL)
         if proc.p.returncode != -signal.SIGKILL:
             raise TpulabError(f"killed run ended with {proc.p.returncode}, not SIGKILL")
-    return max(M.curve(M.read_records(run_dir / M.METRICS)))
+    return max(curve(read_records(run_dir / METRICS)))
 
 
 def checkpoint_listing(run_dir: Path) -> list[str]:
@@ -165,7 +165,7 @@ def prove_resume(
 
     if reference_dir is None:
         reference_dir = proof_dir / "reference"
-        if (reference_dir / M.METRICS).exists():
+        if (reference_dir / METRICS).exists():
             raise TpulabError(f"{reference_dir} already holds a run; use a fresh --run-dir")
         reference_dir.mkdir(parents=True)
         t0 = time.monotonic()
@@ -180,7 +180,7 @@ def prove_resume(
     reference_dir = Path(reference_dir)
 
     run_dir = proof_dir / "interrupted"
-    if (run_dir / M.METRICS).exists():
+    if (run_dir / METRICS).exists():
         raise TpulabError(f"{run_dir} already holds a run; use a fresh --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -239,9 +239,9 @@ def prove_resume(
 def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> dict:
     """Each segment against the reference on its own: a killed run that already drifted from the
     reference (run-to-run nondeterminism) is reported before the kill, not blamed on the resume."""
-    ref = M.curve(M.read_records(reference_dir))
-    recs = M.read_records(run_dir)
-    segs = M.starts(recs)
+    ref = curve(read_records(reference_dir))
+    recs = read_records(run_dir)
+    segs = starts(recs)
     if len(segs) < 2:
         raise TpulabError(
             f"{run_dir} holds {len(segs)} run segment(s); expected a killed and a resumed one"
@@ -249,8 +249,8 @@ def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> 
     resumed_from = segs[-1].get("resumed_from")
     if resumed_from is None:
         raise TpulabError(f"the resumed process in {run_dir} did not resume from a checkpoint")
-    killed = M.curve(recs, segment=segs[0]["segment"])
-    resumed = M.curve(recs, segment=segs[-1]["segment"])
+    killed = curve(recs, segment=segs[0]["segment"])
+    resumed = curve(recs, segment=segs[-1]["segment"])
     before = compare_curves(ref, killed)
     after = compare_curves(ref, resumed)
     whole = compare_curves(ref, {**killed, **resumed})
@@ -314,12 +314,12 @@ def verdict_text(verdict: dict) -> str:
 
 
 def plot_proof(reference_dir: Path, run_dir: Path, verdict: dict, path: Path, title: str) -> None:
-    recs = M.read_records(run_dir)
-    segs = M.starts(recs)
+    recs = read_records(run_dir)
+    segs = starts(recs)
     plot_overlay(
-        M.curve(M.read_records(reference_dir)),
-        M.curve(recs, segment=segs[0]["segment"]),
-        M.curve(recs, segment=segs[-1]["segment"]),
+        curve(read_records(reference_dir)),
+        curve(recs, segment=segs[0]["segment"]),
+        curve(recs, segment=segs[-1]["segment"]),
         verdict,
         path,
         title,

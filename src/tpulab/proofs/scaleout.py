@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.errors import TpulabError
-from tpulab.evidence import metrics as M
-from tpulab.evidence.ledger import read_ledger
+from tpulab.errors import ExitCode, TpulabError
+from tpulab.evidence.metrics import METRICS, curve, read_records
 from tpulab.proofs.driver import (
     Proc,
     judge,
@@ -37,7 +36,6 @@ from tpulab.proofs.driver import (
 from tpulab.proofs.state import final_state_verdict
 from tpulab.proofs.transformer import check_kill_step, default_kill_step, write_child_config
 from tpulab.train.config import RunConfig
-from tpulab.train.distributed import EXIT_PEER_FAILED, EXIT_STALLED
 
 LAYOUT_RTOL = 1e-4
 GRACE_S = 3.0  # launcher teardown grace in the proofs (SIGTERM -> SIGKILL)
@@ -119,7 +117,7 @@ def prove_layouts(config: RunConfig, out_dir: Path, *, timeout_s: float = 600) -
             f"{name} run",
         )
         timings[name] = round(time.monotonic() - t0, 2)
-        curves[name] = M.curve(M.read_records(out_dir / tag))
+        curves[name] = curve(read_records(out_dir / tag))
     base, four, two = (n for n, *_ in LAYOUTS)
     rows = [
         {"a": base, "b": four, **compare_layout(curves[base], curves[four])},
@@ -184,7 +182,7 @@ def interrupt_one(
         pids = _pids(run_dir)
         deadline = time.monotonic() + timeout_s
         while (
-            at_step not in M.curve(M.read_records(run_dir / M.METRICS))
+            at_step not in curve(read_records(run_dir / METRICS))
             or scan(run_dir / "checkpoints").latest is None
         ):
             if proc.p.poll() is not None:
@@ -220,7 +218,7 @@ def interrupt_one(
         "launcher_exit_code": code,
         "job_end_s": round(took, 3),
         "survivors_after": alive,
-        "last_logged_step": max(M.curve(M.read_records(run_dir / M.METRICS))),
+        "last_logged_step": max(curve(read_records(run_dir / METRICS))),
     }
 
 
@@ -280,7 +278,7 @@ def prove_multiprocess_resume(
         timeout_s=timeout_s,
     )
     timings["interrupted_s"] = round(time.monotonic() - t0, 2)
-    expected = EXIT_PEER_FAILED if mode == "kill" else EXIT_STALLED
+    expected = ExitCode.PEER_FAILED if mode == "kill" else ExitCode.STALLED
     t0 = time.monotonic()
     run_to_completion(
         argv(run_dir), proof_dir / "resumed.log", dict(os.environ), timeout_s, "resumed job"
@@ -331,34 +329,6 @@ def prove_multiprocess_resume(
     )
     plot_proof(Path(reference_dir), run_dir, verdict, proof_dir / "overlay.png", title=what)
     return verdict
-
-
-def ledger_verdict(multi_dir: Path, single_dir: Path) -> dict:
-    """Proof 5 from what the runs really drew (window sha256 per process and step): in each step no
-    window hash appears in two processes' rows, and the processes' rows together equal, as a
-    multiset, the single-process run's batch. (A corpus with repeated text has equal windows; give
-    it unique ones.) A corrupt ledger line fails it."""
-    multi, single = read_ledger(multi_dir), read_ledger(single_dir)
-    per_process = [{s: set(h) for s, h in p.items()} for p in multi["per_process"]]
-    steps = sorted(set(multi["train"]) & set(single["train"]))
-    overlap = [
-        s
-        for s in steps
-        if any(
-            a.get(s, set()) & b.get(s, set())
-            for i, a in enumerate(per_process)
-            for b in per_process[i + 1 :]
-        )
-    ]
-    differ = [s for s in steps if sorted(multi["train"][s]) != sorted(single["train"][s])]
-    return {
-        "steps_compared": len(steps),
-        "process_files": multi["files"],
-        "steps_with_overlap": overlap[:10],
-        "steps_where_union_differs": differ[:10],
-        "corrupt_lines": multi["corrupt"] + single["corrupt"],
-        "passed": bool(steps) and not (overlap or differ or multi["corrupt"] or single["corrupt"]),
-    }
 
 
 def prove_reshard(
@@ -436,9 +406,9 @@ def prove_reshard(
         timeout_s,
         "continued 1-process run",
     )
-    ref = M.curve(M.read_records(reference_dir))
+    ref = curve(read_records(reference_dir))
     before = {s: v for s, v in ref.items() if s <= at_step}
-    after = M.curve(M.read_records(dst))
+    after = curve(read_records(dst))
     cmp_after = compare_layout(ref, after)
     verdict = {
         "identical": cmp_after["bitwise"],

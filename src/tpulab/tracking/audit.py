@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import METRICS, read_records
 from tpulab.tracking.protocol import logged_points
 from tpulab.tracking.store import RUN_FILE, cause, open_store, read_run_link
 
@@ -23,7 +23,7 @@ class RunAudit:
 
 def run_dirs(root: Path, exclude: tuple[Path, ...] = ()) -> list[Path]:
     """Every run dir under ``root`` (a dir with a metrics.jsonl), outside the ``exclude`` trees."""
-    found = (p.parent for p in Path(root).rglob(M.METRICS))
+    found = (p.parent for p in Path(root).rglob(METRICS))
     return sorted(d for d in found if not any(d.is_relative_to(x) for x in exclude))
 
 
@@ -33,7 +33,7 @@ def audit_runs(dirs: list[Path], uri: str) -> list[RunAudit]:
     out = []
     for d in dirs:
         expected: dict[str, set[int]] = {}
-        for p in logged_points(M.read_records(d)):
+        for p in logged_points(read_records(d)):
             expected.setdefault(p.key, set()).add(p.step)
         steps = len(expected.get("loss", set()))
         link = read_run_link(d)

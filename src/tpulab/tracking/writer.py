@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from tpulab.checkpoint.files import MANIFEST, atomic_write_json
-from tpulab.evidence import metrics as M
+from tpulab.errors import ExitCode
+from tpulab.evidence.metrics import read_records
 from tpulab.tracking.lineage import flatten, lineage_tags
 from tpulab.tracking.protocol import (
     Finish,
@@ -145,7 +146,7 @@ class StoreWriter:
         """Steps an earlier (killed) process committed but had not sent yet, from metrics.jsonl."""
         if upto <= self.logged_max:
             return
-        pts = logged_points(M.read_records(self.run_dir), after=self.logged_max, upto=upto)
+        pts = logged_points(read_records(self.run_dir), after=self.logged_max, upto=upto)
         self.send(pts)
         if pts:
             self.logged_max = max(self.logged_max, upto)
@@ -224,7 +225,7 @@ def main() -> int:
     os.environ["MLFLOW_LOGGING_LEVEL"] = "CRITICAL"
     first = sys.stdin.readline()
     if not first:
-        return 0
+        return ExitCode.OK
     settings = decode(first)
     if not isinstance(settings, Settings):
         raise ValueError(f"the first tracking message must be Settings, not {settings!r}")
@@ -239,7 +240,7 @@ def main() -> int:
             writer.fail(e)
     sys.stdout.write(encode(Outcome(run_id=writer.run_id, failed=writer.failed)))
     sys.stdout.flush()
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

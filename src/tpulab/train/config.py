@@ -129,7 +129,7 @@ class MeshConfig:
 
 
 # The objectives the one loop trains (tpulab.train.objectives); each is a kind here.
-ObjectiveKind = Literal["pretrain", "sft", "ppo"]
+ObjectiveKind = Literal["pretrain", "sft", "reward", "dpo", "ppo"]
 # The projection paths a LoRA target pattern is searched in: blocks/<i>/attn/qkv, .../mlp/down.
 LORA_DEFAULT_TARGETS = ("attn/qkv", "attn/out", "mlp/up", "mlp/down")
 
@@ -157,6 +157,56 @@ class LoraConfig:
                 raise ConfigError(
                     f"objective.lora.targets: {t!r} is not a regular expression ({e})"
                 ) from None
+
+
+MAX_BETA = 100.0  # beta scales log-ratios of whole replies (tens of nats): past 100 it is a step
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimisation (Rafailov et al. 2023) and its IPO / label-smoothed forms."""
+
+    beta: float = field(0.1, f"the KL strength beta (IPO's tau), in (0, {MAX_BETA:g}]")
+    loss: Literal["sigmoid", "ipo"] = field(
+        "sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1 / (2 beta))^2 (Azar et al.)"
+    )
+    label_smoothing: float = field(
+        0.0, "sigmoid only: the chance a label is flipped (cDPO, Mitchell 2023), in [0, 0.5)"
+    )
+    reference_logprobs: Literal["precomputed", "online"] = field(
+        "precomputed",
+        "precomputed: the reference's log-probs of every pair, once per run (named by digest); "
+        "online: a reference forward in every step",
+    )
+
+    def __post_init__(self):
+        check(
+            math.isfinite(self.beta) and 0.0 < self.beta <= MAX_BETA,
+            f"objective.dpo.beta={self.beta} must be in (0, {MAX_BETA:g}]",
+        )
+        check(
+            0.0 <= self.label_smoothing < 0.5,
+            f"objective.dpo.label_smoothing={self.label_smoothing} must be in [0, 0.5) (at 0.5 "
+            "every label is a coin flip)",
+        )
+        check(
+            self.loss == "sigmoid" or self.label_smoothing == 0.0,
+            "objective.dpo.label_smoothing applies to loss=sigmoid (IPO has no label noise term)",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The reward model's Bradley-Terry loss: -log sigmoid(r_w - r_l - margin) + c (r_w + r_l)^2."""
+
+    margin: float = field(0.0, "a constant margin the chosen reward must clear (Llama 2), >= 0")
+    centering: float = field(
+        0.0, "coefficient c of the centring term (Eisenstein et al. 2023): rewards near 0, >= 0"
+    )
+
+    def __post_init__(self):
+        check(self.margin >= 0.0, f"objective.reward.margin={self.margin} must be >= 0")
+        check(self.centering >= 0.0, f"objective.reward.centering={self.centering} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +299,9 @@ class ObjectiveConfig:
     the digests of the checkpoints and datasets they name are the run's identity."""
 
     kind: ObjectiveKind = field(
-        "pretrain", "pretrain (next byte) | sft (response-only loss) | ppo (PPO-RLHF)"
+        "pretrain",
+        "pretrain (next byte) | sft (response-only loss) | reward (Bradley-Terry reward model) | "
+        "dpo (direct preference optimisation) | ppo (PPO-RLHF)",
     )
     init: str | None = field(
         None,
@@ -259,13 +311,15 @@ class ObjectiveConfig:
     data: str | None = field(
         None,
         "sft: null = the built-in dialogue set cut from the corpus's plays; or a JSONL file of "
-        '{"prompt": ..., "response": ...} lines (ppo: their prompts)',
+        '{"prompt": ..., "response": ...} lines (ppo: their prompts). reward, dpo: null = natural '
+        'pairs from the plays; a directory from tpulab pairs; or a JSONL file of {"prompt", '
+        '"chosen", "rejected"} lines',
         resume_mutable=True,
     )
     reference: str | None = field(
         None,
-        "ppo: the run dir of the frozen reference (null = the same checkpoint as init, loaded "
-        "as a separate copy)",
+        "dpo, ppo: the run dir of the frozen reference (null = the same checkpoint as init, "
+        "loaded as a separate copy)",
         resume_mutable=True,
     )
     reward_model: str | None = field(
@@ -274,6 +328,8 @@ class ObjectiveConfig:
         resume_mutable=True,
     )
     lora: LoraConfig = nested(LoraConfig)
+    dpo: DPOConfig = nested(DPOConfig)
+    reward: RewardConfig = nested(RewardConfig)
     ppo: PPOConfig = nested(PPOConfig)
 
     def __post_init__(self):
@@ -281,11 +337,21 @@ class ObjectiveConfig:
             if getattr(self, key) is not None:
                 check_path(getattr(self, key), f"objective.{key}")
         # A field another kind owns is an error, never silently ignored.
-        for key, unset in (("reference", None), ("reward_model", None), ("ppo", PPOConfig())):
+        for key, owners, unset in (
+            ("reference", ("dpo", "ppo"), None),
+            ("dpo", ("dpo",), DPOConfig()),
+            ("reward", ("reward",), RewardConfig()),
+            ("reward_model", ("ppo",), None),
+            ("ppo", ("ppo",), PPOConfig()),
+        ):
             check(
-                self.kind == "ppo" or getattr(self, key) == unset,
-                f"objective.{key} applies to objective.kind=ppo, not {self.kind}",
+                self.kind in owners or getattr(self, key) == unset,
+                f"objective.{key} applies to objective.kind={' or '.join(owners)}, not {self.kind}",
             )
+        check(
+            self.kind != "reward" or self.lora.rank == 0,
+            "objective.lora applies to sft and dpo; the reward model trains every parameter",
+        )
         if self.kind == "ppo":
             check(
                 self.reward_model is not None,

@@ -1,19 +1,22 @@
-"""JAX's distributed runtime for a trainer process, and a step-progress watchdog.
+"""JAX's distributed runtime for a trainer process: joining its job, and a SIGTERM notice that
+every process acts on at the same step (``AgreedPreemption``).
 
 A trainer joins a multi-process job from its environment, with no flags:
-- started by ``tpulab launch`` (tpulab.orchestrate.launch): ``TPULAB_COORDINATOR``, ``TPULAB_NUM_PROCESSES``
-  and ``TPULAB_PROCESS_ID`` name the loopback coordinator and this process; CPU collectives use gloo;
+- started by ``tpulab launch`` (tpulab.orchestrate.launch): ``TPULAB_COORDINATOR``,
+  ``TPULAB_NUM_PROCESSES`` and ``TPULAB_PROCESS_ID`` name the loopback coordinator and this
+  process; CPU collectives use gloo;
 - on a multi-host Cloud TPU slice (``gcloud compute tpus tpu-vm ssh ... --worker=all``): the TPU
-  environment (``TPU_WORKER_HOSTNAMES`` with several hosts, or ``TPULAB_DISTRIBUTED=auto``) and JAX's own
-  cluster detection;
+  environment (``TPU_WORKER_HOSTNAMES`` with several hosts, or ``TPULAB_DISTRIBUTED=auto``) and
+  JAX's own cluster detection;
 - otherwise it stays a single process (one host, however many local devices).
 
 Failure detection. A process that dies is noticed by the launcher, which tears the others down (see
 launch.py); without the launcher, JAX's coordination service notices missing heartbeats after
 ``HEARTBEAT_TIMEOUT_S``. A process that is alive but stuck (SIGSTOP, a hung filesystem) keeps the
 heartbeat happy while the others wait inside a collective forever (jax-ml/jax#38503): the stall
-watchdog (tpulab.train.watchdog.StallWatchdog, always on in a multi-process job) notices that no step
-finished in time, dumps every thread's stack and exits with ``EXIT_STALLED``.
+watchdog, which lives in tpulab.train.watchdog (``StallWatchdog``; the CLI turns it on in every
+multi-process job), notices that no step finished in time, dumps every thread's stack and exits
+with ``ExitCode.STALLED``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import time
 
 from tpulab.errors import TpulabError
 from tpulab.train.preemption import Preemption
-from tpulab.train.watchdog import STALL_EXIT_CODE
 
 ENV_COORDINATOR = "TPULAB_COORDINATOR"
 ENV_NUM_PROCESSES = "TPULAB_NUM_PROCESSES"
@@ -34,8 +36,6 @@ ENV_MODE = (
 
 INIT_TIMEOUT_S = 120  # every process must reach the coordinator within this
 HEARTBEAT_TIMEOUT_S = 30  # the coordination service declares a silent process dead after this
-EXIT_STALLED = STALL_EXIT_CODE  # a trainer's watchdog fired
-EXIT_PEER_FAILED = 76  # the launcher tore the job down because a process died or failed
 
 
 def _tpu_multihost() -> bool:
@@ -89,9 +89,9 @@ def initialize_from_env(init_timeout_s: int = INIT_TIMEOUT_S) -> dict:
 
 def _fail_to_join(where: str, timeout_s: int, why: str) -> TpulabError:
     return TpulabError(
-        f"joining {where} failed within {timeout_s}s: {why}. Every process must run the same command "
-        "at the same time: on a TPU slice use gcloud compute tpus tpu-vm ssh ... --worker=all "
-        "--command '...'; locally use tpulab launch --processes N"
+        f"joining {where} failed within {timeout_s}s: {why}. Every process must run the same "
+        "command at the same time: on a TPU slice use gcloud compute tpus tpu-vm ssh ... "
+        "--worker=all --command '...'; locally use tpulab launch --processes N"
     )
 
 
@@ -117,12 +117,13 @@ def _wait_for_coordinator(address: str, timeout_s: int, pid: int, n: int) -> Non
 class AgreedPreemption(Preemption):
     """A SIGTERM notice every process acts on at the same step.
 
-    Processes get the signal at slightly different moments; if each stopped on its own notice, one would
-    save at step N while another entered step N+1's collectives and hung. Once JAX's distributed runtime
-    is initialized it owns SIGTERM (its preemption notifier replaces Python's handler) and agrees with the
-    other processes through the coordination service on the first sync point that all of them reach:
-    ``multihost_utils.reached_preemption_sync_point``. The loop reads ``requested`` at the same points in
-    every process, so the number of reads is the sync-point id. One process: the plain flag.
+    Processes get the signal at slightly different moments; if each stopped on its own notice, one
+    would save at step N while another entered step N+1's collectives and hung. Once JAX's
+    distributed runtime is initialized it owns SIGTERM (its preemption notifier replaces Python's
+    handler) and agrees with the other processes through the coordination service on the first
+    sync point that all of them reach: ``multihost_utils.reached_preemption_sync_point``. The loop
+    reads ``requested`` at the same points in every process, so the number of reads is the
+    sync-point id. One process: the plain flag.
     """
 
     def __init__(self):
@@ -137,8 +138,8 @@ class AgreedPreemption(Preemption):
 
         if jax.process_count() == 1:
             return self._local
-        # Several processes: only the agreed answer counts (a notice one process saw before the runtime took
-        # SIGTERM over is its own and would split the job).
+        # Several processes: only the agreed answer counts (a notice one process saw before the
+        # runtime took SIGTERM over is its own and would split the job).
         if not self._agreed:
             from jax.experimental import multihost_utils
 

@@ -4,8 +4,8 @@ A run dir holds config.yaml, env.json, documents.json, metrics.jsonl and checkpo
 already holds a valid checkpoint the run resumes from the newest one, after checking that the
 config (all but step count and logging) and the corpus identity match the checkpoint's. Metrics
 are read one step late (dispatch step N, then read step N-1) so the host never waits on the
-device except where a number is logged, and a step's numbers and state are checked finite before
-it is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the
+device except where a number is logged, and a step's numbers and state are checked finite before it
+is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the
 current step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks``
 (tpulab.train.hooks). With several processes (tpulab.train.distributed) every process runs this
 loop on its own rows of each batch and takes part in every save; process 0 alone writes the run's
@@ -30,7 +30,7 @@ from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
-from tpulab.errors import CheckpointError, TpulabError
+from tpulab.errors import CheckpointError, ExitCode, TpulabError
 from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
@@ -42,6 +42,7 @@ from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
 from tpulab.train.sharding import check_batch, topology
 from tpulab.train.step import Steps, make_mesh, tree_digest, words_digest
+from tpulab.train.step_progress import step_bar
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
@@ -112,8 +113,8 @@ def check_topology(meta: dict, here: dict, force: bool) -> None:
     saved = meta.get("topology")
     if saved is not None and saved != here and not force:
         raise TpulabError(
-            f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, "
-            f"this job is {_topo(here)} (use tpulab reshard to move it, or --force)"
+            f"refusing to resume step {meta.get('step')}: it was written on {_topo(saved)}, this "
+            f"job is {_topo(here)} (use tpulab reshard to move it, or --force)"
         )
 
 
@@ -136,20 +137,6 @@ class _NullLog:
 
     def close(self):
         pass
-
-
-def _progress(total: int, initial: int, enabled: bool | None):
-    from tqdm import tqdm
-
-    # disable=None: shown on a terminal, silent in logs and subprocesses.
-    return tqdm(
-        total=total,
-        initial=initial,
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-        disable=None if enabled is None else not enabled,
-    )
 
 
 def evaluate(steps: Steps, params, batches) -> dict[str, float]:
@@ -215,9 +202,9 @@ class PhaseClock:
     go?
 
     ``startup`` runs from ``train()`` entry to the first dispatched step, ``first_step`` is the
-    first step (its compile included), ``data`` is waiting for batches, ``eval`` and
-    ``checkpoint`` the time those blocked the loop, ``step`` the rest of the loop (steady-state
-    steps, metric reads).
+    first step (its compile included), ``data`` is waiting for batches, ``eval`` and ``checkpoint``
+    the time those blocked the loop, ``step`` the rest of the loop (steady-state steps, metric
+    reads).
     """
 
     def __init__(self):
@@ -368,7 +355,7 @@ def train(
         ledger.record_eval(val_batches)
         total = config.train.steps
         tokens_per_step = config.data.batch_size * config.data.seq_len
-        bar = _progress(total, start, progress if primary else False)
+        bar = step_bar(total, start, progress if primary else False)
         summary = {"resumed_from": resume.step if resume else None, "start_step": start}
         hooks.on_start(
             {
@@ -455,7 +442,7 @@ def train(
                 f"the frozen weights changed during the run ({frozen_digest[:12]}… -> "
                 f"{tree_digest(steps.frozen)[:12]}…): the run is not what it claims; the "
                 f"checkpoints in {store.directory} were trained against other weights",
-                exit_code=3,
+                exit_code=ExitCode.BAD_STATE,
             )
         store.wait()
         clock.lap("checkpoint")
@@ -479,7 +466,7 @@ def train(
         raise TpulabError(
             f"{e.what} at step {e.step}; last good checkpoint: step {store.latest} in "
             f"{store.directory}",
-            exit_code=3,
+            exit_code=ExitCode.BAD_STATE,
         ) from None
     except OSError as e:  # the run's own logs (metrics, window ledger) on a full or failing disk
         last = (
@@ -489,7 +476,7 @@ def train(
         )
         raise TpulabError(
             f"writing to {run_dir} failed: {e.strerror or e}; last valid checkpoint: {last}",
-            exit_code=4,
+            exit_code=ExitCode.IO_FAILED,
         ) from None
     finally:
         for closer in (bar, store, log, ledger):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
+import jax
 from flax import nnx
 
 from tpulab.checkpoint.files import manifest_digest
@@ -18,15 +20,17 @@ from tpulab.checkpoint.store import read_meta, read_state, scan
 from tpulab.config import from_dict
 from tpulab.errors import CheckpointError, TpulabError
 from tpulab.model import lora
+from tpulab.model.reward import RewardModel, reward_graph
 from tpulab.model.transformer import Transformer
+from tpulab.train import sharding
 from tpulab.train.adapters import lora_graph
 from tpulab.train.config import RunConfig
-from tpulab.train.step import TrainState, make_mesh, make_steps
+from tpulab.train.step import TrainState, make_mesh, make_steps, optimizer
 
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    model: Transformer
+    model: Transformer | RewardModel
     config: RunConfig
     step: int
     checkpoint_dir: Path
@@ -70,6 +74,8 @@ def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
         return _load_lora(step_dir, meta, config)
     if config.objective.kind == "ppo":
         return _load_ppo(step_dir, config)
+    if config.objective.kind == "reward":
+        return _load_reward(step_dir, config)
     steps = make_steps(config, make_mesh())  # replicated here, whatever mesh trained it
     abstract = steps.abstract_state()
     if meta.get("model_only"):  # a merged model (tpulab merge-lora): no optimizer state
@@ -99,6 +105,31 @@ def _load_lora(step_dir: Path, meta: dict, config: RunConfig) -> Restored:
     return Restored(
         model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state, base
     )
+
+
+def abstract_train_state(init_params, optim, mesh) -> TrainState:
+    """Shapes and shardings of a TrainState over ``init_params()`` (traced, never computed)."""
+    tx = optimizer(optim)
+
+    def state():
+        params = init_params()
+        return TrainState(
+            jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params), jax.random.PRNGKey(0)
+        )
+
+    shapes = jax.eval_shape(state)
+    return jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        shapes,
+        sharding.state_shardings(shapes, mesh),
+    )
+
+
+def _load_reward(step_dir: Path, config: RunConfig) -> Restored:
+    graphdef, init_params = reward_graph(config.model, config.precision, config.seed)
+    state = read_state(step_dir, abstract_train_state(init_params, config.optim, make_mesh()))
+    model: Any = nnx.merge(graphdef, state.params)
+    return Restored(model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)
 
 
 def _load_ppo(step_dir: Path, config: RunConfig) -> Restored:

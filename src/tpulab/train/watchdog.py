@@ -7,8 +7,8 @@ was reported for ``timeout`` seconds. Progress comes from ``beat()`` calls (in-p
 peer's metrics.jsonl: a SIGSTOPped process stops its own threads too, so only an outside watcher
 can see it). ``StallWatchdog`` is the training hook: every logged step, eval and checkpoint is a
 beat; on a stall it dumps every thread's stack (faulthandler) into the run dir, appends a
-``stall`` event to metrics.jsonl and, if ``exit_code`` is set, ends the process with that code so
-a supervisor can restart it from the newest checkpoint.
+``stall`` event to metrics.jsonl and, if ``exit_code`` is set (``ExitCode.STALLED`` from the CLI),
+ends the process with that code so a supervisor can restart it from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tpulab.errors import TpulabError
-from tpulab.evidence import metrics as M
+from tpulab.evidence.metrics import METRICS, read_records, starts
 from tpulab.train.hooks import Hooks
 
-STALL_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; distinct from errors (1, 2, 3) and signals (128+n)
 MULTIPROCESS_STALL_S = (
     300  # default in a multi-process job, where a stuck peer hangs the others in a collective
 )
@@ -140,7 +139,7 @@ class Watchdog:
 
 def metrics_progress(run_dir: str | Path) -> Callable[[], object]:
     """A ``progress`` callable for an outside watcher: (size, mtime) of RUN_DIR/metrics.jsonl."""
-    path = Path(run_dir) / M.METRICS
+    path = Path(run_dir) / METRICS
 
     def marker():
         try:
@@ -200,8 +199,8 @@ class StallWatchdog(Hooks):
         self.dog.stop()
 
     def _stalled(self, info: dict) -> None:
-        records = M.read_records(self.run_dir)
-        segment = M.starts(records)[-1]["segment"] if M.starts(records) else None
+        records = read_records(self.run_dir)
+        segment = starts(records)[-1]["segment"] if starts(records) else None
         n = sum(1 for r in records if r.get("event") == "stall")
         path = dump_stacks(
             self.run_dir
@@ -223,7 +222,7 @@ class StallWatchdog(Hooks):
         }
         if self.records:
             with open(
-                self.run_dir / M.METRICS, "a"
+                self.run_dir / METRICS, "a"
             ) as f:  # one short O_APPEND line: safe beside the loop's writer
                 f.write(json.dumps(event) + "\n")
         self.stalls.append(event)

@@ -27,10 +27,12 @@ from tpulab.train.step import gradient_steps, lm_eval, lm_loss, merge_model, tra
 
 
 def load_base(config, key: str = "init") -> Restored:
-    """The language model ``objective.<key>`` names (init; PPO's reference, default: init), which
-    must have this run's shape, precision and tokenizer."""
+    """The language model ``objective.<key>`` names (init; a DPO or PPO reference, default:
+    init), which must have this run's shape, precision and tokenizer."""
     init = getattr(config.objective, key) or config.objective.init
     base = load_model(init)
+    if base.config.objective.kind == "reward":
+        raise TpulabError(f"objective.{key} {init} is a reward model, not a language model")
     if read_meta(base.checkpoint_dir).get("tokenizer") != TOKENIZER:
         raise TpulabError(f"objective.{key} {init} was trained with another tokenizer")
     for section in ("model", "precision"):

@@ -1,6 +1,8 @@
-"""Progress as plain lines for logs: the training loop draws a tqdm bar only on a terminal, so a
-job whose output goes to a file (a proof child, a cloud VM's log) would otherwise say nothing until
-it ends."""
+"""How far training is: a tqdm bar on a terminal (``step_bar``) and plain ``[progress]`` lines in
+logs (``LogLines``). The bar draws only on a terminal, so a job whose output goes to a file (a
+proof child, a cloud VM's log) would otherwise say nothing until it ends; the lines print only off
+one. (``tpulab.progress`` is the other kind: one bar or line per item of a short loop of items,
+such as export endpoints or cache policies.)"""
 
 from __future__ import annotations
 
@@ -8,6 +10,21 @@ import sys
 import time
 
 from tpulab.train.hooks import Hooks
+
+
+def step_bar(total: int, initial: int, enabled: bool | None):
+    """The loop's step bar on stderr (stdout carries the plain lines)."""
+    from tqdm import tqdm
+
+    # disable=None: shown on a terminal, silent in logs and subprocesses.
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
+        disable=None if enabled is None else not enabled,
+    )
 
 
 class LogLines(Hooks):

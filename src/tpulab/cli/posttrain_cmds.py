@@ -1,0 +1,82 @@
+"""Post-training stages that generate: ``tpulab pairs`` (sampled preference pairs) and ``tpulab
+win-rate`` (gold-reward win rate of greedy replies)."""
+
+from __future__ import annotations
+
+import json
+
+from tpulab.cli.train_cmds import checked_path, path_arg
+from tpulab.errors import ExitCode
+
+
+def _pairs(args) -> int:
+    from tpulab import compile_cache
+    from tpulab.posttrain.pairs import PairsConfig, make_pairs, summary_line
+
+    compile_cache.enable()
+    cfg = PairsConfig(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        labeller_seed=args.labeller_seed,
+        train_prompts=args.train_prompts,
+        eval_prompts=args.eval_prompts,
+    )
+    out = checked_path(args.out, "--out")
+    record = make_pairs(checked_path(args.policy, "--policy"), out, cfg)
+    print(summary_line(record))
+    print(f"wrote {out}/pairs.jsonl, eval.jsonl, dataset.json")
+    return ExitCode.OK
+
+
+def _win_rate(args) -> int:
+    from tpulab import compile_cache
+    from tpulab.checkpoint.files import atomic_write_json
+    from tpulab.posttrain.winrate import win_rate
+
+    compile_cache.enable()
+    out = checked_path(args.out, "--out") if args.out else None
+    result = win_rate(
+        checked_path(args.run_dir, "--run-dir"),
+        checked_path(args.against, "--against"),
+        args.max_prompts,
+    )
+    if out is not None:
+        atomic_write_json(out, result)
+    print(json.dumps({k: result[k] for k in ("prompts", "wins", "ties", "losses", "win_rate")}))
+    return ExitCode.OK
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "pairs",
+        help="sample two replies per prompt from a policy, label them Bradley-Terry on the gold "
+        "reward, write DIR/pairs.jsonl, eval.jsonl and dataset.json",
+    )
+    p.add_argument("--policy", type=path_arg, required=True, help="the policy's run dir (SFT)")
+    p.add_argument("--out", type=path_arg, required=True, help="a new (or empty) directory")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (and the prompt choice)")
+    p.add_argument("--labeller-seed", type=int, default=0, help="the Bradley-Terry draws' seed")
+    p.add_argument("--train-prompts", type=_count, default=1024, help="at most N; 0 = all")
+    p.add_argument("--eval-prompts", type=_count, default=256, help="at most N; 0 = all")
+    p.set_defaults(handler=_pairs)
+
+    p = sub.add_parser(
+        "win-rate",
+        help="gold-reward win rate of a policy's greedy replies on the held-out prompts against "
+        "another policy's (ties count half)",
+    )
+    p.add_argument("--run-dir", type=path_arg, required=True, help="the policy (e.g. DPO)")
+    p.add_argument("--against", type=path_arg, required=True, help="the baseline (e.g. SFT)")
+    p.add_argument("--max-prompts", type=_count, default=0, help="the first N prompts; 0 = all")
+    p.add_argument("--out", type=path_arg, default=None, help="write the whole result as JSON")
+    p.set_defaults(handler=_win_rate)

@@ -1,0 +1,87 @@
+"""The reward model: the SFT Transformer with a scalar head, trained on preference pairs.
+
+``tpulab.model.reward.RewardModel``: the body starts from ``objective.init`` (an SFT run), the
+head ``Dense(d_model, 1)`` from a seeded init (``seed``). The reward of a reply is read in float32
+at the input position of its last response byte, the stop byte (``preference.read_positions``),
+and the loss is Bradley-Terry, ``-log sigmoid(r_w - r_l - margin) + c (r_w + r_l)^2``
+(``losses.bradley_terry``). Metrics: loss, accuracy (r_w > r_l), margin (mean r_w - r_l) and the
+mean reward; evaluation: the same on the held-out pairs, next to the best accuracy any reward
+model can reach on their labels (``preference.gold_optimal_accuracy``: they are Bradley-Terry
+draws on the gold reward r*). The checkpoint is an ordinary run dir: ``tpulab.train.restore
+.load_model`` gives back a ``RewardModel``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from tpulab.data import preference
+from tpulab.model.reward import reward_graph, with_body
+from tpulab.train.objectives import losses
+from tpulab.train.objectives.pairwise import Pairwise, pair_weights, sides
+from tpulab.train.step import gradient_steps, merge_model
+
+
+def reward_loss(graphdef, margin: float = 0.0, centering: float = 0.0):
+    """``(params, frozen, batch, key) -> (loss, metrics)`` of the reward model ``graphdef``."""
+
+    def loss(params, frozen, batch, dropout_key):
+        model = merge_model(graphdef, params)
+        chosen, rejected = sides(model(batch["inputs"], batch["read"], deterministic=True))
+        return losses.bradley_terry(
+            chosen, rejected, pair_weights(batch["mask"]), margin, centering
+        )
+
+    return loss
+
+
+class Reward(Pairwise):
+    kind = "reward"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.gold_optimal = preference.gold_optimal_accuracy(list(self.prefs.eval))
+
+    def _start_params(self):
+        """A fresh host copy of the model's starting values: the base's parameters as the body,
+        the head from the seeded init (``reward_graph``, the same values every time)."""
+        _, init_params = reward_graph(self.config.model, self.config.precision, self.config.seed)
+        body = jax.device_get(self.base.plain_params())
+        return with_body(jax.device_get(jax.jit(init_params)()), body)
+
+    def steps(self, mesh):
+        cfg, rw = self.config, self.config.objective.reward
+        graphdef, init_params = reward_graph(cfg.model, cfg.precision, cfg.seed)
+        train_loss = reward_loss(graphdef, rw.margin, rw.centering)
+        gold = self.gold_optimal
+
+        def evaluate(params, frozen, batch):
+            value, m = train_loss(params, frozen, batch, None)
+            n = pair_weights(batch["mask"]).sum()
+            return {
+                "val_loss": (value * n, n),
+                "val_accuracy": (m["accuracy"] * n, n),
+                "val_margin": (m["margin"] * n, n),
+                "val_gold_optimal_accuracy": (gold * n, n),
+            }
+
+        return gradient_steps(
+            mesh=mesh,
+            optim=cfg.optim,
+            seed=cfg.seed,
+            graphdef=graphdef,
+            init_params=init_params,
+            load_params=self._start_params,
+            loss=train_loss,
+            evaluate=evaluate,
+            merge=lambda params, frozen: merge_model(graphdef, params),
+        )
+
+    def describe(self, steps, state) -> dict:
+        return {
+            "reward_model": {
+                "head": f"Dense({self.config.model.d_model}, 1) + bias, float32",
+                "read_at": "the input position of the last response byte (the stop byte)",
+                "eval_gold_optimal_accuracy": self.gold_optimal,
+            }
+        }
