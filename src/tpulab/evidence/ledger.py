@@ -28,7 +28,10 @@ def window_sha256(windows: np.ndarray) -> list[str]:
 
 
 def batch_windows(batch: dict) -> np.ndarray:
-    """The full windows of a batch: inputs plus each row's last target."""
+    """The full windows of a batch: inputs plus each row's last target (a batch without targets,
+    PPO's prompts, is its inputs)."""
+    if "targets" not in batch:
+        return np.asarray(batch["inputs"])
     return np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
 
 

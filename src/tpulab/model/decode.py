@@ -87,6 +87,11 @@ class ModelFns:
         self.params: Params = {n: x for n, (_, x) in zip(self.names, paths)}
         self.shape = kv.CacheShape.of(self.cfg)
 
+    def flat(self, state) -> Params:
+        """This structure's ``{name: array}`` weights from an ``nnx.State`` of the same model (a
+        training state's parameters), by name."""
+        return {_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
     @property
     def compute_dtype(self):
         return jnp.dtype(self.prec.compute_dtype)
@@ -189,7 +194,9 @@ class ModelFns:
         top_k_b: jax.Array,
         keys_b2: jax.Array,
         stop_token: jax.Array,
-    ) -> tuple[jax.Array, jax.Array]:
+        *,
+        logprobs: bool = False,
+    ) -> tuple[jax.Array, ...]:
         """Prefill and every decode step as one program: a ``lax.while_loop`` sampling on device.
 
         ``tokens_bs`` is [B, P] with any P <= S (prompts right-padded to a width bucket, so prefill
@@ -198,9 +205,13 @@ class ModelFns:
         ``stop_token`` (pass -1 for none); the loop ends when every row has stopped. Callers bound
         ``lengths_b + max_new_b <= S`` on the host; positions are clamped here so a stopped row can
         never write out of range.
+
+        With ``logprobs`` (a trainer's rollouts; the exported endpoint never asks) it also returns
+        [B, S] float32: each emitted token's log-probability under the distribution it was drawn
+        from (``sampling.token_logprobs`` of the same logits), 0 after a row's last token.
         """
         from tpulab.data.tokenizer import PAD
-        from tpulab.model.sampling import sample_tokens
+        from tpulab.model.sampling import sample_tokens, token_logprobs
 
         s = self.shape.max_len
         logits_bv, cache = self.prefill_rows(policy, params, tokens_bs, lengths_b)
@@ -208,33 +219,40 @@ class ModelFns:
             cache
         )  # the loop's own layout; the step endpoints keep the exported one
         b = tokens_bs.shape[0]
-        out_bs = jnp.full((b, s), PAD, jnp.int32)
+        # outs: the token buffer [B, S], and with ``logprobs`` the log-probability buffer [B, S]
+        outs = (jnp.full((b, s), PAD, jnp.int32),)
+        if logprobs:
+            outs += (jnp.zeros((b, s), jnp.float32),)
 
-        def emit(i, logits_bv, out_bs, n_b, done_b):
+        def emit(i, logits_bv, outs, n_b, done_b):
             tok_b = sample_tokens(logits_bv, keys_b2, i, temperature_b, top_k_b)
             tok_b = jnp.where(done_b, PAD, tok_b)
-            out_bs = jax.lax.dynamic_update_index_in_dim(out_bs, tok_b, i, axis=1)
+            put = lambda buf, x_b: jax.lax.dynamic_update_index_in_dim(buf, x_b, i, axis=1)  # noqa: E731
+            new = (put(outs[0], tok_b),)
+            if logprobs:
+                lp_b = token_logprobs(logits_bv, tok_b, temperature_b)
+                new += (put(outs[1], jnp.where(done_b, 0.0, lp_b)),)
             n_b = n_b + (~done_b).astype(jnp.int32)
             done_b = done_b | (tok_b == stop_token) | (n_b >= max_new_b)
-            return tok_b, out_bs, n_b, done_b
+            return tok_b, new, n_b, done_b
 
         done0 = max_new_b <= 0
-        tok_b, out_bs, n_b, done_b = emit(0, logits_bv, out_bs, jnp.zeros((b,), jnp.int32), done0)
+        tok_b, outs, n_b, done_b = emit(0, logits_bv, outs, jnp.zeros((b,), jnp.int32), done0)
 
         def cond(carry):
             i, _, _, _, _, done_b = carry
             return (i < s) & ~jnp.all(done_b)
 
         def body(carry):
-            i, cache, tok_b, out_bs, n_b, done_b = carry
+            i, cache, tok_b, outs, n_b, done_b = carry
             pos_b = jnp.minimum(lengths_b + i - 1, s - 1)
             logits_bv, cache = self.decode_rows(params, cache, tok_b, pos_b)
-            tok_b, out_bs, n_b, done_b = emit(i, logits_bv, out_bs, n_b, done_b)
-            return i + 1, cache, tok_b, out_bs, n_b, done_b
+            tok_b, outs, n_b, done_b = emit(i, logits_bv, outs, n_b, done_b)
+            return i + 1, cache, tok_b, outs, n_b, done_b
 
-        carry = (jnp.int32(1), cache, tok_b, out_bs, n_b, done_b)
-        _, _, _, out_bs, n_b, _ = jax.lax.while_loop(cond, body, carry)
-        return out_bs, n_b
+        carry = (jnp.int32(1), cache, tok_b, outs, n_b, done_b)
+        _, _, _, outs, n_b, _ = jax.lax.while_loop(cond, body, carry)
+        return (outs[0], n_b, *outs[1:])
 
     def prefill(self, policy: str, params: Params, tokens_bs: jax.Array, length: jax.Array):
         """tokens [B, S] (the prompt in slots 0..length-1, anything after) ->

@@ -105,6 +105,18 @@ def key_data(seed: int) -> np.ndarray:
     return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
 
 
+def token_logprobs(logits_v: jax.Array, tokens: jax.Array, temperature) -> jax.Array:
+    """log p(token) under the distribution ``sample_tokens`` draws from when top_k is 0,
+    softmax(logits / t), in float32; ``logits_v`` [..., V], ``tokens`` [...], ``temperature``
+    broadcastable to ``tokens`` (a greedy row, t = 0, is scored at t = 1). The sampler records
+    these for the tokens it emits (``ModelFns.generate(logprobs=True)``) and a trainer computes
+    them for the same tokens with this same function (PPO's importance ratios)."""
+    t = jnp.asarray(temperature, jnp.float32)
+    t = jnp.where(t > 0, t, 1.0)[..., None]
+    logp_v = jax.nn.log_softmax(logits_v.astype(jnp.float32) / t, axis=-1)
+    return jnp.take_along_axis(logp_v, tokens.astype(jnp.int32)[..., None], axis=-1)[..., 0]
+
+
 def sample_tokens(
     logits_bv: jax.Array, keys_b2: jax.Array, step, temperature_b: jax.Array, top_k_b: jax.Array
 ) -> jax.Array:

@@ -129,7 +129,7 @@ class MeshConfig:
 
 
 # The objectives the one loop trains (tpulab.train.objectives); each is a kind here.
-ObjectiveKind = Literal["pretrain", "sft", "reward", "dpo"]
+ObjectiveKind = Literal["pretrain", "sft", "reward", "dpo", "ppo"]
 # The projection paths a LoRA target pattern is searched in: blocks/<i>/attn/qkv, .../mlp/down.
 LORA_DEFAULT_TARGETS = ("attn/qkv", "attn/out", "mlp/up", "mlp/down")
 
@@ -210,6 +210,90 @@ class RewardConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PPOConfig:
+    """PPO-RLHF (Schulman et al. 2017; Ziegler et al. 2019): a round samples ``rollouts`` replies
+    through the compiled generation loop, scores them, then takes ``epochs x minibatches`` updates,
+    one per loop step."""
+
+    rollouts: int = field(
+        16,
+        "replies sampled per round: a multiple of data.batch_size (each "
+        "prompt of the round's batch is sampled rollouts / batch_size times)",
+    )
+    max_new: int = field(32, "reply bytes sampled at most (the stop byte ends a reply early)")
+    temperature: float = field(
+        1.0,
+        "sampling temperature, in [0.001, 10]; the trainer's "
+        "log-probs use the same (softmax(logits / t))",
+    )
+    epochs: int = field(2, "passes over a round's rollouts")
+    minibatches: int = field(2, "minibatches per epoch: each is one loop step (one update)")
+    clip: float = field(
+        0.2, "policy clip range epsilon: ratios clipped to [1 - eps, 1 + eps], in (0, 1)"
+    )
+    value_clip: float = field(
+        0.2,
+        "value clip range: a value moves at most this far from its rollout value per round, > 0",
+    )
+    gamma: float = field(1.0, "discount gamma of GAE, in [0, 1]")
+    lam: float = field(0.95, "GAE lambda, in [0, 1]")
+    kl_coef: float = field(0.05, "per-token KL penalty beta against the frozen reference, >= 0")
+    kl_estimator: Literal["k1", "k3"] = field(
+        "k1",
+        "the per-token KL in the penalty: k1 = log(p / p_ref), k3 = (r - 1) - log r with "
+        "r = p_ref / p (Schulman 2020)",
+    )
+    entropy_coef: float = field(0.0, "entropy bonus coefficient, >= 0")
+    vf_coef: float = field(0.1, "value-loss coefficient, >= 0")
+
+    def __post_init__(self):
+        from tpulab.model.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+        for name in ("rollouts", "max_new", "epochs", "minibatches"):
+            check_int(getattr(self, name), f"objective.ppo.{name}", 1, 2**16)
+        for name in (
+            "temperature",
+            "clip",
+            "value_clip",
+            "gamma",
+            "lam",
+            "kl_coef",
+            "entropy_coef",
+            "vf_coef",
+        ):
+            value = getattr(self, name)
+            check(
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value),
+                f"objective.ppo.{name}={value!r} must be a finite number",
+            )
+        t = self.temperature
+        check(
+            MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
+            f"objective.ppo.temperature={t} must be in [{MIN_TEMPERATURE:g}, "
+            f"{MAX_TEMPERATURE:g}] (PPO samples: 0, greedy, has no log-probabilities)",
+        )
+        check(0.0 < self.clip < 1.0, f"objective.ppo.clip={self.clip} must be in (0, 1)")
+        check(self.value_clip > 0.0, f"objective.ppo.value_clip={self.value_clip} must be > 0")
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            check(0.0 <= value <= 1.0, f"objective.ppo.{name}={value} must be in [0, 1]")
+        for name in ("kl_coef", "entropy_coef", "vf_coef"):
+            value = getattr(self, name)
+            check(value >= 0.0, f"objective.ppo.{name}={value} must be >= 0")
+        check(
+            self.rollouts % self.minibatches == 0,
+            f"objective.ppo.rollouts={self.rollouts} is not divisible by "
+            f"objective.ppo.minibatches={self.minibatches}",
+        )
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.epochs * self.minibatches
+
+
+@dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
     """What the loop optimises. Paths may move between a run and its resume; what they hold may not:
     the digests of the checkpoints and datasets they name are the run's identity."""
@@ -217,49 +301,63 @@ class ObjectiveConfig:
     kind: ObjectiveKind = field(
         "pretrain",
         "pretrain (next byte) | sft (response-only loss) | reward (Bradley-Terry reward model) | "
-        "dpo (direct preference optimisation)",
+        "dpo (direct preference optimisation) | ppo (PPO-RLHF)",
     )
     init: str | None = field(
         None,
-        "run dir whose newest verified checkpoint the model starts from (sft: required)",
+        "run dir whose newest verified checkpoint the model starts from (sft, ppo: required)",
         resume_mutable=True,
     )
     data: str | None = field(
         None,
         "sft: null = the built-in dialogue set cut from the corpus's plays; or a JSONL file of "
-        '{"prompt": ..., "response": ...} lines. reward, dpo: null = natural pairs from the '
-        'plays; a directory from tpulab pairs; or a JSONL file of {"prompt", "chosen", '
-        '"rejected"} lines',
+        '{"prompt": ..., "response": ...} lines (ppo: their prompts). reward, dpo: null = natural '
+        'pairs from the plays; a directory from tpulab pairs; or a JSONL file of {"prompt", '
+        '"chosen", "rejected"} lines',
         resume_mutable=True,
     )
     reference: str | None = field(
         None,
-        "dpo: the run dir of the frozen reference (null = the same checkpoint as init, loaded "
-        "as a separate copy)",
+        "dpo, ppo: the run dir of the frozen reference (null = the same checkpoint as init, "
+        "loaded as a separate copy)",
+        resume_mutable=True,
+    )
+    reward_model: str | None = field(
+        None,
+        "ppo: the run dir of the frozen reward model it scores with (required)",
         resume_mutable=True,
     )
     lora: LoraConfig = nested(LoraConfig)
     dpo: DPOConfig = nested(DPOConfig)
     reward: RewardConfig = nested(RewardConfig)
+    ppo: PPOConfig = nested(PPOConfig)
 
     def __post_init__(self):
-        for key in ("init", "data", "reference"):
+        for key in ("init", "data", "reference", "reward_model"):
             if getattr(self, key) is not None:
                 check_path(getattr(self, key), f"objective.{key}")
         # A field another kind owns is an error, never silently ignored.
-        for key, owner, unset in (
-            ("reference", "dpo", None),
-            ("dpo", "dpo", DPOConfig()),
-            ("reward", "reward", RewardConfig()),
+        for key, owners, unset in (
+            ("reference", ("dpo", "ppo"), None),
+            ("dpo", ("dpo",), DPOConfig()),
+            ("reward", ("reward",), RewardConfig()),
+            ("reward_model", ("ppo",), None),
+            ("ppo", ("ppo",), PPOConfig()),
         ):
             check(
-                self.kind == owner or getattr(self, key) == unset,
-                f"objective.{key} applies to objective.kind={owner}, not {self.kind}",
+                self.kind in owners or getattr(self, key) == unset,
+                f"objective.{key} applies to objective.kind={' or '.join(owners)}, not {self.kind}",
             )
         check(
             self.kind != "reward" or self.lora.rank == 0,
             "objective.lora applies to sft and dpo; the reward model trains every parameter",
         )
+        if self.kind == "ppo":
+            check(
+                self.reward_model is not None,
+                "objective.kind=ppo needs objective.reward_model: the run dir of the reward model",
+            )
+            check(self.lora.rank == 0, "objective.lora applies to sft; ppo trains every parameter")
         if self.kind == "pretrain":
             check(
                 self.init is None,
@@ -300,6 +398,18 @@ class RunConfig:
             self.data.seq_len <= self.model.max_seq_len,
             f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
         )
+        ppo = self.objective.ppo
+        if self.objective.kind == "ppo":
+            check(
+                ppo.rollouts % self.data.batch_size == 0,
+                f"objective.ppo.rollouts={ppo.rollouts} is not a multiple of "
+                f"data.batch_size={self.data.batch_size} (the prompts of a round)",
+            )
+            check(
+                ppo.max_new <= self.data.seq_len - 4,
+                f"objective.ppo.max_new={ppo.max_new} leaves no room in data.seq_len="
+                f"{self.data.seq_len} for a prompt (BOS, SOH, a byte, STX: at most seq_len - 4)",
+            )
         rank = self.objective.lora.rank
         check(
             rank <= self.model.d_model,

@@ -41,7 +41,7 @@ from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
 from tpulab.train.sharding import check_batch, topology
-from tpulab.train.step import Steps, make_mesh, tree_digest
+from tpulab.train.step import Steps, make_mesh, tree_digest, words_digest
 from tpulab.train.step_progress import step_bar
 
 SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
@@ -151,13 +151,18 @@ def evaluate(steps: Steps, params, batches) -> dict[str, float]:
 
 def host_metrics(metrics: dict) -> dict:
     """Device scalars -> host numbers: integer dtypes (counts) as int, the rest as float; ``loss``
-    first. Every key an objective returns is kept."""
+    first; a ``*_sha256`` key (uint32[8] words, ``step.digest_words``) as its hex digest, a string
+    (PPO's behaviour policy: which weights sampled the step's rollouts). Every key an objective
+    returns is kept."""
     host = jax.device_get(metrics)
     out = {"loss": float(host["loss"])}
     for k in sorted(host):
         if k != "loss":
             v = host[k]
-            out[k] = int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
+            if k.endswith("_sha256"):
+                out[k] = words_digest(v)
+            else:
+                out[k] = int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
     return out
 
 

@@ -40,7 +40,9 @@ class Restored:
 
     def plain_params(self) -> nnx.State:
         """The parameters of a plain Transformer computing what ``model`` computes (a LoRA run's
-        adapters merged into its base)."""
+        adapters merged into its base; a PPO run's policy without its value head)."""
+        if self.config.objective.kind == "ppo":
+            return self.state.params["body"]
         if self.base is None:
             return self.state.params
         return lora.merged_params(self.model)
@@ -70,6 +72,8 @@ def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
     config = from_dict(RunConfig, meta["config"])
     if config.objective.lora.rank:
         return _load_lora(step_dir, meta, config)
+    if config.objective.kind == "ppo":
+        return _load_ppo(step_dir, config)
     if config.objective.kind == "reward":
         return _load_reward(step_dir, config)
     steps = make_steps(config, make_mesh())  # replicated here, whatever mesh trained it
@@ -125,4 +129,14 @@ def _load_reward(step_dir: Path, config: RunConfig) -> Restored:
     graphdef, init_params = reward_graph(config.model, config.precision, config.seed)
     state = read_state(step_dir, abstract_train_state(init_params, config.optim, make_mesh()))
     model: Any = nnx.merge(graphdef, state.params)
+    return Restored(model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)
+
+
+def _load_ppo(step_dir: Path, config: RunConfig) -> Restored:
+    """A PPO run's whole state (policy, value head, optimizer, the round in progress); its model is
+    the policy alone."""
+    from tpulab.train.objectives import ppo_state  # the package face imports this module
+
+    state = read_state(step_dir, ppo_state.abstract_state(config, make_mesh()))
+    model = ppo_state.policy_module(config, state.params)
     return Restored(model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)

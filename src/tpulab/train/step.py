@@ -95,6 +95,17 @@ def tree_digest(tree) -> str:
     return h.hexdigest()
 
 
+def digest_words(hexdigest: str) -> np.ndarray:
+    """A sha256 hex digest as uint32[8] (big-endian words): a digest a jitted step can carry in
+    its state and return as a metric."""
+    return np.frombuffer(bytes.fromhex(hexdigest), ">u4").astype(np.uint32)
+
+
+def words_digest(words) -> str:
+    """``digest_words`` reversed: uint32[8] -> the hex digest."""
+    return np.asarray(words, np.uint32).astype(">u4").tobytes().hex()
+
+
 def make_mesh(config: RunConfig | None = None) -> Mesh:
     return sharding.make_mesh(config.mesh if config is not None else None)
 

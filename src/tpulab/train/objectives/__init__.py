@@ -5,11 +5,12 @@ from __future__ import annotations
 from tpulab.train.config import RunConfig
 from tpulab.train.objectives.base import DataSource, Objective
 from tpulab.train.objectives.dpo import DPO
+from tpulab.train.objectives.ppo import PPO
 from tpulab.train.objectives.pretrain import Pretrain
 from tpulab.train.objectives.reward import Reward
 from tpulab.train.objectives.sft import SFT
 
-KINDS: dict[str, type[Objective]] = {k.kind: k for k in (Pretrain, SFT, Reward, DPO)}
+KINDS: dict[str, type[Objective]] = {k.kind: k for k in (Pretrain, SFT, Reward, DPO, PPO)}
 
 __all__ = ["KINDS", "DataSource", "Objective", "build"]
 

@@ -27,8 +27,8 @@ from tpulab.train.step import gradient_steps, lm_eval, lm_loss, merge_model, tra
 
 
 def load_base(config, key: str = "init") -> Restored:
-    """The language model ``objective.<key>`` names (init; a DPO reference), which must have this
-    run's shape, precision and tokenizer."""
+    """The language model ``objective.<key>`` names (init; a DPO or PPO reference, default:
+    init), which must have this run's shape, precision and tokenizer."""
     init = getattr(config.objective, key) or config.objective.init
     base = load_model(init)
     if base.config.objective.kind == "reward":
