@@ -30,6 +30,7 @@ import grain
 import orbax.checkpoint as ocp
 
 from tpulab.checkpoint.files import MANIFEST, manifest_digest, verify_manifest, write_manifest
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.errors import CheckpointError, ExitCode
 
 FORMAT = "tpulab-transformer-checkpoint-v1"
@@ -298,7 +299,7 @@ class CheckpointStore:
         primary: bool = True,
     ):
         self.directory = Path(directory).absolute()
-        self.reject_dir = self.directory.parent / "rejected_checkpoints"
+        self.reject_dir = RunDir(self.directory.parent).rejected_checkpoints
         self.primary = primary
         if primary:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from tpulab.checkpoint.rundir import METRICS
 from tpulab.errors import ExitCode
 
 CLOUD_CONFIG_COPY = "cloud_config.yaml"
@@ -329,7 +330,7 @@ def register(sub) -> None:
         "--run-dir",
         required=True,
         type=Path,
-        help="the job's run dir (its metrics.jsonl is watched)",
+        help=f"the job's run dir (its {METRICS} is watched)",
     )
     p.add_argument("--preempt-at", required=True, type=int)
     p.add_argument(

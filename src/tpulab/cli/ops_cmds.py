@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from tpulab.checkpoint.rundir import PROOF, VERDICT
 from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import ExitCode, TpulabError
 
@@ -187,7 +188,7 @@ def register(sub) -> None:
     q.add_argument(
         "--resume-verdict",
         type=path_arg,
-        help="the kill/resume verdict.json of the training run (default: ../proof/verdict.json "
+        help=f"the kill/resume {VERDICT} of the training run (default: ../{PROOF}/{VERDICT} "
         "beside the run dir, when it is about this run)",
     )
     reason(q)
