@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import TINY, run_cli, tiny_config
 from tpulab.data import preference as P
@@ -127,6 +128,30 @@ def test_a_reward_run_logs_its_metrics_and_loads_back_as_a_reward_model(
     batch = short_batch(4)
     r = restored.model(jnp.asarray(batch["inputs"]), jnp.asarray(batch["read"]))
     assert r.shape == (8,) and r.dtype == jnp.float32 and bool(jnp.isfinite(r).all())
+
+
+def test_ppo_reads_the_reward_objectives_model_and_scores_as_it_does(reward_run, sft_policy):
+    """The chain's hand-off: PPO's one reader of ``objective.reward_model`` takes a checkpoint the
+    reward objective wrote (not a test-made one) and its value-model scorer gives the reward
+    model's own rewards (to float32 rounding); control: a read one position earlier differs."""
+    from ppo_helpers import ppo_config
+    from tpulab.model.value import ValueModel
+    from tpulab.train.objectives.ppo import load_reward_model
+    from tpulab.train.objectives.ppo_state import value_graph
+
+    cfg = ppo_config(sft_policy, reward_run)
+    frozen = load_reward_model(cfg)
+    restored = load_model(reward_run)
+    assert frozen.digest == restored.checkpoint_digest and frozen.record["step"] == 8
+    graphdef, _ = value_graph(cfg)
+    scorer: ValueModel = nnx.merge(graphdef, frozen.params)
+    batch = short_batch(4)
+    tokens, read = jnp.asarray(batch["inputs"]), jnp.asarray(batch["read"])
+    want = np.asarray(restored.model(tokens, read))
+    # The two normalise before / after taking the read position: 1 ulp apart measured, not bitwise.
+    np.testing.assert_allclose(np.asarray(scorer.scores_at(tokens, read)), want, rtol=1e-6)
+    earlier = np.asarray(scorer.scores_at(tokens, read - 1))
+    assert np.abs(earlier - want).max() > 1e-3, (earlier, want)
 
 
 def test_a_reward_resume_with_another_dataset_or_base_is_refused_and_moves_nothing(

@@ -38,22 +38,10 @@ DIR_IN_STRING = re.compile(rf"/(?:{_DIRS})(?:/|$)|^(?:{_DIRS})/")  # a slash mak
 # Busy files (issue 20: other engineers were editing them while RunDir was built) that still hold
 # run-dir literals, with how many. The lead empties this after the merge, converting each site.
 PENDING = {
-    "checkpoint/store.py": 1,
-    "cli/bridge_cmds.py": 1,
-    "cli/cloud_cmds.py": 1,
-    "cli/ops_cmds.py": 2,
     "cli/train_cmds.py": 4,
-    "cloud/lifecycle.py": 4,
-    "cloud/worker.py": 1,
-    "evidence/goodput.py": 1,
     "evidence/ledger.py": 2,
-    "ops/registry.py": 4,
     "orchestrate/capstone.py": 12,
     "orchestrate/report.py": 34,
-    "proofs/chaos.py": 11,
-    "proofs/driver.py": 4,
-    "proofs/scaleout.py": 9,
-    "tracking/writer.py": 6,
     "train/config.py": 1,
     "train/loop.py": 5,
     "train/merge.py": 3,

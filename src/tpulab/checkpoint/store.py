@@ -14,7 +14,6 @@ resume, and the newest earlier valid step is used. Orbax temporary dirs of kille
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ import grain
 import orbax.checkpoint as ocp
 
 from tpulab.checkpoint.files import MANIFEST, manifest_digest, verify_manifest, write_manifest
+from tpulab.checkpoint.rundir import RunDir, read_json
 from tpulab.errors import CheckpointError, ExitCode
 
 FORMAT = "tpulab-transformer-checkpoint-v1"
@@ -98,7 +98,7 @@ def scan(directory: str | Path) -> Scan:
         try:
             verify_manifest(path)
             meta_path = path / "meta" / "metadata"
-            meta = json.loads(meta_path.read_text()) if meta_path.exists() else None
+            meta = read_json(meta_path, None)
             if not meta or meta.get("format") != FORMAT:
                 raise CheckpointError(f"{path} is not a {FORMAT} checkpoint")
             return Scan(directory, step, rejected, tmp_dirs(directory))
@@ -115,7 +115,7 @@ def scan(directory: str | Path) -> Scan:
 
 
 def read_meta(step_dir: Path) -> dict:
-    return json.loads((Path(step_dir) / "meta" / "metadata").read_text())
+    return read_json(Path(step_dir) / "meta" / "metadata")
 
 
 def _root_cause(e: BaseException) -> str:
@@ -298,7 +298,7 @@ class CheckpointStore:
         primary: bool = True,
     ):
         self.directory = Path(directory).absolute()
-        self.reject_dir = self.directory.parent / "rejected_checkpoints"
+        self.reject_dir = RunDir(self.directory.parent).rejected_checkpoints
         self.primary = primary
         if primary:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.cli.train_cmds import add_warm_resume_cache_arg, checked_path, path_arg
 from tpulab.errors import ExitCode
 
@@ -178,7 +179,7 @@ def _prove(args) -> int:
         f"{args.backend}/{args.method}: "
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: "
         f"{verdict_text(verdict)}; killed after step {verdict['kill_step']}, resumed from "
-        f"{verdict['resumed_from_step']}; see {args.run_dir / 'proof'}"
+        f"{verdict['resumed_from_step']}; see {RunDir(args.run_dir).proof}"
     )
     # as `tpulab prove-resume`: FAILED whenever not identical
     return ExitCode.OK if verdict["identical"] else ExitCode.FAILED

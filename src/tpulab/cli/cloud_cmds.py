@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from tpulab.checkpoint.rundir import METRICS, read_json
 from tpulab.errors import ExitCode
 
 CLOUD_CONFIG_COPY = "cloud_config.yaml"
@@ -96,10 +97,7 @@ def _job(args, staged: dict | None = None):
 
 
 def _staged(args) -> dict | None:
-    import json
-
-    p = Path(args.dir) / "cloud" / "staged.json"
-    return json.loads(p.read_text()) if p.exists() else None
+    return read_json(Path(args.dir) / "cloud" / "staged.json", None)
 
 
 def cmd_create(args) -> int:
@@ -329,7 +327,7 @@ def register(sub) -> None:
         "--run-dir",
         required=True,
         type=Path,
-        help="the job's run dir (its metrics.jsonl is watched)",
+        help=f"the job's run dir (its {METRICS} is watched)",
     )
     p.add_argument("--preempt-at", required=True, type=int)
     p.add_argument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from tpulab.checkpoint.rundir import PROOF, VERDICT, read_json
 from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import ExitCode, TpulabError
 
@@ -27,15 +28,13 @@ def _err(line: str) -> None:
 
 
 def _register(args) -> int:
-    import json
-
     from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
     from tpulab.ops.registry import register, store_uri
 
     artifacts = checked_path(args.artifacts, "--artifacts")
     verdict = checked_path(args.resume_verdict, "--resume-verdict") if args.resume_verdict else None
     try:  # the trainer's store is beside the run dir the artifacts came from
-        run_dir = json.loads((artifacts / ARTIFACT_MANIFEST).read_text())["source"]["run_dir"]
+        run_dir = read_json(artifacts / ARTIFACT_MANIFEST)["source"]["run_dir"]
     except (OSError, ValueError, KeyError, TypeError):
         run_dir = None  # register() names the problem
     _compiles_cached()
@@ -187,7 +186,7 @@ def register(sub) -> None:
     q.add_argument(
         "--resume-verdict",
         type=path_arg,
-        help="the kill/resume verdict.json of the training run (default: ../proof/verdict.json "
+        help=f"the kill/resume {VERDICT} of the training run (default: ../{PROOF}/{VERDICT} "
         "beside the run dir, when it is about this run)",
     )
     reason(q)

@@ -32,6 +32,7 @@ from tpulab.checkpoint.files import (
     sha256_file,
     verify_manifest,
 )
+from tpulab.checkpoint.rundir import CONFIG, RunDir, read_json
 from tpulab.cloud.config import CloudConfig
 from tpulab.cloud.gcloud import (
     Call,
@@ -122,7 +123,7 @@ class JobSpec:
     def job_args(self, shared_dir: str | None = None) -> list[str]:
         values = {
             "{run_dir}": self.remote_run_dir(shared_dir),
-            "{config}": "stage/config.yaml",
+            "{config}": f"stage/{CONFIG}",
             "{data}": f"stage/data/{Path(self.data).name}" if self.data else "",
         }
         try:
@@ -164,10 +165,6 @@ class CloudSession:
     # --- helpers ----------------------------------------------------------------------------
     def _write(self, name: str, obj) -> None:
         atomic_write_json(self.cloud_dir / name, obj)
-
-    def _read(self, name: str) -> dict | None:
-        p = self.cloud_dir / name
-        return json.loads(p.read_text()) if p.exists() else None
 
     def _gcloud_failure(self, step: str, call: Call, what: str) -> CloudError:
         """The error to raise for a failed gcloud call: the step, what failed, its exit and tail."""
@@ -254,7 +251,7 @@ class CloudSession:
         return "unknown", None, call
 
     def workers(self) -> int:
-        resource = self._read("resource.json")
+        resource = read_json(self.cloud_dir / "resource.json", None)
         if resource is None:
             raise CloudError(
                 f"no {self.cloud_dir / 'resource.json'}: run `tpulab tpu create` first"
@@ -334,7 +331,7 @@ class CloudSession:
         local.mkdir(parents=True)
         wheel = build_wheel(local)
         if job.config is not None:
-            shutil.copyfile(job.config, local / "config.yaml")
+            shutil.copyfile(job.config, RunDir(local).config)
         if job.data is not None:
             (local / "data").mkdir()
             src = Path(job.data)
@@ -366,7 +363,7 @@ class CloudSession:
             "wheel_sha256": sha256_file(wheel),
             "tpulab_commit": git_commit(),
             "config": str(job.config) if job.config else None,
-            "config_sha256": sha256_file(local / "config.yaml") if job.config else None,
+            "config_sha256": sha256_file(RunDir(local).config) if job.config else None,
             "data": str(job.data) if job.data else None,
             "remote_dir": rd,
             "jax_version": importlib.metadata.version("jax"),
@@ -678,7 +675,7 @@ class CloudSession:
         return {"experiment_log": str(log)}
 
     def _cleanup_after(self, failure: BaseException | None) -> None:
-        if failure is not None and self._read("resource.json") is None:
+        if failure is not None and read_json(self.cloud_dir / "resource.json", None) is None:
             state, _, _ = self.describe("cleanup: did create leave anything?")
             if state == "absent":
                 self._write(
@@ -749,7 +746,7 @@ def verify_fetched(run_dir: Path, worker: int) -> dict:
             checkpoints.append(
                 {"path": str(ckpt.relative_to(run_dir)), "verified": False, "error": str(e)}
             )
-    records = read_records(run_dir / "metrics.jsonl")
+    records = read_records(RunDir(run_dir).metrics)
     starts = [r for r in records if r.get("event") == "start"]
     preempted = [r for r in records if r.get("event") == "preempted"]
     return {

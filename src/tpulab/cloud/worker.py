@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import read_records
 
@@ -51,7 +52,7 @@ def run_with_preemption(
     its 'end' without one) to become visible."""
     run_dir = Path(run_dir)
     record = Path(record) if record is not None else run_dir / PREEMPT_RECORD
-    metrics = run_dir / "metrics.jsonl"
+    metrics = RunDir(run_dir).metrics
     segment = sum(
         1 for r in read_records(metrics) if r.get("event") == "start"
     )  # the job's segment

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.evidence.metrics import read_records, starts
 
 BUCKETS = (
@@ -46,9 +47,7 @@ RESTART = ("restart_startup", "redone_steps", "kill_tail")
 
 def _save_every(run_dir: Path) -> int | None:
     try:
-        return int(
-            yaml.safe_load((run_dir / "config.yaml").read_text())["checkpoint"]["save_every"]
-        )
+        return int(yaml.safe_load(RunDir(run_dir).config.read_text())["checkpoint"]["save_every"])
     except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
         return None
 

@@ -36,6 +36,7 @@ import urllib.parse
 from pathlib import Path
 
 from tpulab.checkpoint.files import sha256_file
+from tpulab.checkpoint.rundir import VERDICT, RunDir, read_json
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.ops import behaviour, ledger
 from tpulab.ops import tags as T
@@ -279,9 +280,9 @@ def drift(mine: list[dict], model) -> list[str]:
 
 # ---- the evidence on disk ---------------------------------------------------------------------
 def corpus_identity(run_dir: Path) -> str:
-    path = Path(run_dir) / "documents.json"
+    path = RunDir(run_dir).documents
     try:
-        return str(json.loads(path.read_text())["identity"])
+        return str(read_json(path)["identity"])
     except (OSError, ValueError, KeyError, TypeError):
         raise TpulabError(f"cannot read the corpus identity from {path}") from None
 
@@ -291,15 +292,15 @@ def resume_verdict(run_dir: Path, path: str | Path | None = None) -> str:
     ``<out>/proof/verdict.json`` beside it) or "absent". A given verdict about another run is
     refused."""
     run_dir = Path(run_dir).resolve()
-    candidate = Path(path) if path is not None else run_dir.parent / "proof" / "verdict.json"
+    candidate = Path(path) if path is not None else RunDir(run_dir.parent).proof.verdict
     if path is None and not candidate.is_file():
         return "absent"
     try:
-        verdict = json.loads(candidate.read_text())
+        verdict = read_json(candidate)
         about = {Path(verdict[k]).resolve() for k in ("reference_dir", "run_dir") if verdict.get(k)}
         identical = verdict["identical"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise TpulabError(f"resume verdict {candidate} is not a readable verdict.json") from None
+        raise TpulabError(f"resume verdict {candidate} is not a readable {VERDICT}") from None
     if run_dir not in about:
         if path is None:
             return "absent"
@@ -320,7 +321,7 @@ def _read_manifest(root: Path) -> tuple[dict, str]:
     path = root / ARTIFACT_MANIFEST
     try:
         digest = sha256_file(path)
-        manifest = json.loads(path.read_text())
+        manifest = read_json(path)
         manifest["source"]["run_dir"], manifest["source"]["checkpoint_manifest_sha256"]
     except FileNotFoundError:
         raise TpulabError(f"artifacts {root}: missing {ARTIFACT_MANIFEST}") from None
@@ -608,10 +609,12 @@ def register(
 
 def training_run_id(reg: Registry, run_dir: Path) -> str:
     """The MLflow run the training logged to, when it logged to this store; else ""."""
-    from tpulab.tracking.store import RUN_FILE
+    from tpulab.tracking.store import read_run_link
 
+    stored = read_run_link(run_dir)  # None: absent or unreadable
+    if stored is None:
+        return ""
     try:
-        stored = json.loads((run_dir / RUN_FILE).read_text())
         run_id = str(stored["run_id"])
         if Path(stored["tracking_uri"][len("sqlite:///") :]).resolve() != reg.db.resolve():
             return ""

@@ -20,7 +20,8 @@ import signal
 import time
 from pathlib import Path
 
-from tpulab.checkpoint.files import MANIFEST, atomic_write_json
+from tpulab.checkpoint.files import MANIFEST
+from tpulab.checkpoint.rundir import VERDICT, RunDir
 from tpulab.checkpoint.store import TMP_MARK, scan
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import curve, read_records, starts
@@ -71,11 +72,12 @@ def run_chaos(
     Each process's cache hits and misses are recorded (``proofs.cache``)."""
     if kills < 1:
         raise TpulabError(f"--kills {kills} must be at least 1")
-    chaos_dir = Path(out_dir) / "chaos"
-    if (chaos_dir / "verdict.json").exists() or (chaos_dir / "victim").exists():
+    chaos = RunDir(out_dir).chaos
+    chaos_dir = chaos.root
+    if chaos.verdict.exists() or chaos.victim.root.exists():
         raise TpulabError(f"{chaos_dir} already holds a chaos run; use a fresh --run-dir")
     steps = config.train.steps
-    config_path = write_child_config(config, chaos_dir / "config.yaml")
+    config_path = write_child_config(config, chaos.config)
     stats_dir = chaos_dir / "compile-cache"
     stats_dir.mkdir()
 
@@ -89,7 +91,8 @@ def run_chaos(
     env = {**os.environ, **(cache.cache_env(compile_cache) if compile_cache else {})}
     processes: dict[str, dict] = {}
 
-    reference, victim = chaos_dir / "reference", chaos_dir / "victim"
+    reference, victim = chaos.reference.root, chaos.victim.root
+    victim_checkpoints = chaos.victim.checkpoints
     t0 = time.monotonic()
     run_to_completion(
         argv(reference, "reference"), chaos_dir / "reference.log", env, timeout_s, "reference run"
@@ -108,9 +111,9 @@ def run_chaos(
         lifetime = len(kill_log)
         log_path = chaos_dir / f"victim-{lifetime}.log"
         n_before = len(read_records(victim))  # this lifetime's records come after these
-        saves_before = saves_in_flight(victim / "checkpoints")  # leftovers of earlier lifetimes
+        saves_before = saves_in_flight(victim_checkpoints)  # leftovers of earlier lifetimes
         # a kill landed after the final save
-        finished = (scan(victim / "checkpoints").latest or 0) >= steps
+        finished = (scan(victim_checkpoints).latest or 0) >= steps
         role = f"lifetime-{lifetime}"
         cold = lifetime > 0 and not warm_resume_cache  # every lifetime after a kill is a resume
         fresh = cache.fresh_cache(stats_dir, role) if cold else None
@@ -138,7 +141,7 @@ def run_chaos(
                     {
                         **plan,
                         "at_s": round(time.monotonic() - t_start, 3),
-                        "in_flight": saves_started_since(saves_before, victim / "checkpoints"),
+                        "in_flight": saves_started_since(saves_before, victim_checkpoints),
                         "leftovers": sorted(saves_before),
                         "last_logged_step": max(logged) if logged else None,
                         "compile_cache": processes[role],
@@ -179,7 +182,7 @@ def run_chaos(
         },
         summary=_summary(verdict),
     )
-    atomic_write_json(chaos_dir / "verdict.json", verdict)
+    chaos.write(VERDICT, verdict)
     plot_segments(reference, victim, verdict, chaos_dir / "segments.png")
     return verdict
 
@@ -201,7 +204,7 @@ def _draw_moment(
     background save is in flight). Drawn so the run always has steps left to be killed in."""
     if startup_s is not None and rng.random() < 0.2:
         return {"phase": "wall-clock", "delay_s": round(rng.uniform(0.0, startup_s), 3)}
-    lo = (scan(victim / "checkpoints").latest or 0) + 1
+    lo = (scan(RunDir(victim).checkpoints).latest or 0) + 1
     return {
         "phase": "training",
         "after_step": rng.randint(min(lo, steps - 1), steps - 1),

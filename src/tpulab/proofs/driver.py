@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tpulab.checkpoint.files import atomic_write_json
+from tpulab.checkpoint.rundir import VERDICT, RunDir
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.proofs import cache
@@ -119,7 +119,7 @@ def run_and_kill(
 
 def checkpoint_listing(run_dir: Path) -> list[str]:
     """What the checkpoint dir held at the moment of the kill (evidence of saves cut short)."""
-    ckpt = run_dir / "checkpoints"
+    ckpt = RunDir(run_dir).checkpoints
     return sorted(os.listdir(ckpt)) if ckpt.is_dir() else []
 
 
@@ -148,7 +148,8 @@ def prove_resume(
     process gets a fresh, empty compilation cache, as on a new machine, unless ``warm_resume_cache``
     (then it shares theirs). Every child records its cache hits and misses (``proofs.cache``).
     """
-    proof_dir = Path(proof_dir)
+    proof = RunDir(proof_dir)
+    proof_dir = proof.root
     if not 0 < kill_at < steps:
         raise TpulabError(f"--kill-at {kill_at} must be between 1 and steps-1 ({steps - 1})")
     proof_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +165,7 @@ def prove_resume(
         resume_env = {**env, **cache.cache_env(resume_cache)}
 
     if reference_dir is None:
-        reference_dir = proof_dir / "reference"
+        reference_dir = proof.reference.root
         if (reference_dir / METRICS).exists():
             raise TpulabError(f"{reference_dir} already holds a run; use a fresh --run-dir")
         reference_dir.mkdir(parents=True)
@@ -179,7 +180,7 @@ def prove_resume(
         timings["reference_s"] = time.monotonic() - t0
     reference_dir = Path(reference_dir)
 
-    run_dir = proof_dir / "interrupted"
+    run_dir = proof.interrupted.root
     if (run_dir / METRICS).exists():
         raise TpulabError(f"{run_dir} already holds a run; use a fresh --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -231,7 +232,7 @@ def prove_resume(
         checkpoints_at_kill=at_kill,
         **(extra or {}),
     )
-    atomic_write_json(proof_dir / "verdict.json", verdict)
+    proof.write(VERDICT, verdict)
     plot_proof(reference_dir, run_dir, verdict, proof_dir / "overlay.png", title=title)
     return verdict
 

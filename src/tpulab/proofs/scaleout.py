@@ -14,7 +14,6 @@ change it would have to hide (about 1e-2 relative).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
+from tpulab.checkpoint.rundir import VERDICT, RunDir, read_json
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import METRICS, curve, read_records
 from tpulab.proofs.driver import (
@@ -158,7 +158,7 @@ def _pids(run_dir: Path) -> list[int]:
         if time.monotonic() > deadline:
             raise TpulabError(f"{path} did not appear")
         time.sleep(0.05)
-    return json.loads(path.read_text())["pids"]
+    return read_json(path)["pids"]
 
 
 def interrupt_one(
@@ -183,7 +183,7 @@ def interrupt_one(
         deadline = time.monotonic() + timeout_s
         while (
             at_step not in curve(read_records(run_dir / METRICS))
-            or scan(run_dir / "checkpoints").latest is None
+            or scan(RunDir(run_dir).checkpoints).latest is None
         ):
             if proc.p.poll() is not None:
                 raise TpulabError(
@@ -244,10 +244,11 @@ def prove_multiprocess_resume(
     check_kill_step(kill_at, steps, save_every)
     if not 0 <= victim < processes:
         raise TpulabError(f"--victim {victim} must name one of the {processes} processes")
-    proof_dir = Path(out_dir) / f"proof-{mode}"
-    if (proof_dir / "verdict.json").exists():
+    proof = RunDir(Path(out_dir) / f"proof-{mode}")
+    proof_dir = proof.root
+    if proof.verdict.exists():
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
-    cfg_path = write_child_config(config, proof_dir / "config.yaml")
+    cfg_path = write_child_config(config, proof.config)
     watchdog = ("--stall-timeout", str(stall_timeout_s))
 
     def argv(d, *x):
@@ -255,7 +256,7 @@ def prove_multiprocess_resume(
 
     timings = {}
     if reference_dir is None:
-        reference_dir = proof_dir / "reference"
+        reference_dir = proof.reference.root
         t0 = time.monotonic()
         run_to_completion(
             argv(reference_dir),
@@ -265,7 +266,7 @@ def prove_multiprocess_resume(
             "reference job",
         )
         timings["reference_s"] = round(time.monotonic() - t0, 2)
-    run_dir = proof_dir / "interrupted"
+    run_dir = proof.interrupted.root
     hold = ("--hold-after-step", str(kill_at)) if mode == "kill" else ()
     t0 = time.monotonic()
     event = interrupt_one(
@@ -286,11 +287,7 @@ def prove_multiprocess_resume(
     timings["resumed_s"] = round(time.monotonic() - t0, 2)
     verdict = judge(Path(reference_dir), run_dir, steps=steps, kill_step=event["last_logged_step"])
     verdict.update(final_state_verdict(Path(reference_dir), run_dir))
-    teardown = (
-        json.loads((run_dir / "launch" / "teardown.json").read_text())
-        if (run_dir / "launch" / "teardown.json").exists()
-        else {}
-    )
+    teardown = read_json(run_dir / "launch" / "teardown.json", {})
     # the watchdog's one line names the stack file it wrote (tpulab.train.watchdog.StallWatchdog)
     logs = [*(run_dir / "launch").glob("p*.log"), proof_dir / "interrupted.log"]
     said = any(
@@ -323,7 +320,7 @@ def prove_multiprocess_resume(
         and not event["survivors_after"]
         and (mode == "kill" or stack_dumped)
     )
-    atomic_write_json(proof_dir / "verdict.json", verdict)
+    proof.write(VERDICT, verdict)
     what = f"{processes}-process job, process {victim} " + (
         "SIGKILLed" if mode == "kill" else f"SIGSTOPped (watchdog {stall_timeout_s:g}s)"
     )
@@ -346,7 +343,7 @@ def prove_reshard(
     two = _with_mesh(config, 2, 2)
     cfg_path = write_child_config(two, out_dir / "p2d2.yaml")
     if reference_dir is None:
-        reference_dir = out_dir / "reference"
+        reference_dir = RunDir(out_dir).reference.root
         run_to_completion(
             launch_argv(cfg_path, reference_dir, processes=2, devices=2),
             out_dir / "reference.log",
@@ -381,7 +378,7 @@ def prove_reshard(
         timeout_s,
         "reshard",
     )
-    reshard_result = json.loads((dst / "reshard.json").read_text())
+    reshard_result = read_json(dst / "reshard.json")
     run_to_completion(
         tpulab_argv(
             "launch",
@@ -394,7 +391,7 @@ def prove_reshard(
             "--",
             "train",
             "--config",
-            dst / "config.yaml",
+            RunDir(dst).config,
             "--run-dir",
             dst,
             "--no-progress",
@@ -423,7 +420,7 @@ def prove_reshard(
         and cmp_after["within_tolerance"]
         and sorted(after) == list(range(at_step + 1, config.train.steps + 1)),
     }
-    atomic_write_json(out_dir / "verdict.json", verdict)
+    RunDir(out_dir).write(VERDICT, verdict)
     plot_overlay(
         ref,
         before,

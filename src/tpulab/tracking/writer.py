@@ -19,7 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-from tpulab.checkpoint.files import MANIFEST, atomic_write_json
+from tpulab.checkpoint.files import atomic_write_json
+from tpulab.checkpoint.rundir import CONFIG, DOCUMENTS, ENV, GOODPUT, SUMMARY, RunDir
 from tpulab.errors import ExitCode
 from tpulab.evidence.metrics import read_records
 from tpulab.tracking.lineage import flatten, lineage_tags
@@ -47,7 +48,7 @@ from tpulab.tracking.store import (
 )
 
 # + summary.json, from the summary the loop hands over, and the newest checkpoint's manifest
-ARTIFACTS = ("config.yaml", "env.json", "documents.json")
+ARTIFACTS = (CONFIG, ENV, DOCUMENTS)
 CURVE = "loss"  # every trainer's record carries it: its history says which steps MLflow holds
 
 
@@ -198,13 +199,13 @@ class StoreWriter:
         manifest = summary.get("latest_checkpoint")
         files = [self.run_dir / n for n in ARTIFACTS]
         if manifest is not None:
-            files.append(self.run_dir / "checkpoints" / str(manifest) / MANIFEST)
+            files.append(RunDir(self.run_dir).manifest(manifest))
         for p in files:
             if p.is_file():
                 c.log_artifact(rid, str(p))
-        c.log_dict(rid, summary, "summary.json")  # the loop writes its file only after on_end
+        c.log_dict(rid, summary, SUMMARY)  # the loop writes its file only after on_end
         if g is not None and g["total_s"] > 0:
-            c.log_dict(rid, g, "goodput.json")
+            c.log_dict(rid, g, GOODPUT)
         c.set_terminated(rid, "KILLED" if summary.get("preempted") else "FINISHED")
 
     def terminate(self, status: str) -> None:
