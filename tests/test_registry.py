@@ -204,9 +204,8 @@ def test_promotion_refused_on_a_forged_digest_tag(store, tmp_path, tag, words):
 
 
 def test_resume_verdict_and_training_run_are_found_only_for_this_run(tmp_path):
-    from tpulab.tracking.store import RUN_FILE
-
     from tpulab.ops.registry import open_registry, resume_verdict, training_run_id
+    from tpulab.tracking.store import RUN_FILE
 
     run = tmp_path / "out" / "run"
     run.mkdir(parents=True)

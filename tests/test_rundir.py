@@ -35,18 +35,9 @@ DIR_NAMES += ("victim",)
 _DIRS = "|".join(DIR_NAMES)
 DIR_IN_STRING = re.compile(rf"/(?:{_DIRS})(?:/|$)|^(?:{_DIRS})/")  # a slash makes it a path
 
-# Busy files (issue 20: other engineers were editing them while RunDir was built) that still hold
-# run-dir literals, with how many. The lead empties this after the merge, converting each site.
-PENDING = {
-    "cli/train_cmds.py": 4,
-    "evidence/ledger.py": 2,
-    "orchestrate/capstone.py": 12,
-    "orchestrate/report.py": 34,
-    "train/config.py": 1,
-    "train/loop.py": 5,
-    "train/merge.py": 3,
-    "train/restore.py": 1,
-}
+# Files allowed to hold run-dir literals, with how many. Empty: every site is converted. It stays
+# so a file caught mid-conversion can be listed with its count; the stale check keeps it shrinking.
+PENDING: dict[str, int] = {}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

@@ -62,6 +62,7 @@ def _register(client, name, art, **tags) -> str:
 @pytest.fixture
 def store(tmp_path):
     from mlflow.tracking import MlflowClient
+
     from tpulab.tracking.store import open_store, sqlite_uri
 
     uri = sqlite_uri(tmp_path / "mlruns.db")

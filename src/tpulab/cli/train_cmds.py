@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.errors import ExitCode
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "default.yaml"
@@ -252,7 +253,7 @@ def cmd_prove_resume(args) -> int:
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; "
         f"killed (SIGKILL) after step {verdict['kill_step']}, resumed from step "
         f"{verdict['resumed_from_step']} -> "
-        f"{run_dir / 'proof'}"
+        f"{RunDir(run_dir).proof}"
     )
     return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
 
@@ -273,7 +274,7 @@ def cmd_chaos(args) -> int:
     print(
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random "
         f"SIGKILLs ({verdict['kills_during_save']} while a save was in flight), "
-        f"{verdict['segments']} process lifetimes; {verdict['summary']} -> {run_dir / 'chaos'}"
+        f"{verdict['segments']} process lifetimes; {verdict['summary']} -> {RunDir(run_dir).chaos}"
     )
     return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
 
@@ -337,7 +338,7 @@ def cmd_capstone(args) -> int:
     print(f"report: {report} and {report.with_suffix('.html')}")
     from tpulab.evidence.goodput import goodput
 
-    proof_run = Path(args.out) / "proof" / "interrupted"
+    proof_run = RunDir(args.out).proof.interrupted.root
     if proof_run.is_dir():
         g = goodput(proof_run)
         print(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-PATTERN = "windows.p*.jsonl"
+from tpulab.checkpoint.rundir import RunDir
 
 
 def window_sha256(windows: np.ndarray) -> list[str]:
@@ -37,7 +37,7 @@ def batch_windows(batch: dict) -> np.ndarray:
 
 class WindowLedger:
     def __init__(self, run_dir: str | Path, process_index: int = 0):
-        path = Path(run_dir) / f"windows.p{process_index}.jsonl"
+        path = RunDir(run_dir).windows(process_index)
         self._f = open(path, "a", buffering=1)
         if self._f.tell() > 0:
             with open(path, "rb") as f:
@@ -86,7 +86,7 @@ def read_ledger(run_dir: str | Path) -> dict:
     per_process: list[dict[int, list[str]]] = []
     torn: list[str] = []
     corrupt: list[str] = []
-    files = sorted(Path(run_dir).glob(PATTERN))
+    files = RunDir(run_dir).window_files()
     for path in files:
         per_file: dict[int, list[str]] = {}
         lines = path.read_text().splitlines()

@@ -9,11 +9,12 @@ every training run the stages started is in the MLflow store with its metrics.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
+from tpulab.checkpoint import rundir
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.orchestrate import report
 from tpulab.orchestrate.stages import Stages
@@ -85,7 +86,7 @@ def scaleout_section(v: dict, rel: str) -> str:
             "",
             f"![overlay]({rel}/overlay.png)",
             "",
-            f"Evidence: `{rel}/verdict.json`.",
+            f"Evidence: `{rel}/{rundir.VERDICT}`.",
         ]
     )
 
@@ -177,8 +178,8 @@ def tracking_section(out: Path, uri: str) -> tuple[str, list[str]]:
         "## MLflow tracking",
         "",
         f"Every training run above must be an MLflow run in `{uri}` holding every metric its "
-        "metrics.jsonl logged (a failing store only warns while training goes on; this is where "
-        f"it would show): **{len(rows) - len(bad)} of {len(rows)}** runs complete.",
+        f"{rundir.METRICS} logged (a failing store only warns while training goes on; this is "
+        f"where it would show): **{len(rows) - len(bad)} of {len(rows)}** runs complete.",
         "",
         "| run dir | MLflow run | steps | in the store |",
         "|---|---|---|---|",
@@ -209,7 +210,8 @@ def run_capstone(
 
     out = _prepare_out(Path(out))
     run_dir = out / "run"
-    config_path = write_child_config(config, out / "config.yaml")
+    run = RunDir(out)
+    config_path = write_child_config(config, run.config)
     stages = Stages("capstone")
     stage, sections, failures, timings = (
         stages.run,
@@ -245,7 +247,7 @@ def run_capstone(
             "training run",
         )
         return (
-            report.provenance_section(json.loads((run_dir / "env.json").read_text()))
+            report.provenance_section(RunDir(run_dir).read(rundir.ENV))
             + "\n\n"
             + report.run_section(run_dir)
             + "\n\n"
@@ -261,13 +263,13 @@ def run_capstone(
         if not verdict["identical"]:
             raise TpulabError(
                 f"the resumed run is not identical (max |diff| {verdict['max_abs_diff']:g}, first "
-                f"differing leaf {verdict.get('first_differing_leaf')}); see {out / 'proof'}"
+                f"differing leaf {verdict.get('first_differing_leaf')}); see {run.proof}"
             )
         return (
-            report.proof_section(out / "proof", "proof")
+            report.proof_section(run.proof.root, rundir.PROOF)
             + "\n\n"
             + report.goodput_section(
-                out / "proof" / "interrupted", "Goodput of the killed-and-resumed run"
+                run.proof.interrupted.root, "Goodput of the killed-and-resumed run"
             )
         )
 
@@ -283,12 +285,12 @@ def run_capstone(
         )
         if not verdict["identical"]:
             raise TpulabError(
-                f"the chaos run is not identical: {verdict['summary']}; see {out / 'chaos'}"
+                f"the chaos run is not identical: {verdict['summary']}; see {run.chaos}"
             )
         return (
-            report.chaos_section(out / "chaos", "chaos")
+            report.chaos_section(run.chaos.root, rundir.CHAOS)
             + "\n\n"
-            + report.chaos_goodput(out / "chaos")
+            + report.chaos_goodput(run.chaos.root)
         )
 
     def checks_stage() -> str:
@@ -386,7 +388,7 @@ def run_capstone(
     path, page = report.write_reports(
         out, "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n", "tpulab capstone report"
     )
-    if (run_dir / "mlflow_run.json").exists():
+    if RunDir(run_dir).mlflow_run.exists():
         from tpulab.tracking.store import log_files_to_run
 
         log_files_to_run(run_dir, [path, page, out / "plots" / "curves.png"], "report")

@@ -10,12 +10,11 @@ capstone dir).
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 from tpulab.checkpoint import rundir
-from tpulab.checkpoint.rundir import RunDir
+from tpulab.checkpoint.rundir import RunDir, read_json
 from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.evidence.provenance import describe_hardware
@@ -56,12 +55,13 @@ def provenance_section(env: dict) -> str:
 
 
 def run_section(run_dir: Path) -> str:
-    env = json.loads((run_dir / "env.json").read_text())
-    summary = json.loads((run_dir / "summary.json").read_text())
-    docs = json.loads((run_dir / "documents.json").read_text())
+    rd = RunDir(run_dir)
+    env, summary, docs = rd.read(rundir.ENV), rd.read(rundir.SUMMARY), rd.read(rundir.DOCUMENTS)
     prec, shapes = env["precision"], env["shapes"]
     tps = steady_tokens_per_s(run_dir, shapes["batch"] * shapes["seq_len"])
-    manifest = run_dir / "checkpoints" / str(summary["latest_checkpoint"]) / "tpulab_manifest.json"
+    # str(), not RunDir.manifest's int(): a run that saved no checkpoint has None here, and its
+    # report says "missing" instead of raising
+    manifest = rd.checkpoints / str(summary["latest_checkpoint"]) / rundir.MANIFEST
     from tpulab.checkpoint.files import sha256_file
 
     return "\n".join(
@@ -97,7 +97,7 @@ def run_section(run_dir: Path) -> str:
 
 
 def proof_section(proof_dir: Path, rel: str) -> str:
-    v = json.loads((proof_dir / "verdict.json").read_text())
+    v = RunDir(proof_dir).read(rundir.VERDICT)
     verdict = (
         "**bitwise identical**"
         if v["identical"]
@@ -118,13 +118,13 @@ def proof_section(proof_dir: Path, rel: str) -> str:
             "",
             f"![overlay]({rel}/overlay.png)",
             "",
-            f"Evidence: `{rel}/verdict.json`, per-step losses in each run's `metrics.jsonl`.",
+            f"Evidence: `{rel}/{rundir.VERDICT}`, per-step losses in each run's `{METRICS}`.",
         ]
     )
 
 
 def chaos_section(chaos_dir: Path, rel: str) -> str:
-    v = json.loads((chaos_dir / "verdict.json").read_text())
+    v = RunDir(chaos_dir).read(rundir.VERDICT)
     return "\n".join(
         [
             "## Chaos: SIGKILL at random moments",
@@ -139,7 +139,7 @@ def chaos_section(chaos_dir: Path, rel: str) -> str:
             "",
             f"![chaos]({rel}/segments.png)",
             "",
-            f"Evidence: `{rel}/verdict.json`, the victim's `metrics.jsonl` "
+            f"Evidence: `{rel}/{rundir.VERDICT}`, the victim's `{METRICS}` "
             "(one segment per process lifetime).",
         ]
     )
@@ -190,8 +190,8 @@ def goodput_section(run_dir: Path, title: str, kill_tail_s: float = 0.0) -> str:
 
 
 def find_run_dir(d: Path) -> Path | None:
-    for cand in (d, d / "run", d / "proof" / "reference"):
-        if (cand / "env.json").exists() and (cand / METRICS).exists():
+    for cand in (d, d / "run", RunDir(d).proof.reference.root):
+        if RunDir(cand).env.exists() and RunDir(cand).metrics.exists():
             return cand
     return None
 
@@ -204,34 +204,33 @@ def build_report(d: str | Path) -> str:
     if not d.is_dir():
         raise TpulabError(f"{d} is not a directory")
     run_dir = find_run_dir(d)
-    if (
-        run_dir is None
-        and not (d / "proof" / "verdict.json").exists()
-        and not (d / "chaos" / "verdict.json").exists()
-    ):
-        raise TpulabError(f"{d} holds no run (env.json and metrics.jsonl), proof or chaos evidence")
+    proof, chaos = RunDir(d).proof, RunDir(d).chaos
+    if run_dir is None and not proof.verdict.exists() and not chaos.verdict.exists():
+        raise TpulabError(f"{d} holds no run ({rundir.ENV} and {METRICS}), proof or chaos evidence")
     sections = []
     if run_dir is not None:
         rel = run_dir.relative_to(d).as_posix()
-        sections.append(provenance_section(json.loads((run_dir / "env.json").read_text())))
-        if (run_dir / "summary.json").exists():
+        sections.append(provenance_section(RunDir(run_dir).read(rundir.ENV)))
+        if RunDir(run_dir).summary.exists():
             sections.append(run_section(run_dir))
         else:
             sections.append(
-                "## The training run\n\nNo summary.json: this run has not ended normally yet."
+                f"## The training run\n\nNo {rundir.SUMMARY}: this run has not ended normally yet."
             )
         sections.append(curves_section(run_dir, d / "plots" / "curves.png", "plots/curves.png"))
         sections.append(goodput_section(run_dir, f"Goodput of `{rel or '.'}`"))
-    if (d / "proof" / "verdict.json").exists():
+    if proof.verdict.exists():
         sections.append(
-            proof_section(d / "proof", "proof")
+            proof_section(proof.root, rundir.PROOF)
             + "\n\n"
-            + goodput_section(d / "proof" / "interrupted", "Goodput of the killed-and-resumed run")
+            + goodput_section(proof.interrupted.root, "Goodput of the killed-and-resumed run")
         )
-    if (d / "chaos" / "verdict.json").exists():
-        sections.append(chaos_section(d / "chaos", "chaos") + "\n\n" + chaos_goodput(d / "chaos"))
+    if chaos.verdict.exists():
+        sections.append(
+            chaos_section(chaos.root, rundir.CHAOS) + "\n\n" + chaos_goodput(chaos.root)
+        )
     if (d / "checks.json").exists():
-        sections.append(checks_section(json.loads((d / "checks.json").read_text())["rows"]))
+        sections.append(checks_section(read_json(d / "checks.json")["rows"]))
     if (d / "inference" / "inference.md").exists():
         sections.append((d / "inference" / "inference.md").read_text())
     if (d / "posttrain" / "posttrain.md").exists():
@@ -246,10 +245,11 @@ def build_report(d: str | Path) -> str:
 def chaos_goodput(chaos_dir: Path) -> str:
     from tpulab.evidence.goodput import chaos_kill_tail
 
-    v = json.loads((chaos_dir / "verdict.json").read_text())
-    tail = chaos_kill_tail(chaos_dir / "victim", v.get("kill_log", []))
+    v = RunDir(chaos_dir).read(rundir.VERDICT)
+    victim = RunDir(chaos_dir).victim.root
+    tail = chaos_kill_tail(victim, v.get("kill_log", []))
     return goodput_section(
-        chaos_dir / "victim", "Goodput of the chaos victim (all lifetimes, kills included)", tail
+        victim, "Goodput of the chaos victim (all lifetimes, kills included)", tail
     )
 
 

@@ -7,6 +7,7 @@ import math
 import re
 from typing import Literal
 
+from tpulab.checkpoint.rundir import METRICS
 from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, check_path, field, nested
 from tpulab.data.config import DataConfig
 from tpulab.errors import ConfigError
@@ -68,7 +69,7 @@ class TrainConfig:
 
     steps: int = field(300, "train until this step", resume_mutable=True)
     log_every: int = field(
-        10, "progress-bar refresh interval (metrics.jsonl gets every step)", resume_mutable=True
+        10, f"progress-bar refresh interval ({METRICS} gets every step)", resume_mutable=True
     )
     eval_every: int = field(
         50, "validation loss interval (and at the last step)", resume_mutable=True

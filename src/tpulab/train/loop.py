@@ -23,10 +23,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import yaml
 
 from tpulab import compile_cache
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.rundir import DOCUMENTS, SUMMARY, RunDir
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -169,10 +168,9 @@ def host_metrics(metrics: dict) -> dict:
 def write_run_files(
     run_dir: Path, config: RunConfig, description: dict, n_params: int, extra: dict
 ) -> dict:
-    atomic_write_bytes(
-        run_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False).encode()
-    )
-    atomic_write_json(run_dir / "documents.json", description)
+    run = RunDir(run_dir)
+    run.write_config(config)
+    run.write(DOCUMENTS, description)
     return write_environment(
         run_dir,
         extra={
@@ -265,7 +263,7 @@ def train(
         "tokenizer": TOKENIZER,
         "identities": identities,
     }
-    found = scan(run_dir / "checkpoints")
+    found = scan(RunDir(run_dir).checkpoints)
     if not found.usable and not force:
         raise CheckpointError(found.refusal())
     if found.latest is not None and read_meta(found.directory / str(found.latest)).get(
@@ -296,7 +294,7 @@ def train(
     summary: dict = {}
     try:
         store = CheckpointStore(
-            run_dir / "checkpoints",
+            RunDir(run_dir).checkpoints,
             keep=config.checkpoint.keep,
             async_save=config.checkpoint.async_save,
             allow_commit=hooks.allow_commit,
@@ -489,5 +487,5 @@ def train(
         if own_preemption:
             preempt.restore()
     if primary:
-        atomic_write_json(run_dir / "summary.json", summary)
+        RunDir(run_dir).write(SUMMARY, summary)
     return summary

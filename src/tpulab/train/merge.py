@@ -17,10 +17,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 from flax import nnx
 
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.files import atomic_write_json
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.checkpoint.store import CheckpointStore, read_meta
 from tpulab.config import to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -43,7 +43,8 @@ def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = 
             f"{run_dir} is not a LoRA run (objective.lora.rank is 0): nothing to merge"
         )
     out = Path(out)
-    if (out / "checkpoints").exists():
+    run = RunDir(out)
+    if run.checkpoints.exists():
         raise TpulabError(f"{out} already holds checkpoints; choose a new --out")
     t0 = time.perf_counter()
     merged = jax.block_until_ready(folded(src.model))
@@ -62,7 +63,7 @@ def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = 
             f"{MERGE_BOUND:g} bound; nothing written"
         )
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / "config.yaml", _yaml(config))
+    run.write_config(config)
     meta = {
         "config": to_dict(config),
         "corpus_identity": _meta(src).get("corpus_identity"),
@@ -70,7 +71,7 @@ def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = 
         "identities": {**_meta(src).get("identities", {}), "merged_from": src.checkpoint_digest},
         "model_only": True,
     }
-    store = CheckpointStore(out / "checkpoints", keep=2, async_save=False)
+    store = CheckpointStore(run.checkpoints, keep=2, async_save=False)
     try:
         store.save(src.step, TrainState(src.state.step, merged, (), src.state.rng), None, meta)
         store.wait()
@@ -113,7 +114,3 @@ def default_probe(seq_len: int) -> np.ndarray:
 
 def _meta(r) -> dict:
     return read_meta(r.checkpoint_dir)
-
-
-def _yaml(config) -> bytes:
-    return yaml.safe_dump(to_dict(config), sort_keys=False).encode()

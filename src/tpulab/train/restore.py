@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 from tpulab.checkpoint.files import manifest_digest
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.checkpoint.store import read_meta, read_state, scan
 from tpulab.config import from_dict
 from tpulab.errors import CheckpointError, TpulabError
@@ -51,7 +52,7 @@ class Restored:
 def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
     """The verified step dir (newest when ``step`` is None); one-line errors otherwise."""
     run_dir = Path(run_dir)
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = RunDir(run_dir).checkpoints
     if not ckpt_dir.is_dir():
         raise TpulabError(
             f"{run_dir} holds no checkpoints (train first: tpulab train --run-dir {run_dir})"
