@@ -20,9 +20,12 @@ demo: setup
 	$(BIN)/tpulab capstone --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 # lint is a prerequisite, so it has passed before pytest starts (also under -j): a tree that fails
-# ruff fails `make test` in seconds instead of after the ~15 min suite. test-fast skips it.
+# ruff fails `make test` in seconds instead of after the suite. test-fast skips it. Two workers
+# (pytest-xdist), a module per worker so module fixtures are built once: the suite is mostly child
+# processes starting, compiling and waiting, which a second worker overlaps (44.7 min measured
+# with 2 workers on this 2-core host, a benchmark running beside it).
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -107,7 +107,8 @@ def test_goodput_of_a_real_killed_and_resumed_run(tmp_path):
     assert g["total_s"] == pytest.approx(killed_wall + end["wall_s"], abs=0.05)
     # the buckets cover the measured wall time (the end event is read a few ms after the last lap)
     assert sum(g["buckets_s"].values()) == pytest.approx(g["total_s"], abs=0.05)
-    assert 0.0 <= g["unaccounted_s"] < 0.05
+    # the wall time and the buckets' laps are separate clock reads: -0.1 ms was seen (CI at load 6)
+    assert -1e-3 <= g["unaccounted_s"] < 0.05
     assert set(g["buckets_s"]) == set(BUCKETS)
     assert g["buckets_s"]["restart_startup"] == pytest.approx(
         end["phases_s"]["startup"] + end["phases_s"]["first_step"], abs=1e-3

@@ -464,7 +464,7 @@ def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, tmp_path)
         "--config",
         str(TINY),
         "--kills",
-        "2",
+        "1",  # one random kill: the fixed-point proof above covers the rest (2 cost ~60 s more)
         "--seed",
         "3",
         *proof_args(trained_run, reward_run),
@@ -472,4 +472,4 @@ def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, tmp_path)
     )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
-    assert v["identical"] and v["final_state_identical"] and v["kills"] == 2
+    assert v["identical"] and v["final_state_identical"] and v["kills"] == 1

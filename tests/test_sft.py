@@ -326,7 +326,7 @@ def test_lora_chaos_random_kills_end_identical(trained_run, tmp_path):
         "--config",
         str(TINY),
         "--kills",
-        "2",
+        "1",  # one random kill: the fixed-point proof above covers the rest (2 cost ~60 s more)
         "--seed",
         "1",
         *sft_args(trained_run, "objective.lora.rank=4", *LONGER),
@@ -334,7 +334,7 @@ def test_lora_chaos_random_kills_end_identical(trained_run, tmp_path):
     )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
-    assert v["identical"] and v["final_state_identical"] and v["kills"] == 2
+    assert v["identical"] and v["final_state_identical"] and v["kills"] == 1
 
 
 # Room to kill between checkpoints: the kill lands at step 9, after the saves of steps 4 and 8.

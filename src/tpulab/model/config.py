@@ -15,6 +15,12 @@ from typing import Literal
 from tpulab.config import check, check_int, field
 from tpulab.data.tokenizer import VOCAB_SIZE
 
+# Temperatures in (0, MIN_TEMPERATURE) are refused: logits / t overflows float32 to inf (5e-324 is
+# 0 in float32), and inf - inf makes the probabilities NaN. 0 means greedy. Here, not in
+# model.sampling, so that configs (PPO's among them) validate before jax is imported.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 10.0
+
 DType = Literal["float32", "bfloat16"]
 # What each block keeps for the backward pass (``jax.checkpoint`` per block, ``model.transformer``):
 # none = every activation; block = only the block's input, the rest recomputed;

@@ -19,11 +19,8 @@ import numpy as np
 from tpulab.config import check, field
 from tpulab.data.tokenizer import BOS, VOCAB_SIZE
 from tpulab.errors import TpulabError
+from tpulab.model.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 
-# Temperatures in (0, MIN_TEMPERATURE) are refused: logits / t overflows float32 to inf (5e-324 is
-# 0 in float32), and inf - inf makes the probabilities NaN. 0 means greedy.
-MIN_TEMPERATURE = 1e-3
-MAX_TEMPERATURE = 10.0
 MAX_SEED = 2**63 - 1
 MAX_PROMPT_CHARS = (
     4096  # coarse bound before encoding (the service checks it before parsing further)

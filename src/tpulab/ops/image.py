@@ -572,11 +572,10 @@ def build_image(
                     "0.0.0.0",
                     "--port",
                     str(PORT),
-                    # The image root is read-only; /tmp is the one writable place.
-                    "--trace-log",
-                    "/tmp/serve_traces.jsonl",
                 ],
-                "WorkingDir": "/srv",
+                # The root is read-only; /tmp is the one writable place, and serve writes its
+                # trace log (./serve_traces.jsonl) to the working directory, whatever the args.
+                "WorkingDir": "/tmp",
                 "ExposedPorts": {f"{PORT}/tcp": {}},
                 "Labels": labels,
             },

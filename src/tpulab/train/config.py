@@ -248,7 +248,7 @@ class PPOConfig:
     vf_coef: float = field(0.1, "value-loss coefficient, >= 0")
 
     def __post_init__(self):
-        from tpulab.model.sampling import MAX_TEMPERATURE, MIN_TEMPERATURE
+        from tpulab.model.config import MAX_TEMPERATURE, MIN_TEMPERATURE
 
         for name in ("rollouts", "max_new", "epochs", "minibatches"):
             check_int(getattr(self, name), f"objective.ppo.{name}", 1, 2**16)
