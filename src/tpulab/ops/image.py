@@ -72,6 +72,7 @@ SERVE_DISTRIBUTIONS = (
     "opentelemetry-api",
     "opt_einsum",
     "optax",
+    "prometheus_client",  # /metrics (imported when the service starts)
     "pydantic",
     "pydantic_core",
     "Pygments",

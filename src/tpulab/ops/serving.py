@@ -189,7 +189,6 @@ def training_reference(run_dir) -> tuple:
     (None, why) when they cannot be rebuilt exactly (documents.json's sha256 per document)."""
     from tpulab.config import load
     from tpulab.data.corpus import load_corpus
-    from tpulab.data.pipeline import split_documents
     from tpulab.train.config import RunConfig
 
     run = RunDir(run_dir)
@@ -197,8 +196,12 @@ def training_reference(run_dir) -> tuple:
         recorded = read_json(run.documents)
         cfg = load(RunConfig, run.config)
         corpus = load_corpus(cfg.data.path)
+        # Imported here: the pipeline needs grain, which the serving image leaves out (and the image
+        # holds no run dir, so it never gets this far).
+        from tpulab.data.pipeline import split_documents
+
         train, _ = split_documents(corpus, cfg.data)
-    except (OSError, ValueError, TpulabError) as e:
+    except (OSError, ValueError, ImportError, TpulabError) as e:
         return None, f"none: the training corpus of {run} cannot be rebuilt ({_first_line(e)})"
     want = [(d["name"], d["sha256"]) for d in recorded.get("train_documents", [])]
     if [(d.name, d.sha256) for d in train] != want:
