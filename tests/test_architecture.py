@@ -11,7 +11,16 @@ from conftest import REPO
 SRC = REPO / "src" / "tpulab"
 # Lower layers first. A package may import its own layer and the layers below it, never above.
 LAYERS = [
-    {"errors", "config", "compile_cache", "progress", "libtpu_env", "hostmem", "process_setup"},
+    {
+        "errors",
+        "config",
+        "compile_cache",
+        "progress",
+        "libtpu_env",
+        "hostmem",
+        "process_setup",
+        "lazy",
+    },
     {"data"},
     {"model"},
     {"checkpoint"},

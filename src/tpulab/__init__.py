@@ -11,10 +11,11 @@ Everything else lives in the subpackages (``tpulab.train``, ``tpulab.inference``
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tpulab.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from tpulab.train.config import RunConfig
@@ -47,12 +48,4 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return load(RunConfig, path, list(overrides))
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, _, attribute = _EXPORTS[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

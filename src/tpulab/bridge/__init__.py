@@ -7,7 +7,7 @@ load only with the module that needs them.
 
 from __future__ import annotations
 
-import importlib
+from tpulab.lazy import lazy_exports
 
 # name -> "module:attribute". The kill/resume proof and the comparison are exported as
 # ``prove_resume`` and ``compare_backends``, not as ``prove`` and ``compare``: those are also the
@@ -26,12 +26,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, _, attribute = _EXPORTS[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

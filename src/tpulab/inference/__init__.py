@@ -5,7 +5,7 @@ Public names are imported lazily so ``import tpulab.inference`` stays cheap for 
 
 from __future__ import annotations
 
-import importlib
+from tpulab.lazy import lazy_exports
 
 # name -> "module:attribute"
 _EXPORTS = {
@@ -25,12 +25,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, _, attribute = _EXPORTS[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
