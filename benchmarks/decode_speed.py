@@ -41,7 +41,7 @@ def main() -> None:
     prepare()  # as the CLI does, before JAX starts its threads or a backend
     from tpulab.evidence.provenance import describe_hardware, environment
     from tpulab.inference.speed import batch_markdown, batch_table, decode_speed, speed_table
-    from tpulab.model.transformer import param_count
+    from tpulab.model.transformer import built_param_count
     from tpulab.train.restore import load_model
 
     restored = load_model(args.run_dir, args.step)
@@ -58,7 +58,7 @@ def main() -> None:
     head = (
         f"{describe_hardware(env)}; jax {env['packages']['jax']}; commit {env['git_commit']}; "
         f"model d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, "
-        f"max_seq_len {m.max_seq_len}, {param_count(restored.model):,} parameters, "
+        f"max_seq_len {m.max_seq_len}, {built_param_count(restored.model):,} parameters, "
         f"{restored.config.precision.compute_dtype} compute; checkpoint step {restored.step}; "
         f"batch 1, greedy, best of {args.repeats}; load average before "
         f"{load_before[0]:.1f} on {os.cpu_count()} host cores"
@@ -84,7 +84,7 @@ def main() -> None:
         "checkpoint_step": restored.step,
         "run_dir": str(args.run_dir),
         "model": vars(m),
-        "parameters": param_count(restored.model),
+        "parameters": built_param_count(restored.model),
         "precision": vars(restored.config.precision),
         "repeats": args.repeats,
         "loadavg_before": load_before,

@@ -100,12 +100,12 @@ def test_budget_fits_tiny_and_refuses_an_oversized_model_before_compiling():
 def test_analytic_counts_match_the_model_and_remat_saves_activations():
     from flax import nnx
 
-    from tpulab.model.transformer import Transformer, param_count
+    from tpulab.model.transformer import Transformer, built_param_count
     from tpulab.perf import budget as B
 
     cfg = tiny_config()
     model = nnx.eval_shape(lambda: Transformer(cfg.model, cfg.precision, rngs=nnx.Rngs(0)))
-    assert B.param_count(cfg.model) == param_count(model)
+    assert B.param_count(cfg.model) == built_param_count(model)
     t = B.train_budget(cfg, 1)
     assert t["activations_remat"] < t["activations"] and t["total_remat"] < t["total"]
 

@@ -200,8 +200,7 @@ def test_param_count_matches_the_built_model(shape):
     from flax import nnx
 
     from tpulab.model.config import PrecisionConfig, param_count
-    from tpulab.model.transformer import Transformer
-    from tpulab.model.transformer import param_count as built_param_count
+    from tpulab.model.transformer import Transformer, built_param_count
 
     cfg = dataclasses.replace(tiny_config().model, **shape)
     model = nnx.eval_shape(

@@ -110,7 +110,8 @@ class PrecisionConfig:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Trainable parameters of ``Transformer(cfg)``, from the shapes alone (nothing is built).
+    """Trainable parameters of ``Transformer(cfg)``, from the shapes alone (nothing is built;
+    ``transformer.built_param_count`` counts a built module's, LoRA adapters included).
 
     Embedding ``V*D``; per block two RMSNorm scales ``2D``, fused QKV ``3D*D``, attention output
     ``D*D``, MLP up and down ``2*r*D*D`` (no biases); final norm ``D``; an untied head ``D*V``.

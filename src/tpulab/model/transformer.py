@@ -289,5 +289,7 @@ _REMAT = {
 }
 
 
-def param_count(model: nnx.Module) -> int:
+def built_param_count(model: nnx.Module) -> int:
+    """Parameters of a built (or ``eval_shape``d) module: its ``nnx.Param`` leaves, LoRA adapters
+    included (``model.config.param_count`` counts a config's, from the shapes alone)."""
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -33,7 +33,7 @@ from tpulab.errors import CheckpointError, ExitCode, TpulabError
 from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
-from tpulab.model.transformer import param_count
+from tpulab.model.transformer import built_param_count
 from tpulab.train import objectives
 from tpulab.train.config import MeshConfig, ObjectiveConfig, RunConfig
 from tpulab.train.hooks import HookList, Hooks
@@ -328,7 +328,7 @@ def train(
                 run_dir,
                 config,
                 data.description,
-                param_count(steps.model(state.params)),
+                built_param_count(steps.model(state.params)),
                 described,
             )
             if primary
