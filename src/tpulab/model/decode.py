@@ -35,7 +35,7 @@ def _attend_one(attn, q_b1hd, kt_xds, v_xsd, visible_bs) -> jax.Array:
     scores_x1s = jnp.einsum(
         "xtd,xds->xts", q_b1hd.reshape(b * h, 1, d), kt_xds, preferred_element_type=acc
     )
-    e_bhs, sum_bh = attn.weights(scores_x1s.reshape(b, h, -1), visible_bs)
+    e_bhs, sum_bh = attn.softmax_parts(scores_x1s.reshape(b, h, -1), visible_bs)
     out_x1d = jnp.einsum(
         "xts,xsd->xtd",
         e_bhs.reshape(b * h, 1, -1).astype(v_xsd.dtype),

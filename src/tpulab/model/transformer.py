@@ -151,7 +151,7 @@ class Attention(nnx.Module):
         [B, T, D]."""
         acc = self.prec.accum_dtype
         scores_bhts = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc)
-        e_bhts, sum_bht = self.weights(scores_bhts, mask_bts)
+        e_bhts, sum_bht = self.softmax_parts(scores_bhts, mask_bts)
         e_bhts = self.attn_dropout(e_bhts, deterministic=deterministic, rngs=rngs)
         out_bthd = jnp.einsum(
             "bhts,bshd->bthd", e_bhts.astype(v_bshd.dtype), v_bshd, preferred_element_type=acc
@@ -160,7 +160,7 @@ class Attention(nnx.Module):
             out_bthd / jnp.swapaxes(sum_bht, 1, 2)[..., None], *out_bthd.shape[:2]
         )
 
-    def weights(self, scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def softmax_parts(self, scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Softmax over the last axis of raw q.k products [B, H, ..., S] (accumulation dtype),
         scaled by 1/sqrt(Dh), left unnormalized: ``exp(z - max z)`` and its sum over S. ``mask``
         [B, ..., S] (no head axis) is True where a key is visible. Callers divide by the sum after
