@@ -663,14 +663,14 @@ def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(ve
 
 
 def test_a_request_past_its_deadline_expires_in_the_queue_on_the_injected_clock():
-    from tpulab.inference.generate import Request as GenRequest
+    from tpulab.inference.generate import Request as GenerationRequest
     from tpulab.inference.serve import Batcher, ServeConfig
     from tpulab.model.sampling import SamplingConfig
 
     now = [100.0]
     batcher = Batcher(ServeConfig(request_timeout_s=5.0), clock=lambda: now[0])
     batcher.model = type("M", (), {"max_len": 32})()
-    req = GenRequest.of("a", SamplingConfig(max_new=1), 32)
+    req = GenerationRequest.of("a", SamplingConfig(max_new=1), 32)
     late, fresh = batcher.submit(req, "fp32"), None
     now[0] = 105.5  # 5.5 s later: past the first request's deadline
     fresh = batcher.submit(req, "fp32")

@@ -63,7 +63,8 @@ from pathlib import Path
 from typing import Annotated
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -72,7 +73,7 @@ from starlette.requests import ClientDisconnect
 from tpulab.config import check, field
 from tpulab.data.drift import DriftWindow
 from tpulab.errors import TpulabError
-from tpulab.inference.generate import Request as GenRequest
+from tpulab.inference.generate import Request as GenerationRequest
 from tpulab.inference.generate import decode_text, generate_batch
 from tpulab.inference.trust import load_verified
 from tpulab.model import kvcache as kv
@@ -143,7 +144,7 @@ class ServeConfig:
         return sorted({batch_bucket(n) for n in range(1, self.max_batch + 1)})
 
 
-class GenerateRequest(BaseModel):
+class GenerateBody(BaseModel):
     """POST /v1/generate body: types only (the bounds are sampling's); unknown fields refused."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -177,8 +178,8 @@ def _too_large(n: int) -> str:
     return f"request body is {n} bytes, at most {MAX_BODY_BYTES}"
 
 
-def parse_request(body: bytes, max_len: int) -> tuple[GenerateRequest, GenRequest]:
-    """POST body -> (typed request, validated generation request); TpulabError says why not."""
+def parse_request(body: bytes, max_len: int) -> tuple[GenerateBody, GenerationRequest]:
+    """POST body -> (its typed fields, the validated generation request); TpulabError says why."""
     if len(body) > MAX_BODY_BYTES:
         raise TpulabError(_too_large(len(body)))
     try:
@@ -192,7 +193,7 @@ def parse_request(body: bytes, max_len: int) -> tuple[GenerateRequest, GenReques
             f"request body is not valid JSON ({str(e).splitlines()[0][:120]})"
         ) from None
     try:
-        req = GenerateRequest.model_validate(obj)
+        req = GenerateBody.model_validate(obj)
     except ValidationError as e:
         errs = e.errors(include_url=False, include_input=False, include_context=False)
         reasons = [f"{'.'.join(map(str, x['loc'])) or 'body'}: {x['msg']}" for x in errs[:4]]
@@ -200,7 +201,7 @@ def parse_request(body: bytes, max_len: int) -> tuple[GenerateRequest, GenReques
     sampling = SamplingConfig(
         max_new=req.max_new, temperature=req.temperature, top_k=req.top_k, seed=req.seed
     )
-    return req, GenRequest.of(req.prompt, sampling, max_len)
+    return req, GenerationRequest.of(req.prompt, sampling, max_len)
 
 
 def _utc_now() -> str:
@@ -250,7 +251,7 @@ def artifacts_loader(artifacts, run_dir=None, key: bytes | None = None) -> Calla
 
 @dataclasses.dataclass
 class _Job:
-    req: GenRequest
+    req: GenerationRequest
     policy: str
     future: concurrent.futures.Future
     enqueued: float
@@ -283,7 +284,7 @@ class Batcher:
             old, self.model = self.model, model
         return old
 
-    def submit(self, req: GenRequest, policy: str) -> concurrent.futures.Future:
+    def submit(self, req: GenerationRequest, policy: str) -> concurrent.futures.Future:
         now = self.clock()
         job = _Job(req, policy, concurrent.futures.Future(), now, now + self.cfg.request_timeout_s)
         with self.cond:
@@ -465,7 +466,7 @@ class _BodyTooLarge(Exception):
     pass
 
 
-async def _read_body(request: Request) -> bytes:
+async def _read_body(request: HttpRequest) -> bytes:
     """The request body, refusing more than MAX_BODY_BYTES without reading them all."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -574,9 +575,11 @@ class Service:
                 flush=True,
             )
 
-    def probe_request(self, model: Model) -> GenRequest:
+    def probe_request(self, model: Model) -> GenerationRequest:
         new = max(1, min(4, model.max_len - 2))
-        return GenRequest.of("a", SamplingConfig(max_new=new, temperature=0.0), model.max_len)
+        return GenerationRequest.of(
+            "a", SamplingConfig(max_new=new, temperature=0.0), model.max_len
+        )
 
     def warm(self, model: Model) -> list[int]:
         """Compile ``model``'s loop for every policy and batch bucket (one executable each, reused
@@ -688,7 +691,7 @@ class Service:
             "batch_buckets": self.cfg.buckets(),
         }
 
-    async def generate(self, request: Request, rid: str) -> JSONResponse:
+    async def generate(self, request: HttpRequest, rid: str) -> JSONResponse:
         t0 = time.perf_counter()
         trace = {"request_id": rid, "time": _utc_now()}
         self._in_flight += 1
@@ -710,7 +713,7 @@ class Service:
     def _unavailable(self, detail: str) -> tuple[int, dict, dict]:
         return 503, {"detail": detail}, {"Retry-After": str(self.cfg.retry_after_s)}
 
-    async def _generate(self, request: Request, trace: dict) -> tuple[int, dict, dict]:
+    async def _generate(self, request: HttpRequest, trace: dict) -> tuple[int, dict, dict]:
         if self.draining:
             return self._unavailable("server stopping")
         if not self.ready.is_set():
@@ -856,7 +859,7 @@ def create_app(service: Service) -> FastAPI:
     app.add_middleware(_Edge, service=service)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
+    async def http_error(request: HttpRequest, exc: StarletteHTTPException):
         return JSONResponse(
             {"detail": exc.detail, "request_id": request_id(request.scope)},
             status_code=exc.status_code,
@@ -864,10 +867,10 @@ def create_app(service: Service) -> FastAPI:
         )
 
     @app.get("/livez")
-    async def livez(request: Request):
+    async def livez(request: HttpRequest):
         return {"status": "live", "request_id": request_id(request.scope)}
 
-    def readiness(request: Request):
+    def readiness(request: HttpRequest):
         rid = request_id(request.scope)
         if service.ready.is_set() and not service.draining:
             return {"status": "ready", **service.readiness, "request_id": rid}
@@ -886,7 +889,7 @@ def create_app(service: Service) -> FastAPI:
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/model")
-    async def model(request: Request):
+    async def model(request: HttpRequest):
         rid = request_id(request.scope)
         if service.model is None:
             return JSONResponse(
@@ -896,7 +899,7 @@ def create_app(service: Service) -> FastAPI:
         return {**service.model_info(), "request_id": rid}
 
     @app.get("/v1/stats")
-    async def stats(request: Request):
+    async def stats(request: HttpRequest):
         return {
             "batches": {str(k): v for k, v in sorted(service.batcher.batches.items())},
             "queued": len(service.batcher.queue),
@@ -905,7 +908,7 @@ def create_app(service: Service) -> FastAPI:
         }
 
     @app.post("/v1/generate")
-    async def generate(request: Request):
+    async def generate(request: HttpRequest):
         return await service.generate(request, request_id(request.scope))
 
     return app
