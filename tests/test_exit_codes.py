@@ -32,9 +32,6 @@ FOREIGN_STATUS = {
     ("evidence/provenance.py", "head.returncode != 0"): "git's status",
     ("cloud/lifecycle.py", "p.returncode != 0"): "the wheel build's status (pip)",
 }
-# Sites in files another engineer is rewriting now (issue 20's brief leaves them out); each must
-# still be there, so this list cannot outlive them: switch the site to the constant, drop its entry.
-PENDING = {"inference/serve.py: exit_code=1": "serving engineer: ExitCode.FAILED at merge"}
 STATUS_NAMES = {"rc", "code", "returncode", "exit_code", "expected_exit_code"}
 
 
@@ -88,9 +85,7 @@ def test_src_names_every_exit_code():
         for p in sorted(SRC.rglob("*.py"))
         for hit in bare_exit_codes(p, p.relative_to(SRC).as_posix())
     ]
-    pending = {hit for hit in found if re.sub(r":\d+:", ":", hit) in PENDING}
-    assert sorted(set(found) - pending) == [], "\n".join(found)
-    assert len(pending) == len(PENDING), f"fixed: drop from PENDING {set(PENDING)} - {pending}"
+    assert found == [], "\n".join(found)
 
 
 def test_the_scan_finds_bare_codes(tmp_path):

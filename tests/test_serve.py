@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from tpulab.data.drift import THRESHOLD
+from tpulab.errors import ExitCode
 
 pytestmark = pytest.mark.slow
 
@@ -514,7 +515,9 @@ def test_bad_artifacts_leave_the_server_live_never_ready_and_exit_1_after_the_ti
     for name, (_, reason) in cases.items():
         out = (tmp_path / f"{name}.log").read_text().strip()
         rc = procs[name][1].returncode
-        assert rc == 1 and out.splitlines()[-1].startswith("error: not ready within 20 s"), out
+        assert rc == ExitCode.FAILED and out.splitlines()[-1].startswith(
+            "error: not ready within 20 s"
+        ), out
         assert reason in out.splitlines()[-1] and "Traceback" not in out, out
         assert (200, 503, True) in seen[name] and all(r == 503 for _, r, _ in seen[name]), seen
 

@@ -72,7 +72,7 @@ from starlette.requests import ClientDisconnect
 
 from tpulab.config import check, field
 from tpulab.data.drift import DriftWindow
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.inference.generate import Request as GenerationRequest
 from tpulab.inference.generate import decode_text, generate_batch
 from tpulab.inference.trust import load_verified
@@ -261,7 +261,9 @@ class _Job:
 class Batcher:
     """The bounded queue and the one thread that turns queued requests into device batches."""
 
-    def __init__(self, cfg: ServeConfig, *, clock=time.monotonic, on_batch=None):
+    def __init__(
+        self, cfg: ServeConfig, *, clock: Callable[[], float] = time.monotonic, on_batch=None
+    ):
         self.cfg, self.clock, self.on_batch = cfg, clock, on_batch
         self.model: Model | None = None  # installed before start; replaced by ``swap``
         self.queue: collections.deque[_Job] = collections.deque()
@@ -499,7 +501,7 @@ class Service:
         describe: str = "",
         trace_log: TraceLog | None = None,
         drift: DriftWindow | None = None,
-        clock=time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.loader, self.cfg, self.describe, self.clock = loader, cfg, describe, clock
         self.trace_log = trace_log
@@ -983,7 +985,7 @@ def run_server(service: Service, host: str = "127.0.0.1", port: int = 8000) -> N
     if server.overdue:
         raise TpulabError(
             f"not ready within {service.cfg.ready_timeout_s:g} s: {service.not_ready_reason()}",
-            exit_code=1,
+            exit_code=ExitCode.FAILED,
         )
     d = service.drain
     print(
