@@ -114,6 +114,67 @@ def test_the_library_never_imports_the_cli():
     assert not users
 
 
+def _handler_names(parser) -> dict[str, str]:
+    """``"tpulab a b"`` -> the name of the function that subcommand runs, for every leaf."""
+    import argparse
+
+    out = {}
+
+    def walk(p, path):
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            out[path] = getattr(p.get_default("handler"), "__name__", "no handler")
+        for a in subs:
+            for name, q in a.choices.items():
+                walk(q, f"{path} {name}")
+
+    walk(parser, parser.prog)
+    return out
+
+
+def _misnamed(names: dict[str, str]) -> dict[str, str]:
+    """Handlers not named ``cmd_`` + the last words of their command."""
+    wrong = {}
+    for cmd, fn in names.items():
+        words = cmd.replace("-", "_").split()[1:]
+        if fn not in {"cmd_" + "_".join(words[i:]) for i in range(len(words))}:
+            wrong[cmd] = fn
+    return wrong
+
+
+def test_every_cli_handler_is_named_cmd():
+    """One convention for the handlers of every CLI module: ``cmd_`` and the last words of the
+    command (``tpulab bridge prove-resume`` -> ``cmd_prove_resume``, ``tpulab image build`` ->
+    ``cmd_image_build`` where one module holds two groups)."""
+    from tpulab.cli.main import build_parser
+
+    names = _handler_names(build_parser())
+    assert len(names) > 40, names
+    assert _misnamed(names) == {}
+
+
+def test_the_handler_name_check_can_fail():
+    import argparse
+
+    def cmd_d(args):
+        return 0
+
+    parser = argparse.ArgumentParser(prog="x")
+    sub = parser.add_subparsers()
+    sub.add_parser("a").set_defaults(handler=lambda args: 0)
+    sub.add_parser("b")
+    group = sub.add_parser("c").add_subparsers()
+    group.add_parser("d").set_defaults(handler=cmd_d)
+    group.add_parser("e-f").set_defaults(handler=cmd_d)
+    group.add_parser("d-e").set_defaults(handler=test_the_handler_name_check_can_fail)
+    assert _misnamed(_handler_names(parser)) == {
+        "x a": "<lambda>",
+        "x b": "no handler",
+        "x c e-f": "cmd_d",
+        "x c d-e": "test_the_handler_name_check_can_fail",
+    }
+
+
 def test_src_reads_no_test_only_environment_variable():
     pattern = re.compile(r"""environ(?:\.get)?\s*[\[(]\s*["'](TPULAB_[A-Z_]+)""")
     found = {m.group(1) for p in SRC.rglob("*.py") for m in pattern.finditer(p.read_text())}

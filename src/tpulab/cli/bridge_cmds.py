@@ -76,7 +76,7 @@ def register(sub) -> None:
     from tpulab.cli.train_cmds import add_tracking_args
 
     add_tracking_args(p, stall=False)
-    p.set_defaults(handler=_train)
+    p.set_defaults(handler=cmd_train)
 
     p = bsub.add_parser(
         "prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, exact comparison"
@@ -98,7 +98,7 @@ def register(sub) -> None:
     )
     add_warm_resume_cache_arg(p)
     _config_args(p)
-    p.set_defaults(handler=_prove)
+    p.set_defaults(handler=cmd_prove_resume)
 
     p = bsub.add_parser(
         "compare", help="train the same seed and shapes on every available backend and method"
@@ -108,10 +108,10 @@ def register(sub) -> None:
         "--timeout", type=float, default=600, help="seconds allowed per child process [600]"
     )
     _config_args(p)
-    p.set_defaults(handler=_compare)
+    p.set_defaults(handler=cmd_compare)
 
 
-def _train(args) -> int:
+def cmd_train(args) -> int:
     args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.loop import train
     from tpulab.cli.train_cmds import tracker_for
@@ -159,7 +159,7 @@ def _train(args) -> int:
     return ExitCode.OK
 
 
-def _prove(args) -> int:
+def cmd_prove_resume(args) -> int:
     args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.prove import prove
 
@@ -185,7 +185,7 @@ def _prove(args) -> int:
     return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
 
 
-def _compare(args) -> int:
+def cmd_compare(args) -> int:
     args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.compare import compare
 

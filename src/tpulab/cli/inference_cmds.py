@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from tpulab.cli.train_cmds import checked_path, path_arg
@@ -14,6 +15,7 @@ def _paths_checked(handler):
     """Every path flag given as "" or too long is one error line before the handler runs
     (``Path("")`` would silently mean the current directory)."""
 
+    @functools.wraps(handler)
     def run(args) -> int:
         for name in ("run_dir", "out", "artifacts", "key_file", "trace_log", "drift_reference"):
             value = getattr(args, name, None)
@@ -24,7 +26,7 @@ def _paths_checked(handler):
     return run
 
 
-def _kvcache(args) -> int:
+def cmd_kvcache(args) -> int:
     from tpulab.inference.cache_eval import markdown_table, write_kvcache_report
     from tpulab.train.restore import load_model
 
@@ -35,7 +37,7 @@ def _kvcache(args) -> int:
     return ExitCode.OK
 
 
-def _export(args) -> int:
+def cmd_export(args) -> int:
     from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
     from tpulab.inference.export import export_artifacts
     from tpulab.train.restore import load_model
@@ -50,7 +52,7 @@ def _export(args) -> int:
     return ExitCode.OK
 
 
-def _verify(args) -> int:
+def cmd_verify_export(args) -> int:
     from tpulab.inference.checkpoint_match import verification_table
     from tpulab.inference.trust import read_key, verify_export
 
@@ -67,7 +69,7 @@ def _verify(args) -> int:
     return ExitCode.OK
 
 
-def _generate(args) -> int:
+def cmd_generate(args) -> int:
     from tpulab.inference.generate import generate_text
     from tpulab.model.sampling import SamplingConfig, prompt_ids
 
@@ -99,7 +101,7 @@ def _generate(args) -> int:
     return ExitCode.OK
 
 
-def _serve(args) -> int:
+def cmd_serve(args) -> int:
     from tpulab.inference.serve import ServeConfig
     from tpulab.ops.serving import serve
 
@@ -128,7 +130,7 @@ def _serve(args) -> int:
     return ExitCode.OK
 
 
-def _serve_bench(args) -> int:
+def cmd_serve_bench(args) -> int:
     from tpulab.inference.serve_bench import BenchConfig, serve_bench
 
     cfg = BenchConfig(
@@ -160,7 +162,7 @@ def register(sub) -> None:
     p.add_argument(
         "--out", type=path_arg, default=None, help="output dir (default: RUN_DIR/kvcache)"
     )
-    p.set_defaults(handler=_paths_checked(_kvcache))
+    p.set_defaults(handler=_paths_checked(cmd_kvcache))
 
     p = sub.add_parser(
         "export", help="serialize prefill/decode endpoints (jax.export) for cpu, tpu and cuda"
@@ -169,7 +171,7 @@ def register(sub) -> None:
     p.add_argument("--out", type=path_arg, required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest valid)")
     p.add_argument("--batch", type=int, default=1, help="batch size the endpoints are lowered for")
-    p.set_defaults(handler=_paths_checked(_export))
+    p.set_defaults(handler=_paths_checked(cmd_export))
 
     p = sub.add_parser(
         "verify-export", help="check an artifact set's hashes and outputs against its checkpoint"
@@ -185,7 +187,7 @@ def register(sub) -> None:
     p.add_argument(
         "--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key"
     )
-    p.set_defaults(handler=_paths_checked(_verify))
+    p.set_defaults(handler=_paths_checked(cmd_verify_export))
 
     p = sub.add_parser(
         "generate", help="stream text from a checkpoint or from verified exported endpoints"
@@ -209,7 +211,7 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
-    p.set_defaults(handler=_paths_checked(_generate))
+    p.set_defaults(handler=_paths_checked(cmd_generate))
 
     p = sub.add_parser(
         "serve",
@@ -287,7 +289,7 @@ def register(sub) -> None:
         help="text file or dir of *.txt the prompt drift statistic compares against (default: "
         "the training documents of the artifacts' run dir)",
     )
-    p.set_defaults(handler=_paths_checked(_serve))
+    p.set_defaults(handler=_paths_checked(cmd_serve))
 
     p = sub.add_parser(
         "serve-bench", help="capacity table: the real service over loopback, 1/4/16 clients"
@@ -300,7 +302,7 @@ def register(sub) -> None:
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
     _batching_args(p)
-    p.set_defaults(handler=_paths_checked(_serve_bench))
+    p.set_defaults(handler=_paths_checked(cmd_serve_bench))
 
 
 def _batching_args(p) -> None:

@@ -1,7 +1,8 @@
 """`tpulab` command line: parse arguments, call one library function, TpulabError -> one line.
 
 Each concern registers its own subcommands (``register(subparsers)``) so this file stays a thin
-dispatcher. Heavy imports (jax, torch) happen inside the handlers, so ``--help`` stays quick.
+dispatcher. Every handler is named ``cmd_<subcommand>`` (``tests/test_architecture.py``). Heavy
+imports (jax, torch) happen inside the handlers, so ``--help`` stays quick.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def _err(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def _register(args) -> int:
+def cmd_register(args) -> int:
     from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
     from tpulab.ops.registry import register, store_uri
 
@@ -53,7 +53,7 @@ def _register(args) -> int:
     return ExitCode.OK
 
 
-def _promote(args) -> int:
+def cmd_promote(args) -> int:
     from tpulab.ops.registry import promote
 
     reg = _open(args)
@@ -64,7 +64,7 @@ def _promote(args) -> int:
     return ExitCode.OK
 
 
-def _rollback(args) -> int:
+def cmd_rollback(args) -> int:
     from tpulab.ops.registry import rollback
 
     reg = _open(args)
@@ -76,7 +76,7 @@ def _rollback(args) -> int:
     return ExitCode.OK
 
 
-def _retire(args) -> int:
+def cmd_retire(args) -> int:
     from tpulab.ops.registry import retire
 
     r = retire(_open(args), args.name, args.version, reason=args.reason)
@@ -84,7 +84,7 @@ def _retire(args) -> int:
     return ExitCode.OK
 
 
-def _delete(args) -> int:
+def cmd_delete(args) -> int:
     from tpulab.ops.registry import delete
 
     r = delete(_open(args), args.name, args.version, reason=args.reason)
@@ -92,7 +92,7 @@ def _delete(args) -> int:
     return ExitCode.OK
 
 
-def _status(args) -> int:
+def cmd_status(args) -> int:
     from tpulab.ops import tags as T
     from tpulab.ops.registry import status
 
@@ -131,7 +131,7 @@ def _status(args) -> int:
     return ExitCode.FAILED if s["drift"] else ExitCode.OK
 
 
-def _prompt(args) -> int:
+def cmd_prompt(args) -> int:
     from tpulab.ops.prompts import list_prompts, register_prompt
 
     reg = _open(args)
@@ -180,7 +180,7 @@ def register(sub) -> None:
     def reason(q):
         q.add_argument("--reason", help="why, for the ledger (default: names the evidence)")
 
-    q = action("register", "a new version from verified export artifacts", _register)
+    q = action("register", "a new version from verified export artifacts", cmd_register)
     q.add_argument("--artifacts", type=path_arg, required=True)
     q.add_argument("--name", required=True)
     q.add_argument(
@@ -191,31 +191,35 @@ def register(sub) -> None:
     )
     reason(q)
 
-    q = action("promote", "move an alias to a version: re-verify, re-evaluate, gate", _promote)
+    q = action("promote", "move an alias to a version: re-verify, re-evaluate, gate", cmd_promote)
     q.add_argument("name")
     q.add_argument("version", type=int)
     q.add_argument("--to", default="champion", help="the alias (default: champion)")
     reason(q)
 
-    q = action("rollback", "move an alias back to the version promoted before", _rollback)
+    q = action("rollback", "move an alias back to the version promoted before", cmd_rollback)
     q.add_argument("name")
     q.add_argument("--alias", default="champion")
     reason(q)
 
-    q = action("retire", "make a version unservable (refused while it holds an alias)", _retire)
+    q = action("retire", "make a version unservable (refused while it holds an alias)", cmd_retire)
     q.add_argument("name")
     q.add_argument("version", type=int)
     reason(q)
 
-    q = action("delete", "delete a version from the store (refused while aliased)", _delete)
+    q = action("delete", "delete a version from the store (refused while aliased)", cmd_delete)
     q.add_argument("name")
     q.add_argument("version", type=int)
     reason(q)
 
-    q = action("status", "aliases, versions, ledger history; exit 1 on store/ledger drift", _status)
+    q = action(
+        "status", "aliases, versions, ledger history; exit 1 on store/ledger drift", cmd_status
+    )
     q.add_argument("name")
 
-    q = action("prompt", "register a prompt template (by content hash), or list versions", _prompt)
+    q = action(
+        "prompt", "register a prompt template (by content hash), or list versions", cmd_prompt
+    )
     q.add_argument("name")
     q.add_argument("--template", help="the template text ({{ variable }} placeholders)")
     q.add_argument("--template-file", type=path_arg, help="read the template from this UTF-8 file")

@@ -10,7 +10,7 @@ from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import ExitCode
 
 
-def _contract_record(args) -> int:
+def cmd_contract_record(args) -> int:
     from tpulab.checkpoint.files import atomic_write_bytes
     from tpulab.data import contract
     from tpulab.data.corpus import load_corpus
@@ -33,7 +33,7 @@ def _contract_record(args) -> int:
     return ExitCode.OK
 
 
-def _contract_check(args) -> int:
+def cmd_contract_check(args) -> int:
     from tpulab.data import contract
     from tpulab.data.corpus import load_corpus
     from tpulab.errors import TpulabError
@@ -56,7 +56,7 @@ def _contract_check(args) -> int:
     return ExitCode.OK
 
 
-def _image_build(args) -> int:
+def cmd_image_build(args) -> int:
     from tpulab.ops.image import build_image
 
     r = build_image(args.artifacts, args.out, tag=args.tag, key_file=args.key_file)
@@ -64,7 +64,7 @@ def _image_build(args) -> int:
     return ExitCode.OK
 
 
-def _image_verify(args) -> int:
+def cmd_image_verify(args) -> int:
     from tpulab.ops.image import verify_layout
 
     r = verify_layout(args.layout)
@@ -75,7 +75,7 @@ def _image_verify(args) -> int:
     return ExitCode.OK
 
 
-def _image_run(args) -> int:
+def cmd_image_run(args) -> int:
     from tpulab.ops.image import run_image
 
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
@@ -83,7 +83,7 @@ def _image_run(args) -> int:
     return ExitCode.OK
 
 
-def _capacity(args) -> int:
+def cmd_capacity(args) -> int:
     from tpulab.ops.capacity import plan, plan_text
 
     print(plan_text(plan(args.table, args.p99_ms, args.load, args.headroom, server=args.server)))
@@ -98,11 +98,11 @@ def register(sub) -> None:
     r.add_argument("--out", type=path_arg, required=True, help="contract JSON to write (new file)")
     r.add_argument("--size-tolerance", type=float, default=0.05, help="relative size band")
     r.add_argument("--entropy-tolerance", type=float, default=0.02, help="bits/byte either side")
-    r.set_defaults(handler=_contract_record)
+    r.set_defaults(handler=cmd_contract_record)
     c = csub.add_parser("check", help="check a corpus against a contract (what train does)")
     c.add_argument("--data", help="text file or directory of *.txt (default: the shipped corpus)")
     c.add_argument("--contract", help="contract JSON (default: the shipped corpus's)")
-    c.set_defaults(handler=_contract_check)
+    c.set_defaults(handler=cmd_contract_check)
 
     p = sub.add_parser("image", help="OCI image of the service, built without a daemon")
     isub = p.add_subparsers(dest="image_command", required=True, metavar="ACTION")
@@ -112,17 +112,17 @@ def register(sub) -> None:
     b.add_argument("--tag", default="latest", help="the image's ref name in index.json")
     b.add_argument("--key-file", help="HMAC key the verification record must be signed with")
     b.add_argument("--json", action="store_true", help="print the build summary as JSON")
-    b.set_defaults(handler=_paths_checked(_image_build))
+    b.set_defaults(handler=_paths_checked(cmd_image_build))
     v = isub.add_parser("verify", help="rehash every blob of an OCI layout against its digest")
     v.add_argument("layout", help="OCI layout dir")
-    v.set_defaults(handler=_image_verify)
+    v.set_defaults(handler=cmd_image_verify)
     r = isub.add_parser(
         "run", help="run an unpacked image under bubblewrap (no daemon), host network"
     )
     r.add_argument("--layout", required=True, help="OCI layout (its config: entrypoint, env, user)")
     r.add_argument("--rootfs", required=True, help="the layout unpacked (umoci raw unpack)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="-- ARGS: replace the image's Cmd")
-    r.set_defaults(handler=_image_run)
+    r.set_defaults(handler=cmd_image_run)
 
     p = sub.add_parser("capacity", help="replicas for a load at a p99 target, from serve-bench")
     p.add_argument("--table", required=True, help="serve_bench.json or capacity.json")
@@ -130,4 +130,4 @@ def register(sub) -> None:
     p.add_argument("--load", type=float, required=True, help="offered load (requests/s)")
     p.add_argument("--headroom", type=float, default=0.3, help="fraction of capacity kept free")
     p.add_argument("--server", default="batching", help="which server's rows (prefix match)")
-    p.set_defaults(handler=_capacity)
+    p.set_defaults(handler=cmd_capacity)

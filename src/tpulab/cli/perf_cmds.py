@@ -8,7 +8,7 @@ from tpulab.cli.train_cmds import add_config_args, load_run_config
 from tpulab.errors import ExitCode
 
 
-def _budget(args) -> int:
+def cmd_budget(args) -> int:
     config = load_run_config(args)
     from tpulab.perf.aot import parse_targets
     from tpulab.perf.budget import table, write_budget
@@ -23,7 +23,7 @@ def _budget(args) -> int:
     return ExitCode.OK
 
 
-def _bench(args) -> int:
+def cmd_bench(args) -> int:
     from tpulab.config import load
     from tpulab.perf.bench import summary_table, sweep_configs, sweep_table
     from tpulab.train.config import RunConfig
@@ -53,7 +53,7 @@ def _default_config():
     return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
 
 
-def _profile(args) -> int:
+def cmd_profile(args) -> int:
     from tpulab.perf.profile import markdown, profile_run
 
     result = profile_run(args.run_dir, steps=args.steps)
@@ -62,7 +62,7 @@ def _profile(args) -> int:
     return ExitCode.OK
 
 
-def _precision(args) -> int:
+def cmd_precision(args) -> int:
     from tpulab.perf.precision import markdown, write_precision
 
     result = write_precision(args.run_dir)
@@ -71,7 +71,7 @@ def _precision(args) -> int:
     return ExitCode.OK
 
 
-def _hypothesis(args) -> int:
+def cmd_hypothesis(args) -> int:
     config = load_run_config(args)
     from tpulab.perf.hypothesis import markdown, predicted_change, run_hypothesis
 
@@ -89,7 +89,7 @@ def _hypothesis(args) -> int:
     return ExitCode.OK
 
 
-def _dossier(args) -> int:
+def cmd_dossier(args) -> int:
     config = load_run_config(args)
     from tpulab.orchestrate.dossier import DossierPlan, build_dossier
 
@@ -118,7 +118,7 @@ def register(sub) -> None:
     p.add_argument(
         "--sweep", metavar="KEY=v1,v2,...", help="also bench each value of one config key"
     )
-    p.set_defaults(handler=_bench)
+    p.set_defaults(handler=cmd_bench)
 
     p = sub.add_parser(
         "profile", help="trace K warmed train steps of a trained run; top-ops table from the trace"
@@ -130,13 +130,13 @@ def register(sub) -> None:
         help="a trained run (its newest checkpoint and config)",
     )
     p.add_argument("--steps", type=int, default=5, help="profiled steps (default: %(default)s)")
-    p.set_defaults(handler=_profile)
+    p.set_defaults(handler=cmd_profile)
 
     p = sub.add_parser(
         "precision", help="fp32 / bf16 / int8 policies of a trained run against fp32, one table"
     )
     p.add_argument("--run-dir", required=True, type=Path, help="a trained fp32 run")
-    p.set_defaults(handler=_precision)
+    p.set_defaults(handler=cmd_precision)
 
     p = sub.add_parser(
         "hypothesis", help="test one predicted speed-up: baseline and changed config side by side"
@@ -158,7 +158,7 @@ def register(sub) -> None:
     p.add_argument(
         "--loss-tol", type=float, default=0.05, help="allowed |val loss difference| (nats)"
     )
-    p.set_defaults(handler=_hypothesis)
+    p.set_defaults(handler=cmd_hypothesis)
 
     p = sub.add_parser(
         "dossier",
@@ -188,7 +188,7 @@ def register(sub) -> None:
         metavar="KEY=VALUE",
         help="override for the target model of the budget (default: the run's model), repeatable",
     )
-    p.set_defaults(handler=_dossier)
+    p.set_defaults(handler=cmd_dossier)
 
     p = sub.add_parser(
         "budget",
@@ -207,4 +207,4 @@ def register(sub) -> None:
         "--serve-context", type=int, help="tokens per served sequence (default: model.max_seq_len)"
     )
     p.add_argument("--out", type=Path, help="where budget.json/md go (default: runs/budget)")
-    p.set_defaults(handler=_budget)
+    p.set_defaults(handler=cmd_budget)

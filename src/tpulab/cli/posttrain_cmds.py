@@ -9,7 +9,7 @@ from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import ExitCode
 
 
-def _pairs(args) -> int:
+def cmd_pairs(args) -> int:
     from tpulab import compile_cache
     from tpulab.posttrain.pairs import PairsConfig, make_pairs, summary_line
 
@@ -29,7 +29,7 @@ def _pairs(args) -> int:
     return ExitCode.OK
 
 
-def _win_rate(args) -> int:
+def cmd_win_rate(args) -> int:
     from tpulab import compile_cache
     from tpulab.checkpoint.files import atomic_write_json
     from tpulab.posttrain.winrate import win_rate
@@ -68,7 +68,7 @@ def register(sub) -> None:
     p.add_argument("--labeller-seed", type=int, default=0, help="the Bradley-Terry draws' seed")
     p.add_argument("--train-prompts", type=_count, default=1024, help="at most N; 0 = all")
     p.add_argument("--eval-prompts", type=_count, default=256, help="at most N; 0 = all")
-    p.set_defaults(handler=_pairs)
+    p.set_defaults(handler=cmd_pairs)
 
     p = sub.add_parser(
         "win-rate",
@@ -79,4 +79,4 @@ def register(sub) -> None:
     p.add_argument("--against", type=path_arg, required=True, help="the baseline (e.g. SFT)")
     p.add_argument("--max-prompts", type=_count, default=0, help="the first N prompts; 0 = all")
     p.add_argument("--out", type=path_arg, default=None, help="write the whole result as JSON")
-    p.set_defaults(handler=_win_rate)
+    p.set_defaults(handler=cmd_win_rate)
