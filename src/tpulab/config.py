@@ -1,12 +1,14 @@
-"""Typed dataclass configs, validated at the edge.
+"""The config machinery, validated at the edge: documented fields, checks, the YAML loader.
 
-Every config is a (nested) frozen dataclass. Values come from the dataclass defaults, then an
-optional YAML file, then ``--set a.b=value`` overrides, in that order. Unknown keys and values of
-the wrong type are errors that name the key, and so is a non-finite float (``inf``, ``nan``,
-``1e999``) unless its field allows one; range checks (including upper bounds on integers, which
-would otherwise overflow deep inside JAX or XLA) live in each dataclass's ``__post_init__``.
-Fields marked ``resume_mutable`` (step count, logging) may change on resume; every other field is
-part of the run's identity.
+No config lives here: each package declares its own in its ``config.py`` (the run's tree is
+``tpulab.train.config.RunConfig``; ``tpulab.load_config`` is ``load(RunConfig, ...)``). Every
+config is a (nested) frozen dataclass. Values come from the dataclass defaults, then an optional
+YAML file, then ``--set a.b=value`` overrides, in that order. Unknown keys and values of the wrong
+type are errors that name the key, and so is a non-finite float (``inf``, ``nan``, ``1e999``)
+unless its field allows one; range checks (including upper bounds on integers, which would
+otherwise overflow deep inside JAX or XLA) live in each dataclass's ``__post_init__``. Fields
+marked ``resume_mutable`` (step count, logging) may change on resume; every other field is part
+of the run's identity.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The Transformer run's config tree. Shipped configs live in configs/*.yaml."""
+"""The Transformer run's config tree, ``RunConfig`` (its fields, checks and loader come from
+``tpulab.config``). Shipped configs live in configs/*.yaml."""
 
 from __future__ import annotations
 
