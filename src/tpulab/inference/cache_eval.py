@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,10 @@ from tpulab.data.tokenizer import PAD
 from tpulab.model import kvcache as kv
 from tpulab.model.decode import ModelFns
 from tpulab.progress import progress
+
+if TYPE_CHECKING:
+    from tpulab.train.config import RunConfig
+    from tpulab.train.restore import Restored
 
 # FP32 cached decode vs the full forward: same math, different summation order/shapes in the
 # matmuls, so they agree to float32 rounding: |logit diff| <= FP32_LOGIT_ATOL.
@@ -50,7 +55,7 @@ class KVEvalConfig:
         )
 
 
-def heldout_windows(config, n: int) -> np.ndarray:
+def heldout_windows(config: RunConfig, n: int) -> np.ndarray:
     """``n`` validation windows [n, seq_len + 1], evenly spaced over the held-out documents."""
     from tpulab.data.corpus import load_corpus
     from tpulab.data.pipeline import build_splits
@@ -138,7 +143,7 @@ def compare_policy(
     }
 
 
-def kvcache_table(source, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
+def kvcache_table(source: Restored, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
     """Rows for fp32, bf16 and int8 plus the full-forward reference, for a ``Restored`` model."""
     fns = ModelFns(source.model)
     s = fns.shape.max_len
@@ -231,7 +236,9 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_kvcache_report(source, out_dir: str | Path, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
+def write_kvcache_report(
+    source: Restored, out_dir: str | Path, cfg: KVEvalConfig = KVEvalConfig()
+) -> dict:
     """kvcache.json, kvcache.md and kvcache.png in ``out_dir``; returns the JSON."""
     from tpulab.evidence.provenance import describe_hardware, environment
 

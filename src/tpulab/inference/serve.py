@@ -60,7 +60,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
 from fastapi import FastAPI
@@ -80,6 +80,12 @@ from tpulab.model import kvcache as kv
 from tpulab.model.decode import MAX_BATCH, batch_bucket
 from tpulab.model.policies import Policy
 from tpulab.model.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from tpulab.inference.artifacts import ArtifactSet
+    from tpulab.model.decode import Engine
 
 MAX_BODY_BYTES = 64 * 1024
 DRAIN_MARGIN_S = 0.5  # answers cut by the drain are written this long before uvicorn's own bound
@@ -214,14 +220,20 @@ class Model:
     is (``registry``: None when served from a plain artifacts dir) and the byte histogram of its
     training corpus for the drift statistic (None, with the reason in ``reference_source``)."""
 
-    art: object  # export.ArtifactSet
-    engines: dict
+    art: ArtifactSet
+    engines: dict[str, Engine]  # one per cache policy
     registry: dict | None = None
     reference: np.ndarray | None = None
     reference_source: str = "none"
 
     @classmethod
-    def of(cls, art, registry=None, reference=None, reference_source="none") -> Model:
+    def of(
+        cls,
+        art: ArtifactSet,
+        registry: dict | None = None,
+        reference: np.ndarray | None = None,
+        reference_source: str = "none",
+    ) -> Model:
         engines = {p: art.engine(p) for p in kv.POLICIES}
         return cls(art, engines, registry, reference, reference_source)
 
@@ -243,7 +255,9 @@ class Model:
         }
 
 
-def artifacts_loader(artifacts, run_dir=None, key: bytes | None = None) -> Callable[[], Model]:
+def artifacts_loader(
+    artifacts: str | Path, run_dir: str | Path | None = None, key: bytes | None = None
+) -> Callable[[], Model]:
     """The loader of a plain artifacts dir: ``load_verified`` (every file rehashed, every artifact
     deserialized and shape-checked, verified against the checkpoint or a passing record)."""
     return lambda: Model.of(load_verified(artifacts, run_dir, key))
@@ -924,7 +938,7 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
         signal after its graceful shutdown: the process died of SIGTERM, exit 143), the service
         learns when the drain begins, and a server not ready in time stops."""
 
-        def __init__(self, config, service: Service):
+        def __init__(self, config: uvicorn.Config, service: Service):
             super().__init__(config)
             self.service, self.signals, self.overdue = service, [], False
 

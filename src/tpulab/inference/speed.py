@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,9 @@ from tpulab.data.tokenizer import PAD
 from tpulab.model import kvcache as kv
 from tpulab.model.config import matmul_params
 from tpulab.model.decode import Decoder, ModelFns
+
+if TYPE_CHECKING:
+    from tpulab.train.restore import Restored
 
 
 def _greedy_next(fns: ModelFns, params, tokens_bt, pos):
@@ -128,7 +132,10 @@ def measure(
 
 
 def decode_speed(
-    source, prompt_lens: tuple[int, ...] | None = None, new_tokens: int | None = None, **kw
+    source: Restored,
+    prompt_lens: tuple[int, ...] | None = None,
+    new_tokens: int | None = None,
+    **kw,
 ) -> list[dict]:
     """Rows for two prompt lengths (default: 1/8 and 1/2 of the cache length, 1/4 of it new
     tokens)."""
@@ -240,8 +247,8 @@ def measure_batch(
 
 
 def batch_table(
-    source,
-    batches=(1, 8, 32),
+    source: Restored,
+    batches: tuple[int, ...] = (1, 8, 32),
     prompt_len: int | None = None,
     new_tokens: int | None = None,
     repeats: int = 3,

@@ -17,10 +17,14 @@ import functools
 import math
 import re
 import time
+from typing import TYPE_CHECKING
 
 from tpulab.errors import TpulabError
 from tpulab.libtpu_env import quiet_libtpu_off_tpu
 from tpulab.perf.chips import CHIPS, Chip
+
+if TYPE_CHECKING:
+    from tpulab.train.config import RunConfig
 
 EXAMPLE_TARGETS = (
     "v5e:1x1",
@@ -215,7 +219,7 @@ def collectives(hlo: str) -> dict:
     return out
 
 
-def compile_train_step(config, target_name: str) -> dict:
+def compile_train_step(config: RunConfig, target_name: str) -> dict:
     """Compile the trainer's own train step (``make_steps``) for a TPU target; compiler numbers
     per device, and the collectives of its optimized HLO."""
     import jax
@@ -249,7 +253,7 @@ def compile_train_step(config, target_name: str) -> dict:
     }
 
 
-def compile_decode_step(config, target_name: str, batch: int, policy: str) -> dict:
+def compile_decode_step(config: RunConfig, target_name: str, batch: int, policy: str) -> dict:
     """Compile one KV-cache decode step (the inference engine's own function) for a TPU target.
 
     The serving batch is split over the target's devices; weights are replicated.

@@ -33,12 +33,16 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpulab.errors import TpulabError
 from tpulab.perf.timing import MIN_TIMED_STEPS, count_host_syncs, summarize
 from tpulab.progress import progress
+
+if TYPE_CHECKING:
+    from tpulab.train.config import RunConfig
 
 DEFAULT_WARMUP = 3
 # The step's performance target on the host it runs on: (smallest d_model, utilization of the matmul
@@ -83,14 +87,14 @@ def utilization_text(result: dict) -> str:
     return f"{100 * v['utilization']:.2f}% (target >= {100 * v['target']:.0f}%: {what})"
 
 
-def synthetic_batch(config, seed: int = 0) -> dict[str, np.ndarray]:
+def synthetic_batch(config: RunConfig, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     b, t = config.data.batch_size, config.data.seq_len
     tokens = rng.integers(0, 256, size=(b, t + 1), dtype=np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((b, t), np.float32)}
 
 
-def gemm_shapes(config) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
+def gemm_shapes(config: RunConfig) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int]]:
     """(name, lhs shape, rhs shape, count per step) of every matrix product in one train step."""
     m, b, t = config.model, config.data.batch_size, config.data.seq_len
     rows, d, hid, v, h, dh = (
@@ -125,7 +129,9 @@ def gemm_shapes(config) -> list[tuple[str, tuple[int, ...], tuple[int, ...], int
 CALL_SIZE = {"cpu": (2e8, 64), "accelerator": (2e11, 4096)}
 
 
-def matmul_rate(config, repeats: int = 15, dtype=None, max_bytes: float = 2 * 2**30) -> dict:
+def matmul_rate(
+    config: RunConfig, repeats: int = 15, dtype=None, max_bytes: float = 2 * 2**30
+) -> dict:
     """FLOP/s of this backend on the step's own GEMM shapes (median time per shape, weighted by
     use).
 
@@ -207,7 +213,7 @@ def check_no_recompiles(result: dict) -> None:
 
 
 def bench_step(
-    config,
+    config: RunConfig,
     *,
     steps: int = MIN_TIMED_STEPS,
     warmup: int = DEFAULT_WARMUP,
@@ -308,7 +314,7 @@ def bench_step(
     return result
 
 
-def _model_shape(config) -> dict:
+def _model_shape(config: RunConfig) -> dict:
     m, p = config.model, config.precision
     return {
         "d_model": m.d_model,
@@ -399,8 +405,8 @@ def summary_table(r: dict) -> str:
 
 
 def run_bench(
-    config,
-    run_dir,
+    config: RunConfig,
+    run_dir: str | Path,
     *,
     steps: int = MIN_TIMED_STEPS,
     sweep: list[tuple[str, object]] | None = None,

@@ -32,11 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from tpulab.errors import TpulabError
 from tpulab.model.config import matmul_params, param_count
 from tpulab.perf import aot
 from tpulab.perf.chips import CHIPS
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tpulab.train.config import RunConfig
 
 WORKSPACE_MARGIN = 0.10  # XLA scratch, fusion buffers, collectives: a margin, not a measurement
 HEADROOM = 0.20  # a recommended slice keeps this share of HBM free (fragmentation, bigger eval)
@@ -49,14 +55,14 @@ class DoesNotFit(TpulabError):
     """The configuration fits none of the requested targets."""
 
 
-def train_flops(config) -> float:
+def train_flops(config: RunConfig) -> float:
     """Analytic FLOPs of one train step (whole batch): 6 N tokens plus attention (12 L B T^2 d, no
     causal skip)."""
     m, b, t = config.model, config.data.batch_size, config.data.seq_len
     return 6.0 * matmul_params(m) * b * t + 12.0 * m.n_layers * b * t * t * m.d_model
 
 
-def activation_bytes(config, batch: int, *, remat: bool) -> int:
+def activation_bytes(config: RunConfig, batch: int, *, remat: bool) -> int:
     m, t = config.model, config.data.seq_len
     c = _BYTES[config.precision.compute_dtype]
     per_layer_token = (
@@ -70,7 +76,7 @@ def activation_bytes(config, batch: int, *, remat: bool) -> int:
     return batch * t * per_token
 
 
-def train_budget(config, devices: int) -> dict:
+def train_budget(config: RunConfig, devices: int) -> dict:
     n = param_count(config.model)
     p = _BYTES[config.precision.param_dtype]
     per_device_batch = max(1, config.data.batch_size // devices)
@@ -94,7 +100,7 @@ def train_budget(config, devices: int) -> dict:
     }
 
 
-def kv_cache_bytes(config, batch: int, context: int, policy: str) -> int:
+def kv_cache_bytes(config: RunConfig, batch: int, context: int, policy: str) -> int:
     """Bytes of the inference cache for ``batch`` sequences of ``context`` slots (its own layout and
     scales)."""
     from tpulab.model import kvcache as kv
@@ -127,7 +133,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def budget(
-    config,
+    config: RunConfig,
     targets: str,
     *,
     serve_batch: int = 8,
@@ -243,7 +249,7 @@ def budget(
     }
 
 
-def _compile_remat(config, target_name: str) -> dict:
+def _compile_remat(config: RunConfig, target_name: str) -> dict:
     """The train step compiled again with ``model.remat=REMAT``: its compiler numbers, or the
     compiler's refusal."""
     cfg = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=REMAT))
@@ -464,7 +470,12 @@ def plot(result: dict, path) -> dict:
 
 
 def write_budget(
-    config, targets: str, out_dir, *, serve_batch: int = 8, serve_context: int | None = None
+    config: RunConfig,
+    targets: str,
+    out_dir: str | Path,
+    *,
+    serve_batch: int = 8,
+    serve_context: int | None = None,
 ) -> dict:
     """Run ``budget`` and write budget.json (with provenance and the config), budget.md and
     budget.png under ``out_dir``."""

@@ -20,8 +20,12 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tpulab.errors import TpulabError
+
+if TYPE_CHECKING:
+    from tpulab.train.config import RunConfig
 
 ABS_TOL_PP = 5.0  # percentage points
 REL_TOL = 0.5
@@ -58,10 +62,10 @@ def verdict(predicted_pct: float, measured_pct: float) -> dict:
 
 
 def run_hypothesis(
-    base_config,
+    base_config: RunConfig,
     change: str,
     predict: str,
-    out_dir,
+    out_dir: str | Path,
     *,
     steps: int = 30,
     skip: int = 3,

@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tpulab.errors import TpulabError
+
+if TYPE_CHECKING:
+    from tpulab.model.config import ModelConfig
 
 ROWS = ("fp32", "bf16-compute", "bf16-params", "int8-weights", "int8-cache")
 _POLICY = {  # weights, activations, accumulation, kv cache
@@ -84,7 +88,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
-def reference_logits(params: dict, cfg, tokens_bt: np.ndarray) -> np.ndarray:
+def reference_logits(params: dict, cfg: ModelConfig, tokens_bt: np.ndarray) -> np.ndarray:
     """Logits [B, T, V] of the deterministic forward in float64 NumPy, from the architecture alone.
 
     Written from the model's description (``tpulab.model.transformer``: pre-norm blocks, RMSNorm
@@ -163,7 +167,7 @@ def _median_time(fn, *args, n: int = 20) -> float:
     return summarize(time_steps(lambda: fn(*args), jax.block_until_ready, n, warmup=2))["median_s"]
 
 
-def precision_table(run_dir, *, windows: int = 8, train_steps: int = 20) -> dict:
+def precision_table(run_dir: str | Path, *, windows: int = 8, train_steps: int = 20) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -272,7 +276,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_precision(run_dir, out_dir=None, **kwargs) -> dict:
+def write_precision(run_dir: str | Path, out_dir: str | Path | None = None, **kwargs) -> dict:
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
     from tpulab.perf.timing import benchmark_environment
 

@@ -199,7 +199,7 @@ def load_train_state(run_dir: Path):
         store.close()
 
 
-def profile_run(run_dir, *, steps: int = 5, warmup: int = 3, timed: int = 20) -> dict:
+def profile_run(run_dir: str | Path, *, steps: int = 5, warmup: int = 3, timed: int = 20) -> dict:
     """Profile K warmed train steps of a trained run (its config, its checkpointed state); write
     DIR/profile/."""
     import jax
