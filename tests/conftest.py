@@ -1,11 +1,19 @@
 """Shared fixtures: a tiny-config factory, one compilation cache for every process, one trained run,
-and the preference tests' SFT policy and sampled pairs."""
+and the preference tests' SFT policy and sampled pairs.
+
+Under pytest-xdist each worker is its own process with its own session fixtures; the fixtures here
+are built once for the whole run (``built_once``: the first worker builds, the others wait on a file
+lock and reuse it), and every worker and child shares one compilation cache.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,11 +27,33 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
+def run_root(tmp_path_factory) -> Path:
+    """The directory every xdist worker of this pytest run shares (the base temp without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """``build(dir)`` run once per pytest run, whichever worker asks first; the others block on the
+    lock and get the finished dir. Users must treat it as read only."""
+    root = run_root(tmp_path_factory)
+    out, done = root / f"once-{name}", root / f"once-{name}.done"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_env(tmp_path_factory) -> dict:
-    """One persistent JAX compilation cache for this process and every child it starts."""
+    """One persistent JAX compilation cache for this process, the other workers and every child
+    they start (JAX skips an entry it cannot read and compiles, so concurrent writers are safe)."""
     cache = os.environ.get("TPULAB_COMPILE_CACHE") or str(
-        tmp_path_factory.mktemp("jax-compile-cache")
+        run_root(tmp_path_factory) / "jax-compile-cache"
     )
     os.environ["TPULAB_COMPILE_CACHE"] = cache
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
@@ -46,9 +76,10 @@ def trained_run(tmp_path_factory) -> Path:
     """A run dir trained with configs/tiny.yaml for 40 steps (checkpoints at 20, 30, 40)."""
     from tpulab.train.loop import train
 
-    run_dir = tmp_path_factory.mktemp("trained") / "run"
-    train(tiny_config(), run_dir, progress=False)
-    return run_dir
+    def build(d: Path) -> None:
+        train(tiny_config(), d / "run", progress=False)
+
+    return built_once(tmp_path_factory, "trained", build) / "run"
 
 
 def run_cli(
@@ -71,12 +102,13 @@ def sft_policy(trained_run, tmp_path_factory) -> Path:
     tests (tests/test_reward.py, tests/test_dpo.py), read only."""
     from tpulab.train.loop import train
 
-    run_dir = tmp_path_factory.mktemp("sft-policy") / "run"
     sets = ("objective.kind=sft", f"objective.init={trained_run}", "train.steps=12")
-    train(
-        tiny_config(*sets, "train.eval_every=6", "checkpoint.save_every=6"), run_dir, progress=False
-    )
-    return run_dir
+
+    def build(d: Path) -> None:
+        cfg = tiny_config(*sets, "train.eval_every=6", "checkpoint.save_every=6")
+        train(cfg, d / "run", progress=False)
+
+    return built_once(tmp_path_factory, "sft-policy", build) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +116,7 @@ def sampled_pairs(sft_policy, tmp_path_factory) -> Path:
     """``tpulab pairs`` output from ``sft_policy``: 64 training and 16 held-out prompts."""
     from tpulab.posttrain.pairs import PairsConfig, make_pairs
 
-    out = tmp_path_factory.mktemp("pairs") / "pairs"
-    make_pairs(sft_policy, out, PairsConfig(train_prompts=64, eval_prompts=16))
-    return out
+    def build(d: Path) -> None:
+        make_pairs(sft_policy, d / "pairs", PairsConfig(train_prompts=64, eval_prompts=16))
+
+    return built_once(tmp_path_factory, "pairs", build) / "pairs"
