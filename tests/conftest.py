@@ -120,3 +120,17 @@ def sampled_pairs(sft_policy, tmp_path_factory) -> Path:
         make_pairs(sft_policy, d / "pairs", PairsConfig(train_prompts=64, eval_prompts=16))
 
     return built_once(tmp_path_factory, "pairs", build) / "pairs"
+
+
+def verified_export(trained_run: Path, tmp_path_factory, step: int) -> Path:
+    """Artifacts of ``trained_run``'s ``step`` exported and verified once per pytest run (the serve,
+    registry-serving and image modules share them, read only)."""
+    from tpulab.inference.export import export_artifacts
+    from tpulab.inference.trust import verify_export
+    from tpulab.train.restore import load_model
+
+    def build(d: Path) -> None:
+        export_artifacts(load_model(trained_run, step), trained_run, d / "art")
+        assert verify_export(d / "art", trained_run)["passed"]
+
+    return built_once(tmp_path_factory, f"verified-export-{step}", build) / "art"
