@@ -214,6 +214,10 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
 def cmd_prove_resume(args) -> int:
     run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
+    if args.processes and args.reference:
+        from tpulab.errors import TpulabError
+
+        raise TpulabError("--reference is for a one-process proof; drop it or --processes")
     if args.processes:
         from tpulab.proofs.scaleout import prove_multiprocess_resume
 
@@ -245,6 +249,7 @@ def cmd_prove_resume(args) -> int:
         config,
         run_dir,
         kill_at=args.kill_at,
+        reference_dir=args.reference and checked_path(args.reference, "--reference"),
         skip_restore=tuple(args.skip_restore),
         compile_cache=args.compile_cache,
         warm_resume_cache=args.warm_resume_cache,
@@ -404,6 +409,12 @@ def register(sub) -> None:
         "checkpoints, about 60%% of the way)",
     )
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--reference",
+        type=path_arg,
+        help="reuse this finished, uninterrupted run of the same config as the reference "
+        "(read only) instead of training one",
+    )
     p.add_argument(
         "--processes",
         type=int,
