@@ -456,20 +456,17 @@ def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(trained_run, reward
 
 
 @pytest.mark.slow
-def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, tmp_path):
+def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, ppo_run, tmp_path):
+    """One random kill (the fixed-point proof above covers the rest; 2 cost ~60 s more); the
+    reference is ``ppo_run``, the same config trained once for this module."""
     result = run_cli(
         "chaos",
-        "--run-dir",
-        str(tmp_path),
-        "--config",
-        str(TINY),
-        "--kills",
-        "1",  # one random kill: the fixed-point proof above covers the rest (2 cost ~60 s more)
-        "--seed",
-        "3",
+        *("--run-dir", str(tmp_path), "--config", str(TINY), "--kills", "1", "--seed", "3"),
         *proof_args(trained_run, reward_run),
+        *("--reference", str(ppo_run)),
         timeout=1500,
     )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
+    assert v["reference_dir"] == str(ppo_run) and not (tmp_path / "chaos" / "reference").exists()
     assert v["identical"] and v["final_state_identical"] and v["kills"] == 1

@@ -170,6 +170,15 @@ def add_warm_resume_cache_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_reference_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reference",
+        type=path_arg,
+        help="reuse this finished, uninterrupted run of the same config as the reference "
+        "(read only) instead of training one",
+    )
+
+
 def tracker_for(args, run_dir: Path, **kwargs):
     """The MLflow tracker a command's flags ask for, or None. --require-tracking opens the store
     and writes to it now, so a store that cannot take the run's records stops it before step 0."""
@@ -275,6 +284,7 @@ def cmd_chaos(args) -> int:
         seed=args.seed,
         compile_cache=args.compile_cache,
         warm_resume_cache=args.warm_resume_cache,
+        reference_dir=args.reference and checked_path(args.reference, "--reference"),
     )
     print(
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random "
@@ -409,12 +419,7 @@ def register(sub) -> None:
         "checkpoints, about 60%% of the way)",
     )
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)
-    p.add_argument(
-        "--reference",
-        type=path_arg,
-        help="reuse this finished, uninterrupted run of the same config as the reference "
-        "(read only) instead of training one",
-    )
+    add_reference_arg(p)
     p.add_argument(
         "--processes",
         type=int,
@@ -444,6 +449,7 @@ def register(sub) -> None:
         "--kills", type=int, default=5, help="random SIGKILLs before the run may finish (default 5)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    add_reference_arg(p)
     add_warm_resume_cache_arg(p)
     p.set_defaults(handler=cmd_chaos)
 
