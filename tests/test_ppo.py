@@ -464,6 +464,7 @@ def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, ppo_run, 
         *("--run-dir", str(tmp_path), "--config", str(TINY), "--kills", "1", "--seed", "3"),
         *proof_args(trained_run, reward_run),
         *("--reference", str(ppo_run)),
+        "--warm-resume-cache",  # the prove-resume test above resumes cold
         timeout=1500,
     )
     assert result.returncode == 0, result.stderr + result.stdout

@@ -343,6 +343,7 @@ def test_lora_chaos_random_kills_end_identical(trained_run, lora_reference, tmp_
         "1",
         *sft_args(trained_run, "objective.lora.rank=4", *LONGER),
         *("--reference", str(lora_reference)),
+        "--warm-resume-cache",  # the prove-resume test above resumes cold
         timeout=900,
     )
     assert result.returncode == 0, result.stderr + result.stdout
