@@ -82,6 +82,21 @@ def trained_run(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "trained", build) / "run"
 
 
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> Path:
+    """configs/default.yaml (the demo's model) trained for the first 100 of its 300 scheduled
+    steps, once per pytest run: the pretraining golden and the KV-cache bounds read it."""
+    from tpulab.config import load
+    from tpulab.train.config import RunConfig
+    from tpulab.train.loop import train
+
+    def build(d: Path) -> None:
+        cfg = load(RunConfig, REPO / "configs" / "default.yaml", ["train.steps=100"])
+        train(cfg, d / "run", progress=False)
+
+    return built_once(tmp_path_factory, "default-100", build) / "run"
+
+
 def run_cli(
     *args: str, env: dict | None = None, timeout: float = 300, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
