@@ -298,7 +298,6 @@ def test_merge_writes_a_plain_model_within_the_bound_and_resuming_it_is_refused(
 # --- kill/resume proofs ------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.fixture(scope="module")
 def lora_reference(trained_run, tmp_path_factory) -> Path:
     """The uninterrupted LoRA run of the proof and the chaos run below, trained once in-process."""
@@ -308,6 +307,7 @@ def lora_reference(trained_run, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 4])
 def test_sft_and_lora_kill_resume_is_bitwise(trained_run, tmp_path, rank, request):
     """`tpulab prove-resume` on SFT (rank 0, training its own reference) and LoRA (reusing
