@@ -149,3 +149,16 @@ def verified_export(trained_run: Path, tmp_path_factory, step: int) -> Path:
         assert verify_export(d / "art", trained_run)["passed"]
 
     return built_once(tmp_path_factory, f"verified-export-{step}", build) / "art"
+
+
+@pytest.fixture(scope="session")
+def tiny_proof(tmp_path_factory) -> Path:
+    """The run dir of one `tpulab prove-resume --config configs/tiny.yaml` per pytest run (its
+    proof/ and the command's output in proof.out): the proof test and the goodput test read it."""
+
+    def build(d: Path) -> None:
+        result = run_cli("prove-resume", "--run-dir", str(d / "run"), "--config", str(TINY))
+        (d / "proof.out").write_text(f"{result.returncode}\n{result.stdout}{result.stderr}")
+        assert result.returncode == 0, result.stderr
+
+    return built_once(tmp_path_factory, "tiny-proof", build) / "run"

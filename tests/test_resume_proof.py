@@ -27,9 +27,10 @@ VERDICT_KEYS = {
 }
 
 
-def test_prove_resume_is_bitwise_identical(tmp_path):
-    result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY))
-    assert result.returncode == 0, result.stderr
+def test_prove_resume_is_bitwise_identical(tiny_proof):
+    """`tpulab prove-resume --config configs/tiny.yaml` (conftest.tiny_proof: exit 0 checked
+    there), its verdict and overlay."""
+    tmp_path = tiny_proof
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert VERDICT_KEYS <= set(verdict)
     assert (
