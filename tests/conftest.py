@@ -1,11 +1,19 @@
 """Shared fixtures: a tiny-config factory, one compilation cache for every process, one trained run,
-and the preference tests' SFT policy and sampled pairs."""
+and the preference tests' SFT policy and sampled pairs.
+
+Under pytest-xdist each worker is its own process with its own session fixtures; the fixtures here
+are built once for the whole run (``built_once``: the first worker builds, the others wait on a file
+lock and reuse it), and every worker and child shares one compilation cache.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,11 +27,59 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
+# The longest modules first (seconds in the last full run, 2 workers, 5a1eb2f): pytest-xdist hands
+# out modules in collection order, so a long module collected last (alphabetically, scale-out and
+# serving are) runs alone at the end while the other worker idles.
+LONGEST_FIRST = (
+    "test_scaleout_procs",  # 384 s
+    "test_ppo",  # 361
+    "test_resume_proof",  # 358
+    "test_bridge_proofs",  # 246
+    "test_dpo",  # 239
+    "test_serve",  # 220
+    "test_sft",  # 214
+    "test_export",  # 201
+    "test_sft_eval",  # 170
+    "test_capstone",  # 144
+    "test_budget",  # 143
+    "test_cloud_rehearsal",  # 117
+    "test_hardening",  # 113
+    "test_dossier",  # 102
+)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: file order
+
+
+def run_root(tmp_path_factory) -> Path:
+    """The directory every xdist worker of this pytest run shares (the base temp without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """``build(dir)`` run once per pytest run, whichever worker asks first; the others block on the
+    lock and get the finished dir. Users must treat it as read only."""
+    root = run_root(tmp_path_factory)
+    out, done = root / f"once-{name}", root / f"once-{name}.done"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_env(tmp_path_factory) -> dict:
-    """One persistent JAX compilation cache for this process and every child it starts."""
+    """One persistent JAX compilation cache for this process, the other workers and every child
+    they start (JAX skips an entry it cannot read and compiles, so concurrent writers are safe)."""
     cache = os.environ.get("TPULAB_COMPILE_CACHE") or str(
-        tmp_path_factory.mktemp("jax-compile-cache")
+        run_root(tmp_path_factory) / "jax-compile-cache"
     )
     os.environ["TPULAB_COMPILE_CACHE"] = cache
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
@@ -46,9 +102,25 @@ def trained_run(tmp_path_factory) -> Path:
     """A run dir trained with configs/tiny.yaml for 40 steps (checkpoints at 20, 30, 40)."""
     from tpulab.train.loop import train
 
-    run_dir = tmp_path_factory.mktemp("trained") / "run"
-    train(tiny_config(), run_dir, progress=False)
-    return run_dir
+    def build(d: Path) -> None:
+        train(tiny_config(), d / "run", progress=False)
+
+    return built_once(tmp_path_factory, "trained", build) / "run"
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> Path:
+    """configs/default.yaml (the demo's model) trained for the first 100 of its 300 scheduled
+    steps, once per pytest run: the pretraining golden and the KV-cache bounds read it."""
+    from tpulab.config import load
+    from tpulab.train.config import RunConfig
+    from tpulab.train.loop import train
+
+    def build(d: Path) -> None:
+        cfg = load(RunConfig, REPO / "configs" / "default.yaml", ["train.steps=100"])
+        train(cfg, d / "run", progress=False)
+
+    return built_once(tmp_path_factory, "default-100", build) / "run"
 
 
 def run_cli(
@@ -71,12 +143,13 @@ def sft_policy(trained_run, tmp_path_factory) -> Path:
     tests (tests/test_reward.py, tests/test_dpo.py), read only."""
     from tpulab.train.loop import train
 
-    run_dir = tmp_path_factory.mktemp("sft-policy") / "run"
     sets = ("objective.kind=sft", f"objective.init={trained_run}", "train.steps=12")
-    train(
-        tiny_config(*sets, "train.eval_every=6", "checkpoint.save_every=6"), run_dir, progress=False
-    )
-    return run_dir
+
+    def build(d: Path) -> None:
+        cfg = tiny_config(*sets, "train.eval_every=6", "checkpoint.save_every=6")
+        train(cfg, d / "run", progress=False)
+
+    return built_once(tmp_path_factory, "sft-policy", build) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +157,34 @@ def sampled_pairs(sft_policy, tmp_path_factory) -> Path:
     """``tpulab pairs`` output from ``sft_policy``: 64 training and 16 held-out prompts."""
     from tpulab.posttrain.pairs import PairsConfig, make_pairs
 
-    out = tmp_path_factory.mktemp("pairs") / "pairs"
-    make_pairs(sft_policy, out, PairsConfig(train_prompts=64, eval_prompts=16))
-    return out
+    def build(d: Path) -> None:
+        make_pairs(sft_policy, d / "pairs", PairsConfig(train_prompts=64, eval_prompts=16))
+
+    return built_once(tmp_path_factory, "pairs", build) / "pairs"
+
+
+def verified_export(trained_run: Path, tmp_path_factory, step: int) -> Path:
+    """Artifacts of ``trained_run``'s ``step`` exported and verified once per pytest run (the serve,
+    registry-serving and image modules share them, read only)."""
+    from tpulab.inference.export import export_artifacts
+    from tpulab.inference.trust import verify_export
+    from tpulab.train.restore import load_model
+
+    def build(d: Path) -> None:
+        export_artifacts(load_model(trained_run, step), trained_run, d / "art")
+        assert verify_export(d / "art", trained_run)["passed"]
+
+    return built_once(tmp_path_factory, f"verified-export-{step}", build) / "art"
+
+
+@pytest.fixture(scope="session")
+def tiny_proof(tmp_path_factory) -> Path:
+    """The run dir of one `tpulab prove-resume --config configs/tiny.yaml` per pytest run (its
+    proof/ and the command's output in proof.out): the proof test and the goodput test read it."""
+
+    def build(d: Path) -> None:
+        result = run_cli("prove-resume", "--run-dir", str(d / "run"), "--config", str(TINY))
+        (d / "proof.out").write_text(f"{result.returncode}\n{result.stdout}{result.stderr}")
+        assert result.returncode == 0, result.stderr
+
+    return built_once(tmp_path_factory, "tiny-proof", build) / "run"

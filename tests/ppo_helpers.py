@@ -60,7 +60,9 @@ def write_reward_model(
 
 def ppo_sets(init: Path, reward: Path, *extra: str) -> list[str]:
     """The tiny PPO run of these tests, as --set overrides: rounds of 8 rollouts of at most 8 new
-    bytes, 2 epochs x 2 minibatches (4 steps a round), 3 rounds."""
+    bytes, 2 epochs x 2 minibatches (4 steps a round), 3 rounds. Synchronous saves: a kill after
+    step 7 must find step 6 committed (an async save still in flight at the kill made a first
+    attempt resume from step 3), and one config lets the proofs reuse ``ppo_run``."""
     return [
         "objective.kind=ppo",
         f"objective.init={init}",
@@ -74,6 +76,7 @@ def ppo_sets(init: Path, reward: Path, *extra: str) -> list[str]:
         "train.eval_every=4",
         "train.eval_batches=1",
         "checkpoint.save_every=3",
+        "checkpoint.async_save=false",
         *extra,
     ]
 

@@ -372,6 +372,7 @@ def test_dpo_lora_online_chaos_ends_identical(sft_policy, sampled_pairs, tmp_pat
         "--seed",
         "1",
         *args,
+        "--warm-resume-cache",  # the prove-resume test above resumes cold
         timeout=900,
     )
     assert result.returncode == 0, result.stderr + result.stdout

@@ -3,6 +3,7 @@ killed-and-resumed run (SIGKILL, fresh process), where the buckets must add up t
 time."""
 
 import json
+import shutil
 
 import pytest
 import yaml
@@ -90,9 +91,10 @@ def test_buckets_that_miss_time_leave_it_unaccounted():
 
 
 @pytest.mark.slow
-def test_goodput_of_a_real_killed_and_resumed_run(tmp_path):
-    result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY))
-    assert result.returncode == 0, result.stderr
+def test_goodput_of_a_real_killed_and_resumed_run(tiny_proof, tmp_path):
+    """The proof of conftest.tiny_proof (a real SIGKILL and resume), copied: report writes into
+    the run dir."""
+    shutil.copytree(tiny_proof, tmp_path, dirs_exist_ok=True)
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     run = tmp_path / "proof" / "interrupted"
     recs = read_records(run)

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, verified_export
 from tpulab.ops import tags
 from tpulab.ops.image import Layer, fresh_pyc, write_layer
 
@@ -187,13 +187,7 @@ def test_serving_distributions_are_closed_under_their_requirements():
 
 @pytest.fixture(scope="module")
 def verified_artifacts(trained_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("image-art") / "art"
-    # Generous limits: verification compiles nine endpoints (2 min at load 11 on 2 cores).
-    exported = run_cli("export", "--run-dir", str(trained_run), "--out", str(out), timeout=900)
-    assert exported.returncode == 0, exported.stderr
-    proc = run_cli("verify-export", str(out), timeout=900)
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return verified_export(trained_run, tmp_path_factory, 40)
 
 
 def _build(art, out, *prefix):

@@ -152,33 +152,15 @@ def test_kvcache_command_writes_table_within_bounds(trained_run, tmp_path, capsy
 
 
 @pytest.mark.slow
-def test_int8_bounds_on_default_model(tmp_path):
+def test_int8_bounds_on_default_model(default_run):
     """The issue's bound on the default model: int8 greedy agreement >= 0.99, loss within 1%
-    of fp32.
-
-    Trains configs/default.yaml for a short run (the bound is about the cache, not the model's
-    quality).
-    """
-    from conftest import REPO
-    from tpulab.config import load
+    of fp32, on configs/default.yaml trained 100 steps (conftest.default_run; the bound is about
+    the cache, not the model's quality)."""
     from tpulab.inference.cache_eval import KVEvalConfig, kvcache_table
     from tpulab.inference.capstone import bounds
-    from tpulab.train.config import RunConfig
-    from tpulab.train.loop import train
     from tpulab.train.restore import load_model
 
-    cfg = load(
-        RunConfig,
-        REPO / "configs" / "default.yaml",
-        [
-            "train.steps=20",
-            "train.eval_every=20",
-            "train.eval_batches=1",
-            "checkpoint.save_every=20",
-        ],
-    )
-    train(cfg, tmp_path / "run", progress=False)
-    result = kvcache_table(load_model(tmp_path / "run"), KVEvalConfig(windows=4))
+    result = kvcache_table(load_model(default_run), KVEvalConfig(windows=4))
     b = bounds(result)
     assert (
         b["fp32_logit_diff_within_atol"] and b["int8_greedy_agreement_ok"] and b["int8_loss_ok"]

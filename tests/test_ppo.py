@@ -422,13 +422,13 @@ def proof_args(trained_run: Path, reward_run: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 3 processes each compile PPO's step: 600 s ran out at load 18
-def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(trained_run, reward_run, tmp_path):
+def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(
+    trained_run, reward_run, ppo_run, tmp_path
+):
     """Killed right after step 7 (round 2, position 2: after its rollouts, during its epochs),
-    resumed from step 6 (round 2, position 1): per-step losses and the whole final state (policy,
-    value head, Adam, the round's buffers, keys and position, data position) bitwise."""
-    # synchronous saves: step 6's checkpoint is committed before step 7 runs (an async save still
-    # in flight at the kill made a first attempt resume from step 3)
-    sync = ["--set", "checkpoint.async_save=false"]
+    resumed from step 6 (round 2, position 1) with a cold compile cache: per-step losses and the
+    whole final state (policy, value head, Adam, the round's buffers, keys and position, data
+    position) bitwise against ``ppo_run`` (the same config, uninterrupted)."""
     result = run_cli(
         "prove-resume",
         "--run-dir",
@@ -438,7 +438,7 @@ def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(trained_run, reward
         "--kill-at",
         "7",
         *proof_args(trained_run, reward_run),
-        *sync,
+        *("--reference", str(ppo_run)),
         timeout=1200,
     )
     assert result.returncode == 0, result.stderr + result.stdout
@@ -456,20 +456,18 @@ def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(trained_run, reward
 
 
 @pytest.mark.slow
-def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, tmp_path):
+def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, ppo_run, tmp_path):
+    """One random kill (the fixed-point proof above covers the rest; 2 cost ~60 s more); the
+    reference is ``ppo_run``, the same config trained once for this module."""
     result = run_cli(
         "chaos",
-        "--run-dir",
-        str(tmp_path),
-        "--config",
-        str(TINY),
-        "--kills",
-        "1",  # one random kill: the fixed-point proof above covers the rest (2 cost ~60 s more)
-        "--seed",
-        "3",
+        *("--run-dir", str(tmp_path), "--config", str(TINY), "--kills", "1", "--seed", "3"),
         *proof_args(trained_run, reward_run),
+        *("--reference", str(ppo_run)),
+        "--warm-resume-cache",  # the prove-resume test above resumes cold
         timeout=1500,
     )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
+    assert v["reference_dir"] == str(ppo_run) and not (tmp_path / "chaos" / "reference").exists()
     assert v["identical"] and v["final_state_identical"] and v["kills"] == 1

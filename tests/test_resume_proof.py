@@ -3,16 +3,18 @@ it can fail."""
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
 
 import pytest
 
-from conftest import REPO, TINY, run_cli
-from tpulab.errors import ExitCode
+from conftest import REPO, TINY, run_cli, tiny_config
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.driver import Proc, prove_resume
+from tpulab.proofs.transformer import check_reference
 
 pytestmark = pytest.mark.slow
 VERDICT_KEYS = {
@@ -25,9 +27,10 @@ VERDICT_KEYS = {
 }
 
 
-def test_prove_resume_is_bitwise_identical(tmp_path):
-    result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY))
-    assert result.returncode == 0, result.stderr
+def test_prove_resume_is_bitwise_identical(tiny_proof):
+    """`tpulab prove-resume --config configs/tiny.yaml` (conftest.tiny_proof: exit 0 checked
+    there), its verdict and overlay."""
+    tmp_path = tiny_proof
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert VERDICT_KEYS <= set(verdict)
     assert (
@@ -54,13 +57,18 @@ def test_prove_resume_is_bitwise_identical(tmp_path):
 
 
 @pytest.mark.parametrize("part", ["rng", "data"])
-def test_negative_control_resume_without_part_is_caught(tmp_path, part):
-    """Resuming without the dropout key or the data position must be reported as NOT identical."""
+def test_negative_control_resume_without_part_is_caught(trained_run, tmp_path, part):
+    """Resuming without the dropout key or the data position must be reported as NOT identical.
+    The reference is ``trained_run`` (the same tiny config, finished, uninterrupted), reused."""
     result = run_cli(
-        "prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--skip-restore", part
+        "prove-resume",
+        *("--run-dir", str(tmp_path), "--config", str(TINY), "--skip-restore", part),
+        *("--reference", str(trained_run)),
     )
     assert result.returncode == ExitCode.FAILED, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
+    assert verdict["reference_dir"] == str(trained_run)
+    assert not (tmp_path / "proof" / "reference").exists()
     assert verdict["identical"] is False and verdict["max_abs_diff"] > 0
     assert verdict["first_differing_step"] == verdict["resumed_from_step"] + 1
 
@@ -93,7 +101,38 @@ def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
     assert "rng" in verdict["first_differing_leaf"]
 
 
-def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(tmp_path):
+def test_only_a_finished_uninterrupted_run_of_the_same_config_is_a_reference(trained_run, tmp_path):
+    """``--reference`` refusals: one line, exit 2, nothing written; the accepted case is the
+    negative controls above."""
+    assert check_reference(trained_run, tiny_config()) == trained_run
+    with pytest.raises(TpulabError, match="another config"):
+        check_reference(trained_run, tiny_config("optim.lr=0.002"))
+    with pytest.raises(TpulabError, match="holds no run"):
+        check_reference(tmp_path, tiny_config())
+    short = tmp_path / "short"
+    shutil.copytree(trained_run, short)
+    lines = (short / "metrics.jsonl").read_text().splitlines()
+    (short / "metrics.jsonl").write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    with pytest.raises(TpulabError, match="did not finish"):
+        check_reference(short, tiny_config())
+    resumed = tmp_path / "resumed"
+    shutil.copytree(trained_run, resumed)
+    first = (resumed / "metrics.jsonl").read_text().splitlines()[0]
+    with open(resumed / "metrics.jsonl", "a") as f:
+        f.write(first.replace('"segment": 0', '"segment": 1') + "\n")
+    with pytest.raises(TpulabError, match="was resumed"):
+        check_reference(resumed, tiny_config())
+    out = tmp_path / "proof-run"
+    result = run_cli(
+        "prove-resume", "--run-dir", str(out), "--config", str(TINY), "--reference", str(short)
+    )
+    assert result.returncode == ExitCode.BAD_INPUT and len(result.stderr.strip().splitlines()) == 1
+    assert "did not finish" in result.stderr and not out.exists()
+
+
+def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(
+    trained_run, tmp_path
+):
     """Step 30's save is issued but its completion marker is never written (as if the process died
     while the async save was in flight); the kill lands after step 31. Depending on timing, Orbax's
     own write of step 30 is still in its temporary dir or finished but unmarked; either way the
@@ -109,7 +148,12 @@ def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(t
         ]
 
     verdict = prove_resume(
-        hooked, tmp_path / "proof", steps=40, kill_at=31, compare_state=final_state_verdict
+        hooked,
+        tmp_path / "proof",
+        steps=40,
+        kill_at=31,
+        reference_dir=check_reference(trained_run, tiny_config()),  # the same run, reused
+        compare_state=final_state_verdict,
     )
     assert verdict["identical"] is True
     assert verdict["resumed_from_step"] == 20 and verdict["kill_step"] == 31

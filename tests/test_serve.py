@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import verified_export
 from tpulab.data.drift import THRESHOLD
 from tpulab.errors import ExitCode
 
@@ -35,20 +36,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def verified_export(trained_run, tmp_path_factory, step: int) -> Path:
-    """Artifacts of ``step`` exported and verified once per session (every module shares them)."""
-    from tpulab.inference.artifact_format import VERIFICATION
-    from tpulab.inference.export import export_artifacts
-    from tpulab.inference.trust import verify_export
-    from tpulab.train.restore import load_model
-
-    out = tmp_path_factory.getbasetemp() / f"serve-art-{step}"
-    if not (out / VERIFICATION).is_file():
-        export_artifacts(load_model(trained_run, step), trained_run, out)
-        assert verify_export(out, trained_run)["passed"]
-    return out
 
 
 def start_server(log, *args, port: int, max_batch: int = 4):

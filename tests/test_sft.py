@@ -298,11 +298,22 @@ def test_merge_writes_a_plain_model_within_the_bound_and_resuming_it_is_refused(
 # --- kill/resume proofs ------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def lora_reference(trained_run, tmp_path_factory) -> Path:
+    """The uninterrupted LoRA run of the proof and the chaos run below, trained once in-process."""
+    run = tmp_path_factory.mktemp("lora-ref") / "run"
+    sets = (*sft_sets(trained_run), "objective.lora.rank=4", *LONGER)
+    train(tiny_config(*sets), run, progress=False)
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 4])
-def test_sft_and_lora_kill_resume_is_bitwise(trained_run, tmp_path, rank):
-    """`tpulab prove-resume` on SFT (rank 0) and LoRA: per-step losses and the whole final state
-    (adapters or weights, Adam moments, step, dropout key, data position) bitwise."""
+def test_sft_and_lora_kill_resume_is_bitwise(trained_run, tmp_path, rank, request):
+    """`tpulab prove-resume` on SFT (rank 0, training its own reference) and LoRA (reusing
+    ``lora_reference``): per-step losses and the whole final state (adapters or weights, Adam
+    moments, step, dropout key, data position) bitwise."""
+    reuse = ("--reference", str(request.getfixturevalue("lora_reference"))) if rank else ()
     result = run_cli(
         "prove-resume",
         "--run-dir",
@@ -310,6 +321,7 @@ def test_sft_and_lora_kill_resume_is_bitwise(trained_run, tmp_path, rank):
         "--config",
         str(TINY),
         *sft_args(trained_run, f"objective.lora.rank={rank}", *LONGER),
+        *reuse,
     )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "proof" / "verdict.json").read_text())
@@ -318,7 +330,7 @@ def test_sft_and_lora_kill_resume_is_bitwise(trained_run, tmp_path, rank):
 
 
 @pytest.mark.slow
-def test_lora_chaos_random_kills_end_identical(trained_run, tmp_path):
+def test_lora_chaos_random_kills_end_identical(trained_run, lora_reference, tmp_path):
     result = run_cli(
         "chaos",
         "--run-dir",
@@ -330,6 +342,8 @@ def test_lora_chaos_random_kills_end_identical(trained_run, tmp_path):
         "--seed",
         "1",
         *sft_args(trained_run, "objective.lora.rank=4", *LONGER),
+        *("--reference", str(lora_reference)),
+        "--warm-resume-cache",  # the prove-resume test above resumes cold
         timeout=900,
     )
     assert result.returncode == 0, result.stderr + result.stdout

@@ -170,6 +170,15 @@ def add_warm_resume_cache_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_reference_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--reference",
+        type=path_arg,
+        help="reuse this finished, uninterrupted run of the same config as the reference "
+        "(read only) instead of training one",
+    )
+
+
 def tracker_for(args, run_dir: Path, **kwargs):
     """The MLflow tracker a command's flags ask for, or None. --require-tracking opens the store
     and writes to it now, so a store that cannot take the run's records stops it before step 0."""
@@ -214,6 +223,10 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
 def cmd_prove_resume(args) -> int:
     run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
+    if args.processes and args.reference:
+        from tpulab.errors import TpulabError
+
+        raise TpulabError("--reference is for a one-process proof; drop it or --processes")
     if args.processes:
         from tpulab.proofs.scaleout import prove_multiprocess_resume
 
@@ -245,6 +258,7 @@ def cmd_prove_resume(args) -> int:
         config,
         run_dir,
         kill_at=args.kill_at,
+        reference_dir=args.reference and checked_path(args.reference, "--reference"),
         skip_restore=tuple(args.skip_restore),
         compile_cache=args.compile_cache,
         warm_resume_cache=args.warm_resume_cache,
@@ -270,6 +284,7 @@ def cmd_chaos(args) -> int:
         seed=args.seed,
         compile_cache=args.compile_cache,
         warm_resume_cache=args.warm_resume_cache,
+        reference_dir=args.reference and checked_path(args.reference, "--reference"),
     )
     print(
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random "
@@ -404,6 +419,7 @@ def register(sub) -> None:
         "checkpoints, about 60%% of the way)",
     )
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)
+    add_reference_arg(p)
     p.add_argument(
         "--processes",
         type=int,
@@ -433,6 +449,7 @@ def register(sub) -> None:
         "--kills", type=int, default=5, help="random SIGKILLs before the run may finish (default 5)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    add_reference_arg(p)
     add_warm_resume_cache_arg(p)
     p.set_defaults(handler=cmd_chaos)
 

@@ -28,7 +28,7 @@ from tpulab.evidence.metrics import curve, read_records, starts
 from tpulab.proofs import cache
 from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
 from tpulab.proofs.state import final_state_verdict
-from tpulab.proofs.transformer import train_child_argv, write_child_config
+from tpulab.proofs.transformer import check_reference, train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
 
 
@@ -64,14 +64,18 @@ def run_chaos(
     compile_cache: Path | None = None,
     timeout_s: float = 900,
     warm_resume_cache: bool = False,
+    reference_dir: Path | None = None,
 ) -> dict:
     """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict.
 
     The reference and the first victim lifetime use ``compile_cache`` (or the default); every later
     lifetime is a resume and gets a fresh, empty compilation cache, unless ``warm_resume_cache``.
-    Each process's cache hits and misses are recorded (``proofs.cache``)."""
+    Each process's cache hits and misses are recorded (``proofs.cache``). ``reference_dir``: an
+    uninterrupted finished run of this config to reuse instead of training one (read only)."""
     if kills < 1:
         raise TpulabError(f"--kills {kills} must be at least 1")
+    if reference_dir is not None:
+        reference_dir = check_reference(Path(reference_dir), config)
     chaos = RunDir(out_dir).chaos
     chaos_dir = chaos.root
     if chaos.verdict.exists() or chaos.victim.root.exists():
@@ -91,14 +95,14 @@ def run_chaos(
     env = {**os.environ, **(cache.cache_env(compile_cache) if compile_cache else {})}
     processes: dict[str, dict] = {}
 
-    reference, victim = chaos.reference.root, chaos.victim.root
+    reference, victim = reference_dir or chaos.reference.root, chaos.victim.root
     victim_checkpoints = chaos.victim.checkpoints
     t0 = time.monotonic()
-    run_to_completion(
-        argv(reference, "reference"), chaos_dir / "reference.log", env, timeout_s, "reference run"
-    )
+    if reference_dir is None:
+        log = chaos_dir / "reference.log"
+        run_to_completion(argv(reference, "reference"), log, env, timeout_s, "reference run")
+        processes["reference"] = cache.read_stats(stats_dir / "reference.json")
     t_ref = time.monotonic() - t0
-    processes["reference"] = cache.read_stats(stats_dir / "reference.json")
     walls = [r["wall_s"] for r in read_records(reference) if "loss" in r]
     step_s = max(1e-3, (walls[-1] - walls[0]) / max(1, len(walls) - 1)) if len(walls) > 1 else 0.05
 
@@ -173,6 +177,7 @@ def run_chaos(
         segments=len(kill_log) + 1,
         signal="SIGKILL",
         steps=steps,
+        reference_dir=str(reference),
         timings={"reference_s": round(t_ref, 2), "victim_s": round(t_victim, 2)},
         compile_cache={
             "resumed_cache": "warm (one shared cache)"

@@ -60,6 +60,29 @@ def check_kill_step(kill_at: int, steps: int, save_every: int) -> None:
         )
 
 
+def check_reference(reference_dir: Path, config: RunConfig) -> Path:
+    """An existing run may stand in for the proof's uninterrupted reference only if it is the same
+    run: the same config, finished (every step logged), and never resumed (one segment)."""
+    from tpulab.config import load, to_dict
+    from tpulab.evidence.metrics import curve, read_records, starts
+
+    run = RunDir(reference_dir)
+    if not run.config.is_file():
+        raise TpulabError(f"--reference {reference_dir} holds no run (no {run.config.name})")
+    if to_dict(load(RunConfig, run.config)) != to_dict(config):
+        raise TpulabError(f"--reference {reference_dir} was trained with another config")
+    recs = read_records(run.root)
+    logged = curve(recs)
+    if any(s not in logged for s in range(1, config.train.steps + 1)):
+        raise TpulabError(
+            f"--reference {reference_dir} did not finish: {len(logged)} of "
+            f"{config.train.steps} steps logged"
+        )
+    if len(starts(recs)) != 1:
+        raise TpulabError(f"--reference {reference_dir} was resumed; it must be uninterrupted")
+    return run.root
+
+
 def prove_transformer_resume(
     config: RunConfig,
     out_dir: Path,
@@ -72,10 +95,13 @@ def prove_transformer_resume(
 ) -> dict:
     """Write out_dir/proof/{verdict.json, overlay.png}: per-step losses and the final whole state
     compared. ``compile_cache`` is the reference and killed runs' cache (through the environment, so
-    the driver can give the resumed process its own fresh one unless ``warm_resume_cache``)."""
+    the driver can give the resumed process its own fresh one unless ``warm_resume_cache``).
+    ``reference_dir``: an uninterrupted finished run of this config to reuse (read only)."""
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
     check_kill_step(kill_at, steps, save_every)
+    if reference_dir is not None:
+        reference_dir = check_reference(Path(reference_dir), config)
     proof = RunDir(out_dir).proof
     proof_dir = proof.root
     if proof.verdict.exists():
