@@ -2,9 +2,9 @@
 
 The reward objective (``objective.kind: reward``) is built elsewhere; until it lands these tests
 write its checkpoint layout themselves, as ``tpulab.train.objectives.ppo.load_reward_model``
-assumes it: a ``TrainState`` whose params are a ``ValueModel``'s (``body``: the SFT Transformer,
-``score``: Dense(d_model, 1) + bias, float32), its Adam state, and the run's config (kind
-``reward``), tokenizer and identities in the metadata.
+assumes it: a ``TrainState`` whose params are a ``ScalarHeadModel``'s (``body``: the SFT
+Transformer, ``score``: Dense(d_model, 1) + bias, float32), its Adam state, and the run's config
+(kind ``reward``), tokenizer and identities in the metadata.
 """
 
 from __future__ import annotations

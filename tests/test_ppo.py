@@ -35,7 +35,7 @@ from tpulab.train.hooks import Hooks
 from tpulab.train.loop import train
 from tpulab.train.objectives import build
 from tpulab.train.objectives.ppo import _gold_host, load_reward_model
-from tpulab.train.objectives.ppo_state import abstract_state
+from tpulab.train.objectives.ppo_state import RoundState, abstract_state
 from tpulab.train.restore import load_model
 from tpulab.train.step import make_mesh, make_steps, tree_digest, words_digest
 
@@ -418,6 +418,21 @@ def test_bad_input_from_the_cli_is_one_line_and_writes_nothing(trained_run, rewa
 
 def proof_args(trained_run: Path, reward_run: Path) -> list[str]:
     return [a for s in ppo_sets(trained_run, reward_run) for a in ("--set", s)]
+
+
+def test_a_ppo_verdict_names_the_round_it_compares(trained_run, ppo_run):
+    """The verdict's list of what it compared is read from the state compared: a PPO run's names
+    its round's every field (rollouts, old log-probs, advantages, keys, position); control: a
+    pretraining run's names no round."""
+    from tpulab.proofs.state import final_state_verdict
+
+    text = final_state_verdict(ppo_run, ppo_run)["final_state_compared"]
+    assert f"round ({', '.join(RoundState._fields)})" in text, text
+    assert "optimizer state (count, mu, nu)" in text, text
+    plain = final_state_verdict(trained_run, trained_run)["final_state_compared"]
+    assert (
+        plain == "step, parameters, optimizer state (count, mu, nu), RNG key, Grain data position"
+    )
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from conftest import TINY, run_cli, tiny_config
 from tpulab.data import preference as P
 from tpulab.errors import ConfigError, TpulabError
 from tpulab.evidence.metrics import read_records
-from tpulab.model.reward import RewardModel, reward_graph
+from tpulab.model.value import ScalarHeadModel, scalar_head_graph
 from tpulab.train.loop import train
 from tpulab.train.objectives import build
 from tpulab.train.restore import load_model
@@ -58,9 +58,9 @@ def short_batch(n: int = 8) -> dict:
 def random_scorer(precision: str = "float32"):
     """A jitted (tokens, read) -> rewards of a randomly initialised reward model."""
     cfg = tiny_config(f"precision.compute_dtype={precision}")
-    graphdef, init = reward_graph(cfg.model, cfg.precision, 0)
+    graphdef, _, init = scalar_head_graph(cfg.model, cfg.precision, 0)
     params = init()
-    fn = jax.jit(lambda t, r: merge_model(graphdef, params)(t, r))
+    fn = jax.jit(lambda t, r: merge_model(graphdef, params).scores_at(t, r))
     return lambda t, r: np.asarray(fn(jnp.asarray(t), jnp.asarray(r)))
 
 
@@ -84,11 +84,11 @@ def test_bytes_after_the_stop_byte_change_nothing_and_the_last_position_would():
 
 def test_the_reward_is_float32_with_bfloat16_compute():
     cfg = tiny_config("precision.compute_dtype=bfloat16")
-    graphdef, init = reward_graph(cfg.model, cfg.precision, 0)
+    graphdef, _, init = scalar_head_graph(cfg.model, cfg.precision, 0)
     model, batch = merge_model(graphdef, init()), short_batch()
-    out = jax.eval_shape(lambda t, r: model(t, r), batch["inputs"], batch["read"])
+    out = jax.eval_shape(lambda t, r: model.scores_at(t, r), batch["inputs"], batch["read"])
     assert out.dtype == jnp.float32 and model.score.kernel[...].dtype == jnp.float32
-    hidden = jax.eval_shape(lambda t: model.hidden(t), batch["inputs"])
+    hidden = jax.eval_shape(lambda t: model.trunk(t), batch["inputs"])
     assert hidden.dtype == jnp.bfloat16  # control: the body itself does run in bfloat16
 
 
@@ -120,22 +120,22 @@ def test_a_reward_run_logs_its_metrics_and_loads_back_as_a_reward_model(
         assert 0.0 <= e["val_accuracy"] <= 1.0 and np.isfinite(e["val_loss"])
         assert e["val_gold_optimal_accuracy"] == pytest.approx(want, rel=1e-6)
     restored = load_model(reward_run)
-    assert isinstance(restored.model, RewardModel) and restored.step == 8
+    assert isinstance(restored.model, ScalarHeadModel) and restored.step == 8
     meta = json.loads((restored.checkpoint_dir / "meta" / "metadata").read_text())
     ids = meta["identities"]
     assert ids["base"] == load_model(sft_policy).checkpoint_digest
     assert ids["dataset"] == P.read_dir(sampled_pairs, tiny_config().data).identity
     batch = short_batch(4)
-    r = restored.model(jnp.asarray(batch["inputs"]), jnp.asarray(batch["read"]))
+    r = restored.model.scores_at(jnp.asarray(batch["inputs"]), jnp.asarray(batch["read"]))
     assert r.shape == (8,) and r.dtype == jnp.float32 and bool(jnp.isfinite(r).all())
 
 
 def test_ppo_reads_the_reward_objectives_model_and_scores_as_it_does(reward_run, sft_policy):
     """The chain's hand-off: PPO's one reader of ``objective.reward_model`` takes a checkpoint the
-    reward objective wrote (not a test-made one) and its value-model scorer gives the reward
-    model's own rewards (to float32 rounding); control: a read one position earlier differs."""
+    reward objective wrote (not a test-made one) and scores it with the very function the reward
+    objective trained (one class, ``ScalarHeadModel.scores_at``): bitwise the reward model's own
+    rewards; control: a read one position earlier differs."""
     from ppo_helpers import ppo_config
-    from tpulab.model.value import ValueModel
     from tpulab.train.objectives.ppo import load_reward_model
     from tpulab.train.objectives.ppo_state import value_graph
 
@@ -144,12 +144,11 @@ def test_ppo_reads_the_reward_objectives_model_and_scores_as_it_does(reward_run,
     restored = load_model(reward_run)
     assert frozen.digest == restored.checkpoint_digest and frozen.record["step"] == 8
     graphdef, _ = value_graph(cfg)
-    scorer: ValueModel = nnx.merge(graphdef, frozen.params)
+    scorer: ScalarHeadModel = nnx.merge(graphdef, frozen.params)
     batch = short_batch(4)
     tokens, read = jnp.asarray(batch["inputs"]), jnp.asarray(batch["read"])
-    want = np.asarray(restored.model(tokens, read))
-    # The two normalise before / after taking the read position: 1 ulp apart measured, not bitwise.
-    np.testing.assert_allclose(np.asarray(scorer.scores_at(tokens, read)), want, rtol=1e-6)
+    want = np.asarray(restored.model.scores_at(tokens, read))
+    assert np.asarray(scorer.scores_at(tokens, read)).tobytes() == want.tobytes()
     earlier = np.asarray(scorer.scores_at(tokens, read - 1))
     assert np.abs(earlier - want).max() > 1e-3, (earlier, want)
 

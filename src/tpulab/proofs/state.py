@@ -1,15 +1,19 @@
 """Whole-state verdicts: two runs' final checkpoints compared leaf by leaf, bitwise.
 
 Equal loss curves can hide a different state (a dropout key nobody used yet, an Adam moment that
-has not shown up in the loss). This compares everything a checkpoint holds: parameters, both Adam
-moments and the count, the step, the dropout key (``TrainState``) and the Grain data position (the
-``data`` item's files), with each run's newest verified checkpoint restored read-only. A checkpoint
-without a data position is refused: two empty positions would hash alike and compare equal.
+has not shown up in the loss). This compares everything a checkpoint holds: every leaf of its
+state (``TrainState``: the step, parameters, both Adam moments and the count, the dropout key;
+PPO's ``PPOState`` adds the round in progress) and the Grain data position (the ``data`` item's
+files), with each run's newest verified checkpoint restored read-only. The verdict's list of what
+was compared is read from the state compared (``compared``), so a new field is named with no edit
+here. A checkpoint without a data position is refused: two empty positions would hash alike and
+compare equal.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -18,8 +22,42 @@ from tpulab.checkpoint.files import sha256_file
 from tpulab.errors import CheckpointError
 from tpulab.train.restore import load_model
 
-COMPARED = "parameters, Adam moments (mu, nu) and count, step, dropout key, Grain data position"
 DATA_POSITION = "data position (Grain iterator state)"
+FIELD_NAMES = {"params": "parameters", "rng": "RNG key"}  # the rest are named as they are
+
+
+def optimizer_fields(tree: Any) -> set[str]:
+    """The fields holding arrays of an optax state's NamedTuples (Adam: count, mu, nu), through
+    chains and inner states; what a field holds (mu's parameter tree) is not walked."""
+    out: set[str] = set()
+    if hasattr(tree, "_fields"):
+        for f in tree._fields:
+            v = getattr(tree, f)
+            if isinstance(v, tuple):  # an inner state (a chain's, MaskedState.inner_state)
+                out |= optimizer_fields(v)
+            elif jax.tree.leaves(v):
+                out.add(f)
+    elif isinstance(tree, (tuple, list)):
+        for v in tree:
+            out |= optimizer_fields(v)
+    return out
+
+
+def compared(state: Any) -> str:
+    """What a verdict over ``state`` (a NamedTuple of the loop: ``TrainState``, ``PPOState``)
+    compares, named from its fields: the optimizer state by the names of its leaves' fields (Adam:
+    count, mu, nu), a nested NamedTuple (PPO's round) by its own fields."""
+    parts = []
+    for name in state._fields:
+        value = getattr(state, name)
+        if name == "opt_state":
+            attrs = optimizer_fields(value)
+            parts.append(f"optimizer state ({', '.join(sorted(attrs))})" if attrs else name)
+        elif hasattr(value, "_fields"):
+            parts.append(f"{name} ({', '.join(value._fields)})")
+        else:
+            parts.append(FIELD_NAMES.get(name, name))
+    return ", ".join([*parts, "Grain data position"])
 
 
 def data_position(step_dir: Path) -> dict[str, str]:
@@ -58,5 +96,5 @@ def final_state_verdict(reference_dir: Path, run_dir: Path) -> dict:
         "leaves_compared": n,
         "data_position_files": len(run_pos),
         "final_state_step": run.step,
-        "final_state_compared": COMPARED,
+        "final_state_compared": compared(run.state),
     }

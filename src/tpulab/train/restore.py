@@ -21,8 +21,8 @@ from tpulab.checkpoint.store import read_meta, read_state, scan
 from tpulab.config import from_dict
 from tpulab.errors import CheckpointError, TpulabError
 from tpulab.model import lora
-from tpulab.model.reward import RewardModel, reward_graph
 from tpulab.model.transformer import Transformer
+from tpulab.model.value import ScalarHeadModel, scalar_head_graph
 from tpulab.train import sharding
 from tpulab.train.adapters import lora_graph
 from tpulab.train.config import RunConfig
@@ -31,7 +31,7 @@ from tpulab.train.step import TrainState, make_mesh, make_steps, optimizer
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    model: Transformer | RewardModel
+    model: Transformer | ScalarHeadModel
     config: RunConfig
     step: int
     checkpoint_dir: Path
@@ -127,7 +127,7 @@ def abstract_train_state(init_params, optim, mesh) -> TrainState:
 
 
 def _load_reward(step_dir: Path, config: RunConfig) -> Restored:
-    graphdef, init_params = reward_graph(config.model, config.precision, config.seed)
+    graphdef, _, init_params = scalar_head_graph(config.model, config.precision, config.seed)
     state = read_state(step_dir, abstract_train_state(init_params, config.optim, make_mesh()))
     model: Any = nnx.merge(graphdef, state.params)
     return Restored(model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)

@@ -246,7 +246,7 @@ def load_reward_model(config: RunConfig) -> Frozen:
     """The frozen reward model ``objective.reward_model`` names: the one place that reads one.
 
     Assumed layout (the reward objective's, ``objective.kind: reward``): an ordinary run dir whose
-    newest verified checkpoint holds a ``TrainState`` whose params are a ``ValueModel``'s,
+    newest verified checkpoint holds a ``TrainState`` whose params are a ``ScalarHeadModel``'s,
     ``{"body": Transformer, "score": {"kernel": [d_model, 1], "bias": [1]}}`` in float32 for the
     head, the optimizer state of its own ``optim`` config, and the run's config, tokenizer and
     identities in the checkpoint metadata."""

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tpulab.model.transformer import Transformer
-from tpulab.model.value import ValueModel
+from tpulab.model.value import scalar_head_graph
 from tpulab.train import sharding
 from tpulab.train.config import RunConfig
 from tpulab.train.step import optimizer
@@ -46,7 +46,7 @@ class RoundState(NamedTuple):
 
 class PPOState(NamedTuple):
     step: jax.Array
-    params: Any  # nnx.State of ValueModel: the policy (body) and its value head (score)
+    params: Any  # nnx.State of ScalarHeadModel: the policy (body) and its value head (score)
     opt_state: Any
     rng: jax.Array  # uint32[2]: split at every round start (sampler and minibatch keys)
     round: RoundState
@@ -108,12 +108,10 @@ def empty_round(z: Sizes) -> RoundState:
 
 
 def value_graph(config: RunConfig) -> tuple[Any, Any]:
-    """(graphdef, abstract params) of the policy with its value head (zero-initialised: every
-    value is 0 at the start, so the first advantages are the returns)."""
-    model = nnx.eval_shape(
-        lambda: ValueModel(config.model, config.precision, rngs=nnx.Rngs(params=config.seed))
-    )
-    return nnx.split(model)
+    """(graphdef, abstract params) of the policy with its value head: a reward model's layout
+    (``ScalarHeadModel``); PPO starts the head at zero (``ppo.PPO._start_params``)."""
+    graphdef, abstract, _ = scalar_head_graph(config.model, config.precision, config.seed)
+    return graphdef, abstract
 
 
 def body_graph(config: RunConfig) -> Any:

@@ -1,14 +1,15 @@
 """The reward model: the SFT Transformer with a scalar head, trained on preference pairs.
 
-``tpulab.model.reward.RewardModel``: the body starts from ``objective.init`` (an SFT run), the
-head ``Dense(d_model, 1)`` from a seeded init (``seed``). The reward of a reply is read in float32
-at the input position of its last response byte, the stop byte (``preference.read_positions``),
-and the loss is Bradley-Terry, ``-log sigmoid(r_w - r_l - margin) + c (r_w + r_l)^2``
-(``losses.bradley_terry``). Metrics: loss, accuracy (r_w > r_l), margin (mean r_w - r_l) and the
-mean reward; evaluation: the same on the held-out pairs, next to the best accuracy any reward
-model can reach on their labels (``preference.gold_optimal_accuracy``: they are Bradley-Terry
-draws on the gold reward r*). The checkpoint is an ordinary run dir: ``tpulab.train.restore
-.load_model`` gives back a ``RewardModel``.
+``tpulab.model.value.ScalarHeadModel``, read by ``scores_at``: the body starts from
+``objective.init`` (an SFT run), the head ``Dense(d_model, 1)`` from a seeded init (``seed``).
+The reward of a reply is read in float32 at the input position of its last response byte, the
+stop byte (``preference.read_positions``), and the loss is Bradley-Terry,
+``-log sigmoid(r_w - r_l - margin) + c (r_w + r_l)^2`` (``losses.bradley_terry``). Metrics:
+loss, accuracy (r_w > r_l), margin (mean r_w - r_l) and the mean reward; evaluation: the same on
+the held-out pairs, next to the best accuracy any reward model can reach on their labels
+(``preference.gold_optimal_accuracy``: they are Bradley-Terry draws on the gold reward r*). The
+checkpoint is an ordinary run dir: ``tpulab.train.restore.load_model`` gives back that model, and
+PPO scores with the same ``scores_at``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import jax
 
 from tpulab.data import preference
-from tpulab.model.reward import reward_graph, with_body
+from tpulab.model.value import scalar_head_graph, with_body
 from tpulab.train.objectives import losses
 from tpulab.train.objectives.pairwise import Pairwise, pair_weights, sides
 from tpulab.train.step import gradient_steps, merge_model
@@ -27,7 +28,7 @@ def reward_loss(graphdef, margin: float = 0.0, centering: float = 0.0):
 
     def loss(params, frozen, batch, dropout_key):
         model = merge_model(graphdef, params)
-        chosen, rejected = sides(model(batch["inputs"], batch["read"], deterministic=True))
+        chosen, rejected = sides(model.scores_at(batch["inputs"], batch["read"]))
         return losses.bradley_terry(
             chosen, rejected, pair_weights(batch["mask"]), margin, centering
         )
@@ -44,14 +45,15 @@ class Reward(Pairwise):
 
     def _start_params(self):
         """A fresh host copy of the model's starting values: the base's parameters as the body,
-        the head from the seeded init (``reward_graph``, the same values every time)."""
-        _, init_params = reward_graph(self.config.model, self.config.precision, self.config.seed)
+        the head from the seeded init (``scalar_head_graph``, the same values every time)."""
+        cfg = self.config
+        _, _, init_params = scalar_head_graph(cfg.model, cfg.precision, cfg.seed)
         body = jax.device_get(self.base.plain_params())
         return with_body(jax.device_get(jax.jit(init_params)()), body)
 
     def steps(self, mesh):
         cfg, rw = self.config, self.config.objective.reward
-        graphdef, init_params = reward_graph(cfg.model, cfg.precision, cfg.seed)
+        graphdef, _, init_params = scalar_head_graph(cfg.model, cfg.precision, cfg.seed)
         train_loss = reward_loss(graphdef, rw.margin, rw.centering)
         gold = self.gold_optimal
 
