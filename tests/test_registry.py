@@ -10,8 +10,10 @@ import fcntl
 import hashlib
 import io
 import json
+import re
 import shutil
 import sqlite3
+import time
 
 import pytest
 
@@ -247,6 +249,43 @@ def test_rollback_moves_champion_back_once(store):
     )
 
 
+def _repoint(store, version: str, root) -> None:
+    """Point a version's source (and its ARTIFACTS tag) at ``root``: the artifacts it was
+    registered with, copied, so that the shared export sets are never touched."""
+    db = sqlite3.connect(store / "mlruns.db")
+    with db:
+        db.execute("UPDATE model_versions SET source = ? WHERE version = ?", (str(root), version))
+    db.close()
+    _client(store).set_model_version_tag(NAME, version, T.ARTIFACTS, str(root))
+
+
+def test_rollback_refuses_a_target_that_fails_reverification(store, exports, tmp_path):
+    """champion v2 -> v1, where v1's artifacts had one weight byte flipped after registration
+    (its manifest, and so every tag, unchanged): one line, a non-zero exit, the alias and the
+    ledger as they were. Control: the same move to an untampered copy rolls back."""
+    from tpulab.errors import ExitCode
+
+    c, uri, path = _client(store), _uri(store), store / "registry_ledger.jsonl"
+    _repoint(store, "1", _tampered_copy(exports[20], tmp_path))
+    before, ledger_before = fingerprint(store), path.read_text()
+    rc, _, err = registry(uri, "rollback", NAME)
+    line = refused((rc, "", err), "sha256 mismatch in weights.npz")
+    assert rc == ExitCode.BAD_INPUT, (rc, line)
+    assert fingerprint(store) == before and path.read_text() == ledger_before
+    assert c.get_registered_model(NAME).aliases == {"champion": 2}
+    assert json.loads(ledger_before.splitlines()[-1])["action"] == "promote"
+
+    intact = tmp_path / "intact"
+    shutil.copytree(exports[20], intact)
+    _repoint(store, "1", intact)
+    rc, out, err = registry(uri, "rollback", NAME)
+    assert rc == ExitCode.OK and "champion: v2 -> v1" in out, err
+    assert c.get_registered_model(NAME).aliases == {"champion": 1}
+    entry = json.loads(path.read_text().splitlines()[-1])
+    assert (entry["action"], entry["version"], entry["from_version"]) == ("rollback", "1", "2")
+    assert entry["evidence"]["artifacts"] == str(intact)
+
+
 def test_retire_and_delete_refuse_the_aliased_version(store):
     c, uri = _client(store), _uri(store)
     before = fingerprint(store)
@@ -369,12 +408,7 @@ def test_bad_stores_are_refused_in_one_line(store, tmp_path):
 def test_promote_refuses_artifacts_changed_after_registration(store, exports, tmp_path):
     # The version's source re-pointed at a copy with one weight byte flipped; manifest.json is
     # untouched, so the digest tag still matches and only the rehash of every file can tell.
-    bad = _tampered_copy(exports[20], tmp_path)
-    db = sqlite3.connect(store / "mlruns.db")
-    with db:
-        db.execute("UPDATE model_versions SET source = ? WHERE version = 1", (str(bad),))
-    db.close()
-    _client(store).set_model_version_tag(NAME, "1", T.ARTIFACTS, str(bad))
+    _repoint(store, "1", _tampered_copy(exports[20], tmp_path))
     before = fingerprint(store)
     refused(
         registry(_uri(store), "promote", NAME, "1", "--to", "canary"),
@@ -395,7 +429,7 @@ def test_the_cli_process_prints_one_line_and_no_mlflow_chatter(store, tmp_path):
 
 
 def test_prompts_are_versioned_by_content_hash(tmp_path):
-    from tpulab.ops.prompts import load_prompt, prompt_sha256
+    from tpulab.ops.prompts import PromptResolver, load_prompt, prompt_sha256
     from tpulab.ops.registry import open_registry
 
     uri = _uri(tmp_path)
@@ -423,3 +457,54 @@ def test_prompts_are_versioned_by_content_hash(tmp_path):
     db.close()
     assert n == 1
     refused(registry(uri, "prompt", "speaker"), "the template hashes to", "edited in the store")
+    with pytest.raises(Exception, match="the template hashes to"):  # a service refuses it too
+        PromptResolver(reg, 1.0)("speaker/1", "KING.\n")
+
+
+def test_a_prompt_version_resolves_to_what_the_registry_holds(tmp_path):
+    """A service's ``prompt_version`` on a real prompt registry: a version or an alias becomes the
+    stored version (an alias read again after its TTL), the prompt must be that template rendered;
+    unknown names, versions and aliases, and other texts, are refused (one line)."""
+    from tpulab.errors import TpulabError
+    from tpulab.ops.prompts import PromptResolver, prompt_sha256, rendered_from
+    from tpulab.ops.registry import open_registry
+
+    uri = _uri(tmp_path)
+    open_registry(uri, create=True)
+    for template in ("{{ speaker }}.\n", "{{ speaker }}:\n"):
+        assert registry(uri, "prompt", "speaker", "--template", template)[0] == 0
+    reg = open_registry(uri)
+    reg.client.set_prompt_alias("speaker", "prod", 2)
+    now = [0.0]
+    resolve = PromptResolver(reg, 10.0, clock=lambda: now[0])
+    got = resolve("prompts:/speaker/1", "ROMEO.\n")
+    assert got == {
+        "prompt_version": "prompts:/speaker/1",
+        "prompt_label": "prompts:/speaker/1",
+        "prompt_template_sha256": prompt_sha256("{{ speaker }}.\n"),
+        "prompt_resolved": True,
+    }
+    assert resolve("speaker/2", "ROMEO:\n")["prompt_version"] == "prompts:/speaker/2"
+    assert resolve("speaker@prod", "ROMEO:\n")["prompt_version"] == "prompts:/speaker/2"
+    reg.client.set_prompt_alias("speaker", "prod", 1)
+    now[0] = 9.0  # within the TTL the alias is not read again; past it, it is
+    assert resolve("speaker@prod", "ROMEO:\n")["prompt_version"] == "prompts:/speaker/2"
+    now[0] = 10.5
+    assert resolve("speaker@prod", "ROMEO.\n")["prompt_version"] == "prompts:/speaker/1"
+    for label, text, words in (
+        ("speaker/9", "ROMEO.\n", "no prompt speaker version 9 in the registry"),
+        ("nobody/1", "ROMEO.\n", "no prompt nobody version 1"),
+        ("speaker@staging", "ROMEO.\n", "no prompt speaker alias staging"),
+        ("speaker", "ROMEO.\n", "is not prompts:/NAME/VERSION or prompts:/NAME@ALIAS"),
+        ("speaker/1", "ROMEO:\n", "the prompt is not prompts:/speaker/1 rendered"),
+        ("speaker/1", "ROMEO.\nextra", "the prompt is not prompts:/speaker/1 rendered"),
+    ):
+        with pytest.raises(TpulabError, match=re.escape(words)) as e:
+            resolve(label, text)
+        assert "\n" not in str(e.value)
+    assert rendered_from("A {{ x }} B {{ y }} C", "A 1 B 2 B C") and rendered_from("ab", "ab")
+    assert not rendered_from("A {{ x }} B {{ y }} C", "A 1 C") and not rendered_from("ab", "abc")
+    # Linear: the regex (.*?)Y(.*?)Y(.*?)Q(.*?)X backtracks through ~n^3/6 splits of this text.
+    t0 = time.perf_counter()
+    assert not rendered_from("{{ a }}Y{{ b }}Y{{ c }}Q{{ d }}X", "Y" * 4000 + "X")
+    assert time.perf_counter() - t0 < 0.5

@@ -1,13 +1,15 @@
 """Serving from the MLflow Model Registry: resolution and refusals before listening, tags checked
 against the files, and a rollback picked up by a running service (real processes, real HTTP).
 
-The versions and aliases are made here with the MLflow client, following the registry contract
-(``tpulab.ops.tags``), as ``tpulab registry register/promote`` would.
+Most versions and aliases are made here with the MLflow client, following the registry contract
+(``tpulab.ops.tags``), to stand for moves made outside tpulab; the running-service test promotes
+and rolls back with the real ``tpulab registry`` CLI.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import re
 import threading
 import time
@@ -27,8 +29,9 @@ def art40(trained_run, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def art30(trained_run, tmp_path_factory):
-    return verified_export(trained_run, tmp_path_factory, 30)
+def art20(trained_run, tmp_path_factory):
+    """Step 20: worse than step 40 on the behaviour suite, so 20 -> 40 passes promote's gate."""
+    return verified_export(trained_run, tmp_path_factory, 20)
 
 
 def _tags(art, **forged) -> dict:
@@ -82,18 +85,19 @@ def test_model_uris_parse_or_are_one_line_errors():
 
 
 def test_a_missing_store_is_refused_and_not_created(tmp_path):
-    from tpulab.ops.serving import Registry
+    from tpulab.ops.registry import open_registry
 
-    with pytest.raises(TpulabError, match="does not exist"):
-        Registry(f"sqlite:///{tmp_path}/none/mlruns.db")
-    with pytest.raises(TpulabError, match="does not exist"):
-        Registry(f"sqlite:///{tmp_path}/mlruns.db")
+    with pytest.raises(TpulabError, match="no registry store at"):
+        open_registry(f"sqlite:///{tmp_path}/none/mlruns.db")
+    with pytest.raises(TpulabError, match="no registry store at"):
+        open_registry(f"sqlite:///{tmp_path}/mlruns.db")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_resolution_refusals(store, art40):
     from tpulab.ops import tags as T
-    from tpulab.ops.serving import ModelRef, Registry, check_servable
+    from tpulab.ops.registry import open_registry
+    from tpulab.ops.serving import ModelRef, check_servable, resolve
 
     uri, client = store
     v1 = _register(client, "tiny", art40)
@@ -102,44 +106,45 @@ def test_resolution_refusals(store, art40):
     v4 = _register(client, "tiny", art40, **{T.EXPORT_MANIFEST: ""})
     for alias, v in (("champion", v1), ("old", v2), ("moved", v3), ("bare", v4)):
         client.set_registered_model_alias("tiny", alias, v)
-    reg = Registry(uri)
-    check_servable(reg.resolve(ModelRef("tiny", "champion")))  # the good one passes
+    reg = open_registry(uri)
+    check_servable(resolve(reg, ModelRef("tiny", "champion")))  # the good one passes
     cases = {
         ModelRef("tiny", "old"): "tiny version 2 (@old) is retired",
         ModelRef("tiny", "moved"): "is not the absolute path its tag tpulab.artifacts names",
         ModelRef("tiny", "bare"): "has no tag tpulab.export_manifest_sha256",
-        ModelRef("tiny", None, "9"): "not found",
-        ModelRef("tiny", "nope"): "alias nope not found",
-        ModelRef("other", "champion"): "not found",
+        ModelRef("tiny", None, "9"): "model tiny has no version 9 in",
+        ModelRef("tiny", "nope"): "model tiny has no alias nope in",
+        ModelRef("other", "champion"): "no model other in",
     }
     for ref, reason in cases.items():
         with pytest.raises(TpulabError, match=re.escape(reason)) as e:
-            check_servable(reg.resolve(ref))
+            check_servable(resolve(reg, ref))
         assert "\n" not in str(e.value)
 
 
-def test_tags_are_checked_against_the_verified_files(store, art40, art30):
+def test_tags_are_checked_against_the_verified_files(store, art40, art20):
     """A version whose digest tags name other artifacts than its source holds is refused after
     verification (the tags are claims); with honest tags it loads, its identity from the files."""
     from tpulab.checkpoint.files import sha256_file
     from tpulab.ops import tags as T
-    from tpulab.ops.serving import ModelRef, Registry, load_registered
+    from tpulab.ops.registry import open_registry
+    from tpulab.ops.serving import ModelRef, load_registered, resolve
 
     uri, client = store
-    other = _tags(art30)
+    other = _tags(art20)
     honest = _register(client, "tiny", art40)
     forged_manifest = _register(
         client, "tiny", art40, **{T.EXPORT_MANIFEST: other[T.EXPORT_MANIFEST]}
     )
     forged_ckpt = _register(client, "tiny", art40, **{T.CHECKPOINT: other[T.CHECKPOINT]})
-    reg = Registry(uri)
-    model = load_registered(reg.resolve(ModelRef("tiny", None, honest)))
+    reg = open_registry(uri)
+    model = load_registered(resolve(reg, ModelRef("tiny", None, honest)))
     assert model.identity()["version"] == honest
     assert model.identity()["manifest_sha256"] == sha256_file(art40 / "manifest.json")
     assert model.registry["tags_checked"] == sorted([T.CHECKPOINT, T.EXPORT_MANIFEST])
     for v, tag in ((forged_manifest, T.EXPORT_MANIFEST), (forged_ckpt, T.CHECKPOINT)):
         with pytest.raises(TpulabError, match=f"tag {tag}=.* but the verified artifacts"):
-            load_registered(reg.resolve(ModelRef("tiny", None, v)))
+            load_registered(resolve(reg, ModelRef("tiny", None, v)))
 
 
 def test_serve_refuses_a_retired_version_before_listening(store, art40, tmp_path):
@@ -161,17 +166,35 @@ def test_serve_refuses_a_retired_version_before_listening(store, art40, tmp_path
     assert rc == 2 and out == "error: tiny version 1 (@champion) is retired; it is not served", out
 
 
-def test_promotion_and_rollback_are_picked_up_by_a_running_service(store, art40, art30, tmp_path):
-    """champion 1 -> 2 (a promotion) -> 1 (the rollback): a running server follows each move with
-    a hot swap, clients see no error and each sees one version then the next, /v1/model reports
-    the old digest after the rollback; a forged or retired version is refused while 1 serves on."""
+def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20, tmp_path):
+    """champion v1 (step 20) -> v2 (step 40) by ``tpulab registry promote`` -> v1 by ``tpulab
+    registry rollback``, each the real CLI in its own process, while a server follows the alias:
+    it hot-swaps on each move, two clients see no error and each sees 1, then 2, then 1 again,
+    /v1/model reports the old digest after the rollback; a forged and a retired version moved
+    onto the alias outside tpulab are refused while 1 serves on. The same server resolves a
+    request's ``prompt_version`` against the prompt registry of its store."""
+    from conftest import run_cli
+    from test_registry import registry
+    from test_serve import _traces
     from tpulab.checkpoint.files import sha256_file
     from tpulab.ops import tags as T
+    from tpulab.ops.prompts import prompt_sha256
+    from tpulab.tracking.store import sqlite_uri
 
-    uri, client = store
-    digest = {"1": sha256_file(art40 / "manifest.json"), "2": sha256_file(art30 / "manifest.json")}
-    assert _register(client, "tiny", art40) == "1" and _register(client, "tiny", art30) == "2"
-    client.set_registered_model_alias("tiny", "champion", "1")
+    uri = sqlite_uri(tmp_path / "mlruns.db")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    digest = {"1": sha256_file(art20 / "manifest.json"), "2": sha256_file(art40 / "manifest.json")}
+    template = "{{ speaker }}:"
+    for args in (
+        ("register", "--artifacts", str(art20), "--name", "tiny"),
+        ("promote", "tiny", "1", "--reason", "first champion"),
+        ("prompt", "speaker", "--template", template),
+    ):
+        rc, _, err = registry(uri, *args)
+        assert rc == 0, err
+    client.set_prompt_alias("speaker", "prod", 1)
     port, log_path = free_port(), tmp_path / "rollback.log"
     base = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
@@ -183,46 +206,74 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(store, art40,
             max_batch=1,  # one bucket: 3 compiles per version, not 9
         )
         try:
+            # v2 is registered while the server verifies and compiles v1 (the flow is unchanged:
+            # a version may be registered at any time; only promote moves the alias).
+            rc, _, err = registry(uri, "register", "--artifacts", str(art40), "--name", "tiny")
+            assert rc == 0, err
             wait_ready(proc, base, log_path)
             seen, stop = [[] for _ in range(2)], threading.Event()
 
             def client_loop(out):
+                # Paced (10 requests/s each at most), not back to back: a saturated server starved
+                # the registry CLI of CPU here (promote 143 s, rollback 131 s at load 20).
                 with httpx.Client(timeout=60) as c:
-                    while not stop.is_set():
+                    while not stop.wait(0.1):
                         r = c.post(f"{base}/v1/generate", json={"prompt": "To", "max_new": 4})
                         out.append((time.monotonic(), r.status_code, r.json()))
 
             def identity():
                 return httpx.get(f"{base}/v1/model", timeout=10).json()
 
-            def move_and_wait(version):
+            def every_client_saw(version):
+                deadline = time.monotonic() + 60
+                while not all(o and o[-1][2].get("model", {}).get("version") == version
+                              for o in seen):  # fmt: skip
+                    assert time.monotonic() < deadline and proc.poll() is None, version
+                    time.sleep(0.05)
+
+            def cli_and_wait(version, *args):
                 t0 = time.monotonic()
-                client.set_registered_model_alias("tiny", "champion", version)
+                done = run_cli("registry", *args, "--tracking-uri", uri, timeout=300)
+                assert done.returncode == 0, done.stderr
+                cli_s = time.monotonic() - t0
                 while identity()["identity"]["version"] != version:
-                    assert time.monotonic() - t0 < 180 and proc.poll() is None
+                    assert time.monotonic() - t0 < 300 and proc.poll() is None
                     time.sleep(0.1)
-                return time.monotonic() - t0
+                every_client_saw(version)
+                return done.stdout, cli_s, time.monotonic() - t0
+
+            def ask(prompt, label):
+                body = {"prompt": prompt, "max_new": 2, "prompt_version": label}
+                return httpx.post(f"{base}/v1/generate", json=body, timeout=60)
 
             assert identity()["identity"]["version"] == "1"
+            prompted = {
+                "alias": ask("ROMEO:", "prompts:/speaker@prod"),
+                "version": ask("JULIET:", "speaker/1"),
+                "unknown": ask("ROMEO:", "speaker/9"),
+                "no_alias": ask("ROMEO:", "speaker@staging"),
+                "other_text": ask("To be", "prompts:/speaker/1"),
+            }
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 clients = [pool.submit(client_loop, out) for out in seen]
-                time.sleep(1.0)
-                promote_s = move_and_wait("2")
-                time.sleep(1.0)
-                rollback_s = move_and_wait("1")
-                time.sleep(1.0)
+                every_client_saw("1")
+                promoted, promote_cli_s, promote_s = cli_and_wait("2", "promote", "tiny", "2")
+                rolled, rollback_cli_s, rollback_s = cli_and_wait(
+                    "1", "rollback", "tiny", "--reason", "v2 misbehaves"
+                )
                 stop.set()
                 [f.result() for f in clients]
             after = identity()
-            # A forged digest tag and a retired version: refused, version 1 keeps serving.
-            forged = _register(client, "tiny", art30, **{T.EXPORT_MANIFEST: digest["1"]})
+            # A forged digest tag and a retired version, moved onto the alias outside tpulab (the
+            # MLflow client): refused by the server, version 1 keeps serving.
+            forged = _register(client, "tiny", art40, **{T.EXPORT_MANIFEST: digest["1"]})
             client.set_registered_model_alias("tiny", "champion", forged)
             deadline = time.monotonic() + 120
             while (identity()["watch"]["refused"] or {}).get("version") != forged:
                 assert time.monotonic() < deadline, identity()["watch"]
                 time.sleep(0.1)
             refused_forged = identity()
-            retired = _register(client, "tiny", art30, **{T.RETIRED: "true"})
+            retired = _register(client, "tiny", art40, **{T.RETIRED: "true"})
             client.set_registered_model_alias("tiny", "champion", retired)
             deadline = time.monotonic() + 60
             while (identity()["watch"]["refused"] or {}).get("version") != retired:
@@ -233,9 +284,18 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(store, art40,
         finally:
             reap(proc)
     print(
-        f"alias move -> /v1/model reports it: promotion {promote_s:.2f} s, "
-        f"rollback {rollback_s:.2f} s (poll 0.5 s)"
+        f"CLI start -> /v1/model reports it: promotion {promote_s:.2f} s (CLI {promote_cli_s:.2f}"
+        f" s), rollback {rollback_s:.2f} s (CLI {rollback_cli_s:.2f} s), poll 0.5 s"
     )
+    assert "champion: v1 -> v2" in promoted and "champion: v2 -> v1" in rolled
+    ledger = [json.loads(x) for x in (tmp_path / "registry_ledger.jsonl").read_text().splitlines()]
+    assert [(e["action"], e["version"]) for e in ledger] == [
+        ("register", "1"),
+        ("promote", "1"),
+        ("register", "2"),
+        ("promote", "2"),
+        ("rollback", "1"),
+    ]
     assert after["manifest_sha256"] == digest["1"] and after["registry"]["version"] == "1"
     assert [(s["from"]["version"], s["to"]["version"]) for s in after["swaps"]] == [
         ("1", "2"),
@@ -253,19 +313,44 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(store, art40,
     assert still["model"]["version"] == "1" and still["manifest_sha256"] == digest["1"]
     assert "Traceback" not in log_path.read_text()
 
+    # prompt_version: the version the registry holds (an alias resolved to its number), the
+    # template's hash; an unknown version or alias, or a prompt not rendered from the template,
+    # is refused and traced without a version.
+    traces = _traces(log_path)
+    for kind in ("alias", "version"):
+        r = prompted[kind]
+        assert r.status_code == 200, r.text
+        t = traces[r.json()["request_id"]]
+        assert r.json()["prompt_version"] == t["prompt_version"] == "prompts:/speaker/1"
+        assert t["prompt_resolved"] is True and r.json()["prompt_resolved"] is True
+        assert t["prompt_template_sha256"] == prompt_sha256(template)
+    assert traces[prompted["alias"].json()["request_id"]]["prompt_label"] == "prompts:/speaker@prod"
+    refusals = {
+        "unknown": "no prompt speaker version 9 in the registry",
+        "no_alias": "no prompt speaker alias staging in the registry",
+        "other_text": "the prompt is not prompts:/speaker/1 rendered",
+    }
+    for kind, words in refusals.items():
+        r = prompted[kind]
+        assert r.status_code == 422 and words in r.json()["detail"], r.text
+        t = traces[r.json()["request_id"]]
+        assert t["status"] == 422 and t["prompt_version"] is None and not t["prompt_resolved"]
+        assert t["prompt_label"] == json.loads(r.request.content)["prompt_version"]
+
 
 def test_the_watcher_swaps_refuses_once_and_retries_after_the_alias_moves(store, art40):
     """``AliasWatcher.poll`` on a real store, with a stand-in load: a refused version is not
     reloaded on every poll, but is tried again once the alias has named another version."""
     from types import SimpleNamespace
 
-    from tpulab.ops.serving import AliasWatcher, ModelRef, Registry
+    from tpulab.ops.registry import open_registry
+    from tpulab.ops.serving import AliasWatcher, ModelRef, resolve
 
     uri, client = store
     for _ in range(3):
         _register(client, "tiny", art40)
     client.set_registered_model_alias("tiny", "champion", "1")
-    registry = Registry(uri)
+    registry = open_registry(uri)
     loads, swaps, broken = [], [], {"2"}
 
     def load(reg):
@@ -279,7 +364,7 @@ def test_the_watcher_swaps_refuses_once_and_retries_after_the_alias_moves(store,
         warm=lambda model: None,
         swap=lambda model, why: swaps.append(model.art.manifest_sha256[0]) or {},
     )
-    serving = registry.resolve(ModelRef("tiny", "champion"))
+    serving = resolve(registry, ModelRef("tiny", "champion"))
     watcher = AliasWatcher(service, registry, serving, 1.0, load)
     assert watcher.poll() == "unchanged" and loads == []
     client.set_registered_model_alias("tiny", "champion", "2")
@@ -298,7 +383,7 @@ def test_the_watcher_swaps_refuses_once_and_retries_after_the_alias_moves(store,
     [
         (["--model", "tiny@champion"], "is not models:/NAME@ALIAS"),
         (["--model", "models:/tiny@champion", "--tracking-uri", "sqlite:////nonexistent/m.db"],
-         "registry store /nonexistent/m.db does not exist"),
+         "no registry store at /nonexistent/m.db"),
         (["--artifacts", "{art}", "--drain-timeout", "0.5"], "drain_timeout=0.5 must be in (1"),
         (["--artifacts", "{art}", "--ready-timeout", "nan"], "ready_timeout=nan"),
         (["--artifacts", "{art}", "--body-timeout", "0"], "body_timeout=0"),

@@ -515,9 +515,13 @@ class Service:
         describe: str = "",
         trace_log: TraceLog | None = None,
         drift: DriftWindow | None = None,
+        prompts: Callable[[str, str], dict] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.loader, self.cfg, self.describe, self.clock = loader, cfg, describe, clock
+        # (prompt_version, prompt) -> the trace's prompt fields, as the prompt registry resolves
+        # them (``ops.prompts.PromptResolver``); TpulabError: refused (422). None: traced as given.
+        self.prompts = prompts
         self.trace_log = trace_log
         self.drift = drift or DriftWindow(None)
         self.started_at = clock()
@@ -755,7 +759,8 @@ class Service:
         prompt = req.prompt.encode("utf-8")
         trace.update(
             prompt_sha256=hashlib.sha256(prompt).hexdigest(),
-            prompt_version=req.prompt_version,
+            prompt_version=req.prompt_version if self.prompts is None else None,
+            prompt_resolved=False,
             prompt_bytes=len(prompt),
             prompt_tokens=len(gen.ids),
             max_new=req.max_new,
@@ -764,6 +769,14 @@ class Service:
             seed=req.seed,
             cache=req.cache,
         )
+        if req.prompt_version is not None and self.prompts is not None:
+            trace["prompt_label"] = req.prompt_version
+            try:  # a sqlite read when not cached: off the event loop
+                trace.update(await asyncio.to_thread(self.prompts, req.prompt_version, req.prompt))
+            except TpulabError as e:
+                return 422, {"detail": str(e)}, {}
+            except Exception as e:
+                return self._unavailable(f"prompt registry unreadable: {_reason(e)}")
         self.drift.observe(prompt)
         try:
             fut = self.batcher.submit(gen, req.cache)
@@ -811,7 +824,8 @@ class Service:
                 "tokens": len(out["ids"]),
                 "prompt": req.prompt,
                 "prompt_sha256": trace["prompt_sha256"],
-                "prompt_version": req.prompt_version,
+                "prompt_version": trace["prompt_version"],
+                "prompt_resolved": trace["prompt_resolved"],
                 "max_new": req.max_new,
                 "cache": req.cache,
                 "seed": req.seed,

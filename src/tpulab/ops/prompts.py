@@ -7,6 +7,12 @@ two versions there; here it returns the first) and a check that a stored templat
 registered: every version carries ``PROMPT_SHA256`` (sha256 of the template's UTF-8 bytes), and
 ``load_prompt`` recomputes it and refuses a mismatch. Templates use MLflow's ``{{ name }}``
 placeholders; ``Prompt.render`` fills them strictly (a missing or unknown variable is an error).
+
+Serving: a request's ``prompt_version`` (``prompts:/NAME/N``, ``prompts:/NAME@ALIAS``, or the same
+without ``prompts:/``) is a claim. ``PromptResolver`` turns it into the version the registry holds
+(hash-checked as above) and checks that the prompt served is that template rendered (its literal
+text in order around the variables); an unknown name, version or alias, or another text, is
+refused, so a trace never names a version that was not there or not used.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import threading
+import time
 
 from tpulab.errors import TpulabError
 from tpulab.model.sampling import MAX_PROMPT_CHARS
 from tpulab.ops import registry as R
 from tpulab.ops import tags as T
+from tpulab.tracking.store import cause
 
 _VAR = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
@@ -139,3 +148,107 @@ def load_prompt(reg: R.Registry, name: str, version: int | str) -> Prompt:
     if pv is None:
         raise TpulabError(f"no prompt {name} version {version} in {reg.db}")
     return _of(pv)
+
+
+_REF = re.compile(
+    r"(?:prompts:/)?(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,127})"
+    r"(?:/(?P<version>[1-9][0-9]{0,9})|@(?P<alias>[A-Za-z][A-Za-z0-9_-]{0,127}))"
+)
+# What MLflow answers for a prompt, version or alias that is not there (mlflow-skinny 3.17.2):
+# RESOURCE_DOES_NOT_EXIST for a name or version, INVALID_PARAMETER_VALUE for an alias or a name
+# registered as a model. Any other error is the store failing, not the client asking wrongly.
+_ABSENT = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+class PromptStoreError(Exception):
+    """The prompt registry could not be read (the service answers 503, not 422)."""
+
+
+def resolve_prompt(reg: R.Registry, ref: str) -> Prompt:
+    """The version ``ref`` names in the registry now, hash-checked; TpulabError if there is none.
+    A store that cannot be read raises ``PromptStoreError``."""
+    from mlflow.exceptions import MlflowException
+
+    m = _REF.fullmatch(ref) if isinstance(ref, str) else None
+    if m is None:
+        raise TpulabError(
+            f"prompt_version {str(ref)[:80]!r} is not prompts:/NAME/VERSION or prompts:/NAME@ALIAS"
+        )
+    name, version, alias = m["name"], m["version"], m["alias"]
+    try:
+        if alias is None:
+            pv = reg.client.get_prompt_version(name, version)
+        else:
+            pv = reg.client.get_prompt_version_by_alias(name, alias)
+    except MlflowException as e:
+        if getattr(e, "error_code", None) not in _ABSENT:
+            raise PromptStoreError(f"prompt registry {reg.db}: {cause(e)}") from None
+        pv = None
+    except R.store_errors() as e:
+        raise PromptStoreError(f"prompt registry {reg.db}: {cause(e)}") from None
+    if pv is None:
+        which = f"version {version}" if alias is None else f"alias {alias}"
+        raise TpulabError(f"no prompt {name} {which} in the registry {reg.db}")
+    return _of(pv)
+
+
+def rendered_from(template: str, text: str) -> bool:
+    """Whether ``text`` is ``template`` with something in place of each variable: its literal
+    pieces, in order, first at the start and last at the end. Linear in the text (a regex with one
+    lazy group per variable backtracks polynomially on a 4096-character prompt)."""
+    pieces = _VAR.split(template)[::2]  # the split keeps each variable's name at the odd places
+    if len(pieces) == 1:
+        return text == template
+    first, *middle, last = pieces
+    end = len(text) - len(last)
+    if end < len(first) or not text.startswith(first) or not text.endswith(last):
+        return False
+    pos = len(first)
+    for piece in middle:
+        pos = text.find(piece, pos, end)
+        if pos < 0:
+            return False
+        pos += len(piece)
+    return True
+
+
+class PromptResolver:
+    """A service's ``prompt_version`` check: (label, prompt) -> the trace fields naming the
+    version the registry holds, or TpulabError (the client's mistake: 422). Versions are immutable
+    in MLflow, so a resolved one is kept; an alias is read again after ``alias_ttl_s`` (the
+    service's alias poll interval), as the model alias is."""
+
+    MAX_CACHED = 1024
+
+    def __init__(self, reg: R.Registry, alias_ttl_s: float, *, clock=time.monotonic):
+        self.reg, self.alias_ttl_s, self.clock = reg, alias_ttl_s, clock
+        self._cache: dict[str, tuple[Prompt, float]] = {}
+        self._lock = threading.Lock()
+
+    def prompt(self, label: str) -> Prompt:
+        now = self.clock()
+        with self._lock:
+            hit = self._cache.get(label)
+        if hit is not None and now < hit[1]:
+            return hit[0]
+        p = resolve_prompt(self.reg, label)
+        expires = now + self.alias_ttl_s if "@" in label else float("inf")
+        with self._lock:
+            if len(self._cache) >= self.MAX_CACHED:
+                self._cache.clear()
+            self._cache[label] = (p, expires)
+        return p
+
+    def __call__(self, label: str, text: str) -> dict:
+        p = self.prompt(label)
+        if not rendered_from(p.template, text):
+            raise TpulabError(
+                f"prompt_version {label!r}: the prompt is not {p.uri} rendered (its text outside "
+                f"the variables {', '.join(p.variables) or '(none)'} differs)"
+            )
+        return {
+            "prompt_version": p.uri,
+            "prompt_label": label,
+            "prompt_template_sha256": p.sha256,
+            "prompt_resolved": True,
+        }

@@ -77,7 +77,7 @@ def check_alias(alias: str) -> str:
     return alias
 
 
-def _store_errors():
+def store_errors():
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -92,7 +92,7 @@ def store_call(reg_or_db, what: str):
         yield
     except TpulabError:
         raise
-    except _store_errors() as e:
+    except store_errors() as e:
         raise TpulabError(f"registry store {db}: {what} failed ({cause(e)})") from None
 
 
@@ -214,6 +214,26 @@ def _version(reg: Registry, name: str, version, *, required: bool = True):
     if required:
         raise TpulabError(f"model {name} has no version {version} in {reg.db}")
     return None
+
+
+def read_version(reg: Registry, name: str, *, version=None, alias: str | None = None):
+    """The model version ``version`` of ``name``, or the one ``alias`` names: the one reader of a
+    single version (commands and the service). Absent: one line naming the store."""
+    from mlflow.exceptions import MlflowException
+
+    if alias is None:
+        return _version(reg, name, version)
+    with store_call(reg, f"reading {name}@{alias}"):
+        try:
+            return reg.client.get_model_version_by_alias(name, alias)
+        except MlflowException as e:
+            # An unknown alias is INVALID_PARAMETER_VALUE, an unknown model RESOURCE_DOES_NOT_EXIST
+            # (mlflow-skinny 3.17.2); anything else is the store failing.
+            if not_found(e):
+                raise TpulabError(f"no model {name} in {reg.db}") from None
+            if getattr(e, "error_code", None) != "INVALID_PARAMETER_VALUE":
+                raise
+    raise TpulabError(f"model {name} has no alias {alias} in {reg.db}")
 
 
 def _aliases(model) -> dict[str, str]:
@@ -494,7 +514,7 @@ def _transact(reg, name, entries, entry, apply=lambda: None, undo=lambda: None) 
     except BaseException:
         # Best effort: if putting things back fails too, the next command sees the mismatch
         # (LEDGER_HEAD or drift) and says so; the first error is the one reported.
-        with contextlib.suppress(*_store_errors()):
+        with contextlib.suppress(*store_errors()):
             if entries or had_file:
                 ledger.write_ledger(reg.ledger_path, entries)
             else:

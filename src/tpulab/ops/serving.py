@@ -9,6 +9,10 @@ tag). After the server listens, in the background, the loader re-verifies the ar
 (``load_verified``) and compares their digests with the ``EXPORT_MANIFEST`` and ``CHECKPOINT`` tags:
 tags are claims, the files are the evidence. A mismatch leaves the server live and never ready.
 
+A request's ``prompt_version`` is resolved against the prompt registry of the same store
+(``prompts.PromptResolver``; with ``--artifacts``, the store ``--tracking-uri`` names, else none:
+the label is then traced as given, with ``prompt_resolved: false``).
+
 A rollback is picked up by a hot swap, not a restart: ``AliasWatcher`` reads the alias every
 ``poll_interval_s``; when it names another version, that version goes through the same checks and
 is compiled and run once beside the one serving (which keeps answering), then ``Service.swap``
@@ -37,6 +41,8 @@ from tpulab.inference.serve import (
     run_server,
 )
 from tpulab.inference.trust import load_verified, read_key
+from tpulab.ops import prompts as P
+from tpulab.ops import registry as R
 from tpulab.ops import tags as T
 
 _MODEL_URI = re.compile(
@@ -108,38 +114,13 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines() or [type(e).__name__])[0][:200]
 
 
-class Registry:
-    """Read-only access to the Model Registry of one MLflow store."""
-
-    def __init__(self, uri: str):
-        import logging
-
-        self.uri = uri
-        if uri.startswith("sqlite:///"):
-            db = Path(uri[len("sqlite:///") :])
-            if not db.is_file():
-                raise TpulabError(f"registry store {db} does not exist")
-        for name in ("mlflow", "alembic", "sqlalchemy"):  # their tracebacks become one line here
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-
-    def resolve(self, ref: ModelRef) -> Registered:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            if ref.alias is not None:
-                mv = self.client.get_model_version_by_alias(ref.name, ref.alias)
-            else:
-                mv = self.client.get_model_version(ref.name, ref.version)
-        except MlflowException as e:
-            raise TpulabError(f"registry {self.uri}: {ref}: {_first_line(e)}") from None
-        except Exception as e:  # a corrupt or locked store: SQLAlchemy's errors
-            raise TpulabError(f"registry {self.uri} cannot be read: {_first_line(e)}") from None
-        return Registered(
-            ref.name, str(mv.version), ref.alias, mv.source or "", dict(mv.tags), self.uri
-        )
+def resolve(registry: R.Registry, ref: ModelRef) -> Registered:
+    """What the registry says ``ref`` is now (``registry.read_version``: one reader for the
+    commands and the service)."""
+    mv = R.read_version(registry, ref.name, version=ref.version, alias=ref.alias)
+    return Registered(
+        ref.name, str(mv.version), ref.alias, mv.source or "", dict(mv.tags), registry.uri
+    )
 
 
 def check_servable(reg: Registered) -> None:
@@ -226,7 +207,7 @@ class AliasWatcher:
     def __init__(
         self,
         service: Service,
-        registry: Registry,
+        registry: R.Registry,
         serving: Registered,
         interval_s: float,
         load,
@@ -265,7 +246,7 @@ class AliasWatcher:
         self.status["last_poll"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         ref = ModelRef(self.serving.name, self.serving.alias)
         try:
-            reg = self.registry.resolve(ref)
+            reg = resolve(self.registry, ref)
         except TpulabError as e:
             if self.status["last_error"] != str(e):
                 print(f"warning: {e}; still serving {self.serving}", flush=True)
@@ -324,31 +305,37 @@ def serve(
         raise TpulabError(f"poll_interval={poll_interval_s} must be in [0.1, 3600] seconds")
     key = read_key(key_file)
     fixed = text_reference(drift_reference) if drift_reference is not None else None
-    follow = None
+    follow, registry = None, None
     if model_uri is not None:
         ref = ModelRef.parse(model_uri)
-        registry = Registry(default_uri(Path(run_dir or Path.cwd() / "x"), tracking_uri))
-        reg = registry.resolve(ref)
+        registry = R.open_registry(default_uri(Path(run_dir or Path.cwd() / "x"), tracking_uri))
+        reg = resolve(registry, ref)
         check_servable(reg)
 
         def load(r: Registered) -> Model:
             return with_reference(load_registered(r, run_dir, key), run_dir, fixed)
 
         loader, describe = (lambda: load(reg)), f"{ref} ({reg})"
-        follow = (registry, reg, load) if ref.alias is not None else None
+        follow = (reg, load) if ref.alias is not None else None
     else:
         if not (Path(artifacts) / "manifest.json").is_file():
             raise TpulabError(f"artifacts {artifacts}: no manifest.json (run: tpulab export)")
+        if tracking_uri is not None:  # the prompt registry to resolve prompt_version against
+            registry = R.open_registry(tracking_uri)
         plain = artifacts_loader(artifacts, run_dir, key)
         loader, describe = (
             (lambda: with_reference(plain(), run_dir, fixed)),
             f"artifacts {artifacts}",
         )
     service = Service(
-        loader, cfg or ServeConfig(), describe=describe, trace_log=TraceLog(trace_log)
+        loader,
+        cfg or ServeConfig(),
+        describe=describe,
+        trace_log=TraceLog(trace_log),
+        prompts=P.PromptResolver(registry, poll_interval_s) if registry is not None else None,
     )
     if follow is not None:
-        registry, reg, load = follow
+        reg, load = follow
         watcher = AliasWatcher(service, registry, reg, poll_interval_s, load)
         service.on_ready.append(watcher.start)
     run_server(service, host, port)
