@@ -167,8 +167,9 @@ def test_serve_refuses_a_retired_version_before_listening(store, art40, tmp_path
 
 
 def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20, tmp_path):
-    """champion v1 (step 20) -> v2 (step 40) by ``tpulab registry promote`` -> v1 by ``tpulab
-    registry rollback``, each the real CLI in its own process, while a server follows the alias:
+    """champion v1 (step 20) -> v2 (step 40) by ``tpulab registry promote`` (the CLI's ``main`` in
+    this process) -> v1 by ``tpulab registry rollback`` (the real CLI in its own process), while a
+    server follows the alias:
     it hot-swaps on each move, two clients see no error and each sees 1, then 2, then 1 again,
     /v1/model reports the old digest after the rollback; a forged and a retired version moved
     onto the alias outside tpulab are refused while 1 serves on. The same server resolves a
@@ -231,16 +232,22 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20,
                     assert time.monotonic() < deadline and proc.poll() is None, version
                     time.sleep(0.05)
 
-            def cli_and_wait(version, *args):
+            def cli_and_wait(version, *args, own_process=True):
+                """The registry command (its own interpreter, or this one: the same ``main``
+                without another ~60 s of start-up and re-verification at load 10), then wait."""
                 t0 = time.monotonic()
-                done = run_cli("registry", *args, "--tracking-uri", uri, timeout=300)
-                assert done.returncode == 0, done.stderr
+                if own_process:
+                    done = run_cli("registry", *args, "--tracking-uri", uri, timeout=300)
+                    rc, stdout, stderr = done.returncode, done.stdout, done.stderr
+                else:
+                    rc, stdout, stderr = registry(uri, *args)
+                assert rc == 0, stderr
                 cli_s = time.monotonic() - t0
                 while identity()["identity"]["version"] != version:
                     assert time.monotonic() - t0 < 300 and proc.poll() is None
                     time.sleep(0.1)
                 every_client_saw(version)
-                return done.stdout, cli_s, time.monotonic() - t0
+                return stdout, cli_s, time.monotonic() - t0
 
             def ask(prompt, label):
                 body = {"prompt": prompt, "max_new": 2, "prompt_version": label}
@@ -257,7 +264,9 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20,
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 clients = [pool.submit(client_loop, out) for out in seen]
                 every_client_saw("1")
-                promoted, promote_cli_s, promote_s = cli_and_wait("2", "promote", "tiny", "2")
+                promoted, promote_cli_s, promote_s = cli_and_wait(
+                    "2", "promote", "tiny", "2", own_process=False
+                )
                 rolled, rollback_cli_s, rollback_s = cli_and_wait(
                     "1", "rollback", "tiny", "--reason", "v2 misbehaves"
                 )
