@@ -228,8 +228,9 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--tracking-uri",
-        help="the registry's MLflow store with --model (default: $MLFLOW_TRACKING_URI, else "
-        "sqlite:///<parent of --run-dir, else the current dir>/mlruns.db)",
+        help="the MLflow store of the model registry (with --model) and of the prompt registry "
+        "that resolves a request's prompt_version (default with --model: $MLFLOW_TRACKING_URI, "
+        "else sqlite:///<parent of --run-dir, else the current dir>/mlruns.db)",
     )
     p.add_argument(
         "--poll-interval",
