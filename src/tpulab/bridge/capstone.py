@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tpulab.bridge.config import BridgeConfig
 from tpulab.checkpoint.rundir import RunDir
+from tpulab.evidence.report_kit import table
 
 # Small enough for ~1.5 minutes on 2 CPU cores; augmentation and dropout on, so the generator state
 # matters.
@@ -51,9 +52,8 @@ def capstone_stage(out_dir: str | Path) -> str:
         "",
         f"Proof config: {json.dumps({k: getattr(PROOF_CONFIG, k) for k in shown})}, float32.",
         "",
-        "| run | verdict | killed after | resumed from | report | overlay |",
-        "|---|---|---|---|---|---|",
     ]
+    cells = []
     for label, v, d in rows:
         state = (
             "bitwise identical (curves and final state)"
@@ -64,12 +64,19 @@ def capstone_stage(out_dir: str | Path) -> str:
         if v.get("negative_control"):
             state += ": caught" if not v["identical"] else ": NOT caught"
         proof = RunDir(d).proof.root
-        lines.append(
-            f"| {label} | {state} | {v['kill_step']} | {v['resumed_from_step']} | "
-            f"[report]({rel(proof / 'report.md')}) | "
-            f"[overlay]({rel(proof / 'overlay.png')}) |"
+        cells.append(
+            (
+                label,
+                state,
+                v["kill_step"],
+                v["resumed_from_step"],
+                f"[report]({rel(proof / 'report.md')})",
+                f"[overlay]({rel(proof / 'overlay.png')})",
+            )
         )
+    headers = ["run", "verdict", "killed after", "resumed from", "report", "overlay"]
     lines += [
+        table(headers, cells),
         "",
         "### Same seed, every runtime this machine runs",
         "",

@@ -16,6 +16,7 @@ from tpulab.checkpoint import rundir
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.rundir import RunDir
 from tpulab.errors import ExitCode, TpulabError
+from tpulab.evidence.report_kit import table
 from tpulab.orchestrate import report
 from tpulab.orchestrate.stages import Stages
 from tpulab.proofs.driver import run_to_completion, verdict_text
@@ -181,13 +182,17 @@ def tracking_section(out: Path, uri: str) -> tuple[str, list[str]]:
         f"{rundir.METRICS} logged (a failing store only warns while training goes on; this is "
         f"where it would show): **{len(rows) - len(bad)} of {len(rows)}** runs complete.",
         "",
-        "| run dir | MLflow run | steps | in the store |",
-        "|---|---|---|---|",
-        *(
-            f"| `{rel(r.run_dir)}` | {r.run_id[:12] if r.run_id else '-'} | {r.steps} | "
-            + ("yes" if r.problem is None else f"**NO**: {r.problem}")
-            + " |"
-            for r in rows
+        table(
+            ["run dir", "MLflow run", "steps", "in the store"],
+            [
+                (
+                    f"`{rel(r.run_dir)}`",
+                    r.run_id[:12] if r.run_id else "-",
+                    r.steps,
+                    "yes" if r.problem is None else f"**NO**: {r.problem}",
+                )
+                for r in rows
+            ],
         ),
     ]
     if (out / "dossier").is_dir():

@@ -25,6 +25,7 @@ from tpulab.checkpoint.files import atomic_write_json
 from tpulab.checkpoint.rundir import VERDICT, RunDir, read_json
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import METRICS, curve, read_records
+from tpulab.evidence.report_kit import table
 from tpulab.proofs.driver import (
     Proc,
     judge,
@@ -137,18 +138,20 @@ def prove_layouts(config: RunConfig, out_dir: Path, *, timeout_s: float = 600) -
 
 
 def layout_markdown(v: dict) -> str:
-    lines = [
-        "| layout A | layout B | steps | bitwise | max rel diff | first differing step "
-        "| within rtol |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in v["rows"]:
-        lines.append(
-            f"| {r['a']} | {r['b']} | {r['steps']} | {'yes' if r['bitwise'] else 'no'} | "
-            f"{r['max_rel_diff']:.2e} | {r['first_differing_step'] or '-'} | "
-            f"{'yes' if r['within_tolerance'] else 'NO'} (rtol {v['rtol']:g}) |"
+    headers = ["layout A", "layout B", "steps", "bitwise", "max rel diff", "first differing step"]
+    rows = [
+        (
+            r["a"],
+            r["b"],
+            r["steps"],
+            "yes" if r["bitwise"] else "no",
+            f"{r['max_rel_diff']:.2e}",
+            r["first_differing_step"] or "-",
+            f"{'yes' if r['within_tolerance'] else 'NO'} (rtol {v['rtol']:g})",
         )
-    return "\n".join(lines) + "\n"
+        for r in v["rows"]
+    ]
+    return table([*headers, "within rtol"], rows) + "\n"
 
 
 def _pids(run_dir: Path) -> list[int]:
