@@ -226,7 +226,7 @@ def run_capstone(
     )
 
     def receipt_stage() -> str:
-        from tpulab.evidence.receipt import collective_summary, hardware_line, run_receipt, table
+        from tpulab.evidence.receipt import collective_summary, hardware_line, markdown, run_receipt
 
         receipt = run_receipt(out / "receipt")
         return "\n".join(
@@ -237,7 +237,7 @@ def run_capstone(
                 f"({collective_summary(receipt)}; a timed matmul checked against NumPy; a "
                 "device-to-host round trip). Every chip named in this report comes from it.",
                 "",
-                table(receipt),
+                markdown(receipt),
                 "",
                 "Evidence: `receipt/receipt.json`.",
             ]
