@@ -18,9 +18,9 @@ PROOF_CONFIG = BridgeConfig(n=128, steps=24, checkpoint_every=8, augment=0.1, dr
 PROOFS = (("torch", "eager"), ("torchax", "eager"), ("torchax", "jit"))
 
 
-def capstone_stage(out_dir: str | Path) -> str:
+def capstone_stage(out_dir: str | Path, env: dict | None = None) -> str:
     """Run the bridge proofs and the comparison under out_dir/bridge; return the report's Markdown
-    section."""
+    section. ``env`` is added to every child's environment (the capstone's MLflow store)."""
     from tpulab.bridge.compare import compare
     from tpulab.bridge.prove import prove
 
@@ -30,6 +30,7 @@ def capstone_stage(out_dir: str | Path) -> str:
     # The children share one JAX compilation cache: torchax eager compiles every op on first use,
     # and each proof starts three processes. A cache the user already set wins.
     env = {
+        **(env or {}),
         "JAX_COMPILATION_CACHE_DIR": os.environ.get(
             "JAX_COMPILATION_CACHE_DIR", str(root / "jax-cache")
         ),

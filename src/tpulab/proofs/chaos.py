@@ -65,12 +65,14 @@ def run_chaos(
     compile_cache: Path | None = None,
     timeout_s: float = 900,
     warm_resume_cache: bool = False,
+    env: dict | None = None,
 ) -> dict:
     """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict.
 
     The reference and the first victim lifetime use ``compile_cache`` (or the default); every later
     lifetime is a resume and gets a fresh, empty compilation cache, unless ``warm_resume_cache``.
-    Each process's cache hits and misses are recorded (``proofs.cache``)."""
+    Each process's cache hits and misses are recorded (``proofs.cache``). ``env`` is added to every
+    child's environment (the capstone's MLflow store)."""
     if kills < 1:
         raise TpulabError(f"--kills {kills} must be at least 1")
     chaos = RunDir(out_dir).chaos
@@ -89,7 +91,7 @@ def run_chaos(
             str(stats_dir / f"{role}.json"),
         ]
 
-    env = {**os.environ, **(cache.cache_env(compile_cache) if compile_cache else {})}
+    env = {**os.environ, **(env or {}), **(cache.cache_env(compile_cache) if compile_cache else {})}
     processes: dict[str, dict] = {}
 
     reference, victim = chaos.reference.root, chaos.victim.root

@@ -173,6 +173,7 @@ def interrupt_one(
     victim: int,
     mode: str,
     timeout_s: float,
+    env: dict | None = None,
 ) -> dict:
     """Start a launched job, wait for step ``at_step`` in process 0's metrics and a committed
     checkpoint, then SIGKILL (``mode='kill'``, the job held there) or SIGSTOP (``mode='stall'``,
@@ -181,7 +182,7 @@ def interrupt_one(
     closing barrier, and is then (rightly) refused."""
     from tpulab.checkpoint.store import scan
 
-    with Proc(argv, log_path) as proc:
+    with Proc(argv, log_path, env) as proc:
         pids = _pids(run_dir)
         deadline = time.monotonic() + timeout_s
         while (
@@ -237,11 +238,14 @@ def prove_multiprocess_resume(
     stall_timeout_s: float = 10.0,
     reference_dir: Path | None = None,
     timeout_s: float = 600,
+    env: dict | None = None,
 ) -> dict:
     """Reference job; a job whose process ``victim`` is SIGKILLed (held after ``kill_at``) or
     SIGSTOPped (the others then hang in a collective until their step watchdog fires); a fresh
     launch that resumes. Curves and final whole state compared bitwise with the reference;
-    verdict.json and overlay.png."""
+    verdict.json and overlay.png. ``env`` is added to every job's environment (the capstone's MLflow
+    store)."""
+    env = {**os.environ, **(env or {})}
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
     check_kill_step(kill_at, steps, save_every)
@@ -264,7 +268,7 @@ def prove_multiprocess_resume(
         run_to_completion(
             argv(reference_dir),
             proof_dir / "reference.log",
-            dict(os.environ),
+            env,
             timeout_s,
             "reference job",
         )
@@ -280,13 +284,12 @@ def prove_multiprocess_resume(
         victim=victim,
         mode=mode,
         timeout_s=timeout_s,
+        env=env,
     )
     timings["interrupted_s"] = round(time.monotonic() - t0, 2)
     expected = ExitCode.PEER_FAILED if mode == "kill" else ExitCode.STALLED
     t0 = time.monotonic()
-    run_to_completion(
-        argv(run_dir), proof_dir / "resumed.log", dict(os.environ), timeout_s, "resumed job"
-    )
+    run_to_completion(argv(run_dir), proof_dir / "resumed.log", env, timeout_s, "resumed job")
     timings["resumed_s"] = round(time.monotonic() - t0, 2)
     verdict = judge(Path(reference_dir), run_dir, steps=steps, kill_step=event["last_logged_step"])
     verdict.update(final_state_verdict(Path(reference_dir), run_dir))
