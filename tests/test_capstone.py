@@ -34,6 +34,9 @@ def test_capstone_writes_report_overlay_and_verdict(tmp_path):
         and json.loads((out / "receipt" / "receipt.json").read_text())["runtime"]["backend"]
         == "cpu"
     )
+    # the receipt's key/value block is a table in the page, not one run-on paragraph
+    page = (out / "report.html").read_text()
+    assert "<tr><td>platform version</td>" in page and "<tr><td>device-&gt;host</td>" in page
     assert json.loads((out / "proof" / "verdict.json").read_text())["identical"] is True
     assert (out / "proof" / "overlay.png").stat().st_size > 10_000
     assert all(r["passed"] for r in json.loads((out / "checks.json").read_text())["rows"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -12,15 +13,18 @@ import pytest
 
 from conftest import run_cli
 from tpulab.errors import ExitCode
+from tpulab.evidence.html import render_html
 from tpulab.evidence.receipt import (
     Target,
     check_collective,
     check_matmul,
     hardware_line,
+    key_values,
     kind_matches,
     qualify,
     run_receipt,
 )
+from tpulab.evidence.receipt import table as aligned_text
 
 # "TPU" as a word (a hardware claim); variable names such as TPU_SKIP_MDS_QUERY are raw data.
 TPU_WORD = re.compile(r"\bTPU\b")
@@ -41,6 +45,13 @@ def test_receipt_in_process_single_device(tmp_path):
     table = (tmp_path / "receipt.md").read_text()
     assert not TPU_WORD.search(table) and "CPU (cpu) x1" in table
     assert "PASS (trivial: on one device a sum is its input)" in table
+    # receipt.md is a two-column table: rendered, every key is a cell of one <table> (a browser
+    # ran the old aligned lines into one paragraph); control: those lines give no table
+    page = render_html(table, tmp_path)
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>", page)
+    assert page.count("<table>") == 1 and rows == [html.escape(k) for k, _ in key_values(receipt)]
+    assert "hardware" in rows and "matmul" in rows and "target" in rows
+    assert "<table>" not in render_html(aligned_text(receipt), tmp_path)
 
 
 def test_receipt_cli_four_forced_host_devices(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tpulab.bridge.config import BridgeConfig
 from tpulab.checkpoint.rundir import RunDir
+from tpulab.evidence.report_kit import table
 
 # Small enough for ~1.5 minutes on 2 CPU cores; augmentation and dropout on, so the generator state
 # matters.
@@ -17,9 +18,9 @@ PROOF_CONFIG = BridgeConfig(n=128, steps=24, checkpoint_every=8, augment=0.1, dr
 PROOFS = (("torch", "eager"), ("torchax", "eager"), ("torchax", "jit"))
 
 
-def capstone_stage(out_dir: str | Path) -> str:
+def capstone_stage(out_dir: str | Path, env: dict | None = None) -> str:
     """Run the bridge proofs and the comparison under out_dir/bridge; return the report's Markdown
-    section."""
+    section. ``env`` is added to every child's environment (the capstone's MLflow store)."""
     from tpulab.bridge.compare import compare
     from tpulab.bridge.prove import prove
 
@@ -29,6 +30,7 @@ def capstone_stage(out_dir: str | Path) -> str:
     # The children share one JAX compilation cache: torchax eager compiles every op on first use,
     # and each proof starts three processes. A cache the user already set wins.
     env = {
+        **(env or {}),
         "JAX_COMPILATION_CACHE_DIR": os.environ.get(
             "JAX_COMPILATION_CACHE_DIR", str(root / "jax-cache")
         ),
@@ -51,9 +53,8 @@ def capstone_stage(out_dir: str | Path) -> str:
         "",
         f"Proof config: {json.dumps({k: getattr(PROOF_CONFIG, k) for k in shown})}, float32.",
         "",
-        "| run | verdict | killed after | resumed from | report | overlay |",
-        "|---|---|---|---|---|---|",
     ]
+    cells = []
     for label, v, d in rows:
         state = (
             "bitwise identical (curves and final state)"
@@ -64,12 +65,19 @@ def capstone_stage(out_dir: str | Path) -> str:
         if v.get("negative_control"):
             state += ": caught" if not v["identical"] else ": NOT caught"
         proof = RunDir(d).proof.root
-        lines.append(
-            f"| {label} | {state} | {v['kill_step']} | {v['resumed_from_step']} | "
-            f"[report]({rel(proof / 'report.md')}) | "
-            f"[overlay]({rel(proof / 'overlay.png')}) |"
+        cells.append(
+            (
+                label,
+                state,
+                v["kill_step"],
+                v["resumed_from_step"],
+                f"[report]({rel(proof / 'report.md')})",
+                f"[overlay]({rel(proof / 'overlay.png')})",
+            )
         )
+    headers = ["run", "verdict", "killed after", "resumed from", "report", "overlay"]
     lines += [
+        table(headers, cells),
         "",
         "### Same seed, every runtime this machine runs",
         "",

@@ -14,6 +14,7 @@ from tpulab.checkpoint.files import atomic_write_json
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import METRICS, curve, read_records
+from tpulab.evidence.report_kit import figure, table
 from tpulab.proofs.driver import run_to_completion
 
 # Relative difference of the final loss from the float64 reference. Measured over the default 200
@@ -112,60 +113,64 @@ def markdown_table(rows: list[dict], cfg: BridgeConfig) -> str:
         f"(tpulab.bridge.reference); tolerance {FLOAT64_RTOL:g} on the final loss's relative "
         "difference.",
         "",
-        f"| backend | method | final loss (step {cfg.steps}) | rel diff vs float64 at final step "
-        "| within tolerance | max rel diff vs float64 (any step) | max abs diff vs torch "
-        "| rel diff vs torch at final step | device |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    headers = ["backend", "method", f"final loss (step {cfg.steps})"]
+    headers += ["rel diff vs float64 at final step", "within tolerance"]
+    headers += ["max rel diff vs float64 (any step)", "max abs diff vs torch"]
+    headers += ["rel diff vs torch at final step", "device"]
+    cells = []
     for r in rows:
         ok = r["within_tolerance"]
-        lines.append(
-            f"| {r['backend']} | {r['method']} | {r['final_loss']:.9g} "
-            f"| {_num(r['rel_diff_final_vs_float64'], none='no reference')} "
-            f"| {'-' if ok is None else 'yes' if ok else 'NO'} "
-            f"| {_num(r['max_rel_diff_vs_float64'], none='no reference')} "
-            f"| {_num(r['max_abs_diff_vs_torch'], none='(torch)')} "
-            f"| {_num(r['rel_diff_final'], none='(torch)')} | {r['device']} |"
+        cells.append(
+            (
+                r["backend"],
+                r["method"],
+                f"{r['final_loss']:.9g}",
+                _num(r["rel_diff_final_vs_float64"], none="no reference"),
+                "-" if ok is None else "yes" if ok else "NO",
+                _num(r["max_rel_diff_vs_float64"], none="no reference"),
+                _num(r["max_abs_diff_vs_torch"], none="(torch)"),
+                _num(r["rel_diff_final"], none="(torch)"),
+                r["device"],
+            )
         )
+    lines.append(table(headers, cells))
     return "\n".join(lines) + "\n"
 
 
 def plot(curves: dict, path: Path, cfg: BridgeConfig, ref64: dict | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     # the differences panel: every run against the float64 reference (or, without one, torchax
     # against torch)
     ref = ref64 if ref64 is not None else curves[("torch", "eager")]
-    fig, (ax, ax_d) = plt.subplots(
-        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
-    )
-    styles = [
-        ("0.55", 4.0, "-"),
-        ("tab:blue", 1.4, "--"),
-        ("tab:red", 1.2, ":"),
-        ("tab:green", 1.2, "-."),
-    ]
-    for (key, c), (color, lw, ls) in zip(curves.items(), styles):
-        s = sorted(c)
-        ax.plot(s, [c[i] for i in s], color=color, lw=lw, ls=ls, label=f"{key[0]}/{key[1]}")
-        if ref64 is not None or key != ("torch", "eager"):
-            ax_d.plot(
-                s, [abs(c[i] - ref[i]) for i in s], color=color, lw=1.0, label=f"{key[0]}/{key[1]}"
-            )
-    ax.set_yscale("log")
-    ax.set_ylabel("train loss (MSE)")
-    ax.set_title(
-        f"same seed and data on every bridge: n={cfg.n}, d={cfg.d}, hidden={cfg.hidden}, float32"
-    )
-    ax.legend(fontsize=8)
-    ax_d.set_yscale("symlog", linthresh=1e-9)
-    ax_d.set_ylim(bottom=0)  # absolute differences: no negative half of the symlog axis
-    ax_d.set_ylabel("|loss - float64 loss|" if ref64 is not None else "|loss - torch loss|")
-    ax_d.set_xlabel("step")
-    ax_d.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(
+        path, nrows=2, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
+    ) as (_, (ax, ax_d)):
+        styles = [
+            ("0.55", 4.0, "-"),
+            ("tab:blue", 1.4, "--"),
+            ("tab:red", 1.2, ":"),
+            ("tab:green", 1.2, "-."),
+        ]
+        for (key, c), (color, lw, ls) in zip(curves.items(), styles):
+            s = sorted(c)
+            ax.plot(s, [c[i] for i in s], color=color, lw=lw, ls=ls, label=f"{key[0]}/{key[1]}")
+            if ref64 is not None or key != ("torch", "eager"):
+                ax_d.plot(
+                    s,
+                    [abs(c[i] - ref[i]) for i in s],
+                    color=color,
+                    lw=1.0,
+                    label=f"{key[0]}/{key[1]}",
+                )
+        ax.set_yscale("log")
+        ax.set_ylabel("train loss (MSE)")
+        ax.set_title(
+            f"same seed and data on every bridge: n={cfg.n}, d={cfg.d}, hidden={cfg.hidden}, "
+            "float32"
+        )
+        ax.legend(fontsize=8)
+        ax_d.set_yscale("symlog", linthresh=1e-9)
+        ax_d.set_ylim(bottom=0)  # absolute differences: no negative half of the symlog axis
+        ax_d.set_ylabel("|loss - float64 loss|" if ref64 is not None else "|loss - torch loss|")
+        ax_d.set_xlabel("step")
+        ax_d.legend(fontsize=8)

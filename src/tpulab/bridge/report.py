@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tpulab.evidence.metrics import read_records, starts
 from tpulab.evidence.provenance import describe_hardware, git_commit
+from tpulab.evidence.report_kit import table
 from tpulab.proofs.driver import verdict_text
 
 METHOD_NOTES = {
@@ -79,27 +80,50 @@ def write_proof_report(proof_dir: Path, verdict: dict) -> str:
     lines = [
         f"# Bridge kill/resume proof: {backend} / {method}",
         "",
-        "| | |",
-        "|---|---|",
-        f"| device | {device_line(dev)} |",
-        f"| dtype | {rec.get('dtype', '?')} |",
-        f"| shapes | {shapes(cfg) if cfg else '?'} |",
-        f"| data | full batch, seed {cfg.get('seed')}, augment sigma {cfg.get('augment')}, "
-        f"dropout {cfg.get('dropout')} |",
-        f"| optimizer | Adam, lr {cfg.get('lr')}, {cfg.get('steps')} steps, checkpoint every "
-        f"{cfg.get('checkpoint_every')} |",
-        f"| bridge / method | {backend} / {method}: {METHOD_NOTES.get((backend, method), '')} |",
-        f"| versions | torch {ver.get('torch')}, torchax {ver.get('torchax')}, jax "
-        f"{ver.get('jax')}, jaxlib {ver.get('jaxlib')} |",
-        "| torchax workarounds | "
-        + (", ".join(workarounds) if workarounds else "none" if backend == "torchax" else "n/a")
-        + " |",
-        f"| commit | {git_commit() or 'unknown'} |",
-        f"| verdict | {state}; {verdict['steps_compared']} steps; SIGKILL after step "
-        f"{verdict['kill_step']}, fresh process resumed from step "
-        f"{verdict['resumed_from_step']} ({verdict['steps_redone']} steps redone) |",
-        f"| final state compared | {verdict.get('final_state_compared', 'not compared')} |",
-        f"| resumed process's compile cache | {_cache_line(verdict)} |",
+        table(
+            ["", ""],
+            [
+                ("device", device_line(dev)),
+                ("dtype", rec.get("dtype", "?")),
+                ("shapes", shapes(cfg) if cfg else "?"),
+                (
+                    "data",
+                    f"full batch, seed {cfg.get('seed')}, augment sigma {cfg.get('augment')}, "
+                    f"dropout {cfg.get('dropout')}",
+                ),
+                (
+                    "optimizer",
+                    f"Adam, lr {cfg.get('lr')}, {cfg.get('steps')} steps, checkpoint every "
+                    f"{cfg.get('checkpoint_every')}",
+                ),
+                (
+                    "bridge / method",
+                    f"{backend} / {method}: {METHOD_NOTES.get((backend, method), '')}",
+                ),
+                (
+                    "versions",
+                    f"torch {ver.get('torch')}, torchax {ver.get('torchax')}, jax "
+                    f"{ver.get('jax')}, jaxlib {ver.get('jaxlib')}",
+                ),
+                (
+                    "torchax workarounds",
+                    ", ".join(workarounds)
+                    if workarounds
+                    else "none"
+                    if backend == "torchax"
+                    else "n/a",
+                ),
+                ("commit", git_commit() or "unknown"),
+                (
+                    "verdict",
+                    f"{state}; {verdict['steps_compared']} steps; SIGKILL after step "
+                    f"{verdict['kill_step']}, fresh process resumed from step "
+                    f"{verdict['resumed_from_step']} ({verdict['steps_redone']} steps redone)",
+                ),
+                ("final state compared", verdict.get("final_state_compared", "not compared")),
+                ("resumed process's compile cache", _cache_line(verdict)),
+            ],
+        ),
         control,
         "![reference, killed and resumed curves](overlay.png)",
         "",

@@ -16,6 +16,7 @@ from tpulab.cloud.gcloud import read_calls
 from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.receipt import hardware_line
+from tpulab.evidence.report_kit import figure, table
 
 LOG = "experiment.md"
 HTML = "experiment.html"  # the same log as one self-contained page (the curve embedded)
@@ -35,14 +36,7 @@ def _source(fetched: dict) -> str:
 
 def plot_curves(out: Path, run_name: str, path: Path) -> bool:
     """Loss per step for every worker and segment, the preemption and the resume marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    drawn = False
-    marks = []
+    series, marks, lines = [], [], []  # lines: (step, colour, style) of preemptions, resumes
     dirs = [(f"worker {d.name}", d / run_name) for d in sorted((out / "workers").glob("*"))]
     dirs.append(
         ("shared run dir", out / "shared" / run_name)
@@ -54,44 +48,38 @@ def plot_curves(out: Path, run_name: str, path: Path) -> bool:
                 (r["step"], r["loss"]) for r in records if r.get("segment") == seg and "loss" in r
             )
             if pts:
-                ax.plot(
-                    *zip(*pts),
-                    ls="-" if w == 0 else "--",
-                    marker="." if w == 0 else "x",
-                    ms=3,
-                    lw=1,
-                    label=f"{label}, segment {seg}" + (" (resumed)" if seg else ""),
-                )
-                drawn = True
+                series.append((w, f"{label}, segment {seg}" + (" (resumed)" if seg else ""), pts))
         for r in records:
             if r.get("event") == "preempted":
-                ax.axvline(r["step"], color="red", ls="--", lw=0.8)
+                lines.append((r["step"], "red", "--"))
                 marks.append(f"{label}: SIGTERM, saved at step {r['step']}")
             if r.get("event") == "start" and r.get("resumed_from") is not None:
-                ax.axvline(r["resumed_from"], color="green", ls=":", lw=0.8)
+                lines.append((r["resumed_from"], "green", ":"))
                 marks.append(f"{label}: resumed from step {r['resumed_from']}")
-    if marks:
-        ax.text(
-            0.02,
-            0.02,
-            "\n".join(marks),
-            transform=ax.transAxes,
-            fontsize=7,
-            va="bottom",
-            color="darkred",
-        )
-    if not drawn:
-        plt.close(fig)
+    if not series:
         return False
-    ax.set(
-        xlabel="step",
-        ylabel="training loss",
-        title="Cloud run: loss per step (preemption and resume marked)",
-    )
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(8, 4.5)) as (_, ax):
+        for w, label, pts in series:
+            ls, marker = ("-", ".") if w == 0 else ("--", "x")
+            ax.plot(*zip(*pts), ls=ls, marker=marker, ms=3, lw=1, label=label)
+        for step, color, ls in lines:
+            ax.axvline(step, color=color, ls=ls, lw=0.8)
+        if marks:
+            ax.text(
+                0.02,
+                0.02,
+                "\n".join(marks),
+                transform=ax.transAxes,
+                fontsize=7,
+                va="bottom",
+                color="darkred",
+            )
+        ax.set(
+            xlabel="step",
+            ylabel="training loss",
+            title="Cloud run: loss per step (preemption and resume marked)",
+        )
+        ax.legend(fontsize=7)
     return True
 
 
@@ -246,12 +234,14 @@ def write_experiment_log(out_dir: str | Path) -> Path:
         "",
         "## Every gcloud call (cloud/calls.jsonl)",
         "",
-        "| # | step | exit | seconds | command |",
-        "|---|---|---|---|---|",
+        table(
+            ["#", "step", "exit", "seconds", "command"],
+            [
+                (i, c["step"], c["rc"], c["duration_s"], f"`{c['command']}`")
+                for i, c in enumerate(calls)
+            ],
+        ),
     ]
-    for i, c in enumerate(calls):
-        cmd = c["command"].replace("|", "\\|")
-        lines.append(f"| {i} | {c['step']} | {c['rc']} | {c['duration_s']} | `{cmd}` |")
     text = "\n".join(lines) + "\n"
     path = out / LOG
     atomic_write_bytes(path, text.encode())

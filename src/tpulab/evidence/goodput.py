@@ -31,6 +31,7 @@ import yaml
 
 from tpulab.checkpoint.rundir import RunDir
 from tpulab.evidence.metrics import read_records, starts
+from tpulab.evidence.report_kit import table
 
 BUCKETS = (
     "productive",
@@ -176,7 +177,7 @@ LABELS = {
 def markdown(g: dict, title: str = "Goodput") -> str:
     shown = {**g["buckets_s"], "unaccounted": g.get("unaccounted_s", 0.0)}
     rows = [
-        f"| {LABELS[k]} | {v:.2f} s | {100 * v / g['total_s']:.1f}% |"
+        (LABELS[k], f"{v:.2f} s", f"{100 * v / g['total_s']:.1f}%")
         for k, v in shown.items()
         if g["total_s"] > 0 and (v > 0 or k == "productive" or (k == "unaccounted" and v))
     ]
@@ -188,9 +189,7 @@ def markdown(g: dict, title: str = "Goodput") -> str:
             f"{len(g['lifetimes'])} process lifetime(s), {g['killed_lifetimes']} of them killed; "
             f"wall time {g['total_s']:.2f} s, of which {g['restart_s']:.2f} s lost to restarts.",
             "",
-            "| where the time went | seconds | share |",
-            "|---|---|---|",
-            *rows,
+            table(["where the time went", "seconds", "share"], rows),
             "",
             "Killed lifetimes are split from their step records (no end event); Python start-up "
             "before `train()` is not counted.",

@@ -68,7 +68,10 @@ def _inline(text: str, base: Path) -> str:
 
 
 def _cells(row: str) -> list[str]:
-    return [c.strip() for c in row.strip().strip("|").split("|")]
+    """A table row's cells: split on ``|`` but not on the escaped ``\\|`` a cell may hold."""
+    row = row.strip().removeprefix("|")
+    row = row[:-1] if row.endswith("|") and not row.endswith("\\|") else row
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)]
 
 
 def render_html(text: str, base: Path, title: str = "tpulab report") -> str:

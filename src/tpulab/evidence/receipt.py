@@ -26,6 +26,7 @@ import numpy as np
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.errors import ExitCode, TpulabError
+from tpulab.evidence import report_kit
 from tpulab.evidence.provenance import git_commit
 from tpulab.libtpu_env import MARKER, placeholders
 
@@ -336,7 +337,9 @@ def hardware_line(receipt: dict) -> str:
     return f"{rt['backend'].upper()} ({', '.join(rt['device_kinds'])}) x{rt['device_count']}"
 
 
-def table(receipt: dict) -> str:
+def key_values(receipt: dict) -> list[tuple[str, str]]:
+    """The receipt as (what, value) pairs: ``table`` aligns them for a terminal, ``markdown``
+    makes them a table for receipt.md and the capstone's report."""
     rt, ev, v = receipt["runtime"], receipt["evidence"], receipt["versions"]
     coll, mm, rtp = ev["collective"], ev["matmul"], ev["round_trip"]
     rows = [
@@ -386,8 +389,19 @@ def table(receipt: dict) -> str:
         q = receipt["qualification"]
         verdict = "QUALIFIED" if q["passed"] else "NOT QUALIFIED: " + "; ".join(q["problems"])
         rows.append(("target", f"{q['target']}: {verdict}"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {val}" for k, val in rows) + "\n"
+    return rows
+
+
+def table(receipt: dict) -> str:
+    """Aligned ``what  value`` lines, for a terminal."""
+    pairs = key_values(receipt)
+    width = max(len(k) for k, _ in pairs)
+    return "\n".join(f"{k.ljust(width)}  {val}" for k, val in pairs) + "\n"
+
+
+def markdown(receipt: dict) -> str:
+    """A two-column Markdown table: as lines, a Markdown renderer runs them into one paragraph."""
+    return report_kit.table(["what", "value"], key_values(receipt)) + "\n"
 
 
 def receipt_name(receipt: dict) -> str:
@@ -420,7 +434,7 @@ def run_receipt(out_dir: str | Path, target: Target | None = None, matmul_size: 
         }
     name = receipt_name(receipt)
     atomic_write_json(out / name, receipt)
-    atomic_write_bytes(out / (Path(name).stem + ".md"), table(receipt).encode())
+    atomic_write_bytes(out / (Path(name).stem + ".md"), markdown(receipt).encode())
     if target is not None and receipt["qualification"]["problems"]:
         raise QualificationError(
             f"target qualification failed ({target}): "

@@ -24,6 +24,7 @@ import numpy as np
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.config import check, field
 from tpulab.data.tokenizer import PAD
+from tpulab.evidence.report_kit import figure, table
 from tpulab.model import kvcache as kv
 from tpulab.model.decode import ModelFns
 from tpulab.progress import progress
@@ -190,50 +191,49 @@ def kvcache_table(source: Restored, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
 
 
 def markdown_table(result: dict) -> str:
-    lines = [
-        "| cache | bytes/token | vs fp32 | max abs logit diff | mean KL (nats) | greedy agreement "
-        "| held-out loss |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['precision']} | {r['bytes_per_token']:.0f} | {r['ratio_to_fp32']:.3f} | "
-            f"{r['max_abs_logit_diff']:.2e} | {r['mean_kl']:.2e} | "
-            f"{r['greedy_agreement']:.4f} ({r['greedy_tokens']} tok) | {r['heldout_loss']:.4f} |"
+    headers = ["cache", "bytes/token", "vs fp32", "max abs logit diff", "mean KL (nats)"]
+    rows = [
+        (
+            r["precision"],
+            f"{r['bytes_per_token']:.0f}",
+            f"{r['ratio_to_fp32']:.3f}",
+            f"{r['max_abs_logit_diff']:.2e}",
+            f"{r['mean_kl']:.2e}",
+            f"{r['greedy_agreement']:.4f} ({r['greedy_tokens']} tok)",
+            f"{r['heldout_loss']:.4f}",
         )
-    lines.append(f"| (no cache) | | | | | | {result['reference']['heldout_loss']:.4f} |")
-    return "\n".join(lines)
+        for r in result["rows"]
+    ]
+    rows.append(("(no cache)", *[""] * 5, f"{result['reference']['heldout_loss']:.4f}"))
+    return table([*headers, "greedy agreement", "held-out loss"], rows)
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     names = [r["precision"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    axes[0].bar(names, [r["bytes_per_token"] for r in rows], color="tab:blue")
-    axes[0].set_title("cache bytes per token (all layers)")
-    x = np.arange(len(rows))
-    axes[1].bar(
-        x - 0.2, [max(r["max_abs_logit_diff"], 1e-12) for r in rows], 0.4, label="max |logit diff|"
-    )
-    axes[1].bar(x + 0.2, [max(r["mean_kl"], 1e-12) for r in rows], 0.4, label="mean KL")
-    axes[1].set_xticks(x, names)
-    axes[1].set_yscale("log")
-    axes[1].legend(fontsize=8)
-    axes[1].set_title("error vs full forward")
-    bars = axes[2].bar(names, [1 - r["greedy_agreement"] for r in rows], color="tab:red")
-    axes[2].bar_label(bars, labels=[f"{1 - r['greedy_agreement']:.2%}" for r in rows], fontsize=8)
-    axes[2].set_ylim(0, max(0.02, 1.2 * max(1 - r["greedy_agreement"] for r in rows)))
-    axes[2].axhline(0.01, color="gray", linestyle="--", linewidth=1, label="int8 bound (1%)")
-    axes[2].legend(fontsize=8)
-    axes[2].set_title("greedy disagreement (1 - agreement)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, ncols=3, figsize=(12, 3.4)) as (_, axes):
+        axes[0].bar(names, [r["bytes_per_token"] for r in rows], color="tab:blue")
+        axes[0].set_title("cache bytes per token (all layers)")
+        x = np.arange(len(rows))
+        axes[1].bar(
+            x - 0.2,
+            [max(r["max_abs_logit_diff"], 1e-12) for r in rows],
+            0.4,
+            label="max |logit diff|",
+        )
+        axes[1].bar(x + 0.2, [max(r["mean_kl"], 1e-12) for r in rows], 0.4, label="mean KL")
+        axes[1].set_xticks(x, names)
+        axes[1].set_yscale("log")
+        axes[1].legend(fontsize=8)
+        axes[1].set_title("error vs full forward")
+        bars = axes[2].bar(names, [1 - r["greedy_agreement"] for r in rows], color="tab:red")
+        axes[2].bar_label(
+            bars, labels=[f"{1 - r['greedy_agreement']:.2%}" for r in rows], fontsize=8
+        )
+        axes[2].set_ylim(0, max(0.02, 1.2 * max(1 - r["greedy_agreement"] for r in rows)))
+        axes[2].axhline(0.01, color="gray", linestyle="--", linewidth=1, label="int8 bound (1%)")
+        axes[2].legend(fontsize=8)
+        axes[2].set_title("greedy disagreement (1 - agreement)")
 
 
 def write_kvcache_report(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tpulab.evidence.report_kit import table
 from tpulab.inference.artifact_format import (
     LOOP,
     WEIGHTS,
@@ -155,13 +156,17 @@ def check_against_checkpoint(art: ArtifactSet, run_dir: str | Path) -> tuple[lis
 
 
 def verification_table(result: dict) -> str:
-    lines = [
-        "| artifact | platform | bitwise | max abs diff | tolerance | result |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['artifact']} | {r['platform']} | {'yes' if r['bitwise'] else 'no'} | "
-            f"{r['max_abs_diff']:.3g} | {r['tolerance']} | {'PASS' if r['passed'] else 'FAIL'} |"
-        )
-    return "\n".join(lines)
+    return table(
+        ["artifact", "platform", "bitwise", "max abs diff", "tolerance", "result"],
+        [
+            (
+                r["artifact"],
+                r["platform"],
+                "yes" if r["bitwise"] else "no",
+                f"{r['max_abs_diff']:.3g}",
+                r["tolerance"],
+                "PASS" if r["passed"] else "FAIL",
+            )
+            for r in result["rows"]
+        ],
+    )

@@ -27,6 +27,7 @@ import numpy as np
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.config import check, field
 from tpulab.errors import TpulabError
+from tpulab.evidence.report_kit import table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,18 +241,26 @@ def capacity_table(result: dict) -> str:
         f"load average before {result['loadavg_before'][0]:.1f}, after "
         f"{result['loadavg_after'][0]:.1f} (shared machine).",
         "",
-        "| server | clients | req/s | tok/s | p50 ms | p99 ms | TTFT p50 ms | vs serial "
-        "| batch size:count |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for r in result["rows"]:
         vs = f"{r['throughput_vs_serial']:.2f}x" if r["throughput_vs_serial"] else "-"
         formed = ", ".join(
             f"{k}:{v}" for k, v in sorted(r["batches_formed"].items(), key=lambda kv: int(kv[0]))
         )
-        lines.append(
-            f"| {r['server']} | {r['clients']} | {r['requests_per_s']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {r['latency_p50_ms']:.1f} | {r['latency_p99_ms']:.1f} | "
-            f"{r['ttft_p50_ms']:.1f} | {vs} | {formed} |"
+        rows.append(
+            (
+                r["server"],
+                r["clients"],
+                f"{r['requests_per_s']:.1f}",
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['latency_p50_ms']:.1f}",
+                f"{r['latency_p99_ms']:.1f}",
+                f"{r['ttft_p50_ms']:.1f}",
+                vs,
+                formed,
+            )
         )
+    headers = ["server", "clients", "req/s", "tok/s", "p50 ms", "p99 ms", "TTFT p50 ms"]
+    lines.append(table([*headers, "vs serial", "batch size:count"], rows))
     return "\n".join(lines)

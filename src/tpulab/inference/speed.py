@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tpulab.data.tokenizer import PAD
+from tpulab.evidence.report_kit import table
 from tpulab.model import kvcache as kv
 from tpulab.model.config import matmul_params
 from tpulab.model.decode import Decoder, ModelFns
@@ -147,19 +148,25 @@ def decode_speed(
 
 
 def speed_table(rows: list[dict]) -> str:
-    lines = [
-        "| prompt tokens | new tokens | compiled loop tok/s | step loop tok/s | recompute tok/s | "
-        "loop vs step | loop vs recompute | step vs recompute | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['prompt_len']} | {r['new_tokens']} | {r['loop_tokens_per_s']:.0f} | "
-            f"{r['cached_tokens_per_s']:.0f} | {r['recompute_tokens_per_s']:.0f} | "
-            f"{r['loop_vs_step']:.1f}x | "
-            f"{r['loop_vs_recompute']:.1f}x | {r['speedup']:.1f}x | {r['same_tokens']} |"
-        )
-    return "\n".join(lines)
+    headers = ["prompt tokens", "new tokens", "compiled loop tok/s", "step loop tok/s"]
+    headers += ["recompute tok/s", "loop vs step", "loop vs recompute", "step vs recompute"]
+    return table(
+        [*headers, "same tokens"],
+        [
+            (
+                r["prompt_len"],
+                r["new_tokens"],
+                f"{r['loop_tokens_per_s']:.0f}",
+                f"{r['cached_tokens_per_s']:.0f}",
+                f"{r['recompute_tokens_per_s']:.0f}",
+                f"{r['loop_vs_step']:.1f}x",
+                f"{r['loop_vs_recompute']:.1f}x",
+                f"{r['speedup']:.1f}x",
+                r["same_tokens"],
+            )
+            for r in rows
+        ],
+    )
 
 
 def read_seconds(nbytes: float, repeats: int = 50) -> float:
@@ -265,19 +272,23 @@ def batch_table(
 
 
 def batch_markdown(rows: list[dict]) -> str:
-    lines = [
-        "| cache | batch | decode tok/s | ms per decode step | vs batch 1 | GFLOP/s | "
-        "MB read per step | "
-        "ms to read them once | end-to-end tok/s (with prefill) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    headers = ["cache", "batch", "decode tok/s", "ms per decode step", "vs batch 1", "GFLOP/s"]
+    headers += ["MB read per step", "ms to read them once", "end-to-end tok/s (with prefill)"]
     one = {r["cache"]: r["tokens_per_s"] for r in rows if r["batch"] == 1}
+    cells = []
     for r in rows:
         rel = f"{r['tokens_per_s'] / one[r['cache']]:.1f}x" if r["cache"] in one else "-"
-        lines.append(
-            f"| {r['cache']} | {r['batch']} | {r['tokens_per_s']:.0f} | "
-            f"{r['ms_per_step']:.3f} | {rel} | {r['gflops_per_s']:.1f} | "
-            f"{r['bytes_per_step'] / 1e6:.2f} | {r['read_floor_ms']:.3f} | "
-            f"{r['end_to_end_tokens_per_s']:.0f} |"
+        cells.append(
+            (
+                r["cache"],
+                r["batch"],
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['ms_per_step']:.3f}",
+                rel,
+                f"{r['gflops_per_s']:.1f}",
+                f"{r['bytes_per_step'] / 1e6:.2f}",
+                f"{r['read_floor_ms']:.3f}",
+                f"{r['end_to_end_tokens_per_s']:.0f}",
+            )
         )
-    return "\n".join(lines)
+    return table(headers, cells)

@@ -35,6 +35,7 @@ import numpy as np
 
 from tpulab.config import check, field
 from tpulab.errors import TpulabError
+from tpulab.evidence.report_kit import table
 
 
 def rows_from(table: dict, server: str = "batching") -> list[dict]:
@@ -342,10 +343,8 @@ def capacity_table(result: dict) -> str:
         f"{result['cpus']}; load average before {result['loadavg_before'][0]:.1f}, after "
         f"{result['loadavg_after'][0]:.1f} (shared machine).",
         "",
-        "| replicas | clients | req/s | predicted req/s | error | mean ms | p50 ms | p99 ms | "
-        "predicted p99 ms | Little L/N | requests per replica |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for r in [*result["single"], *result["replicated"]]:
         p = r.get("predicted")
         pred = (
@@ -353,12 +352,24 @@ def capacity_table(result: dict) -> str:
             if p
             else ("-", "-", "-")
         )
-        lines.append(
-            f"| {r['replicas']} | {r['clients']} | {r['requests_per_s']:.1f} | {pred[0]} | "
-            f"{pred[1]} | {r['latency_mean_ms']:.1f} | {r['latency_p50_ms']:.1f} | "
-            f"{r['latency_p99_ms']:.1f} | {pred[2]} | {r['littles_law']['ratio']:.2f} | "
-            f"{r['per_replica_requests']} |"
+        rows.append(
+            (
+                r["replicas"],
+                r["clients"],
+                f"{r['requests_per_s']:.1f}",
+                pred[0],
+                pred[1],
+                f"{r['latency_mean_ms']:.1f}",
+                f"{r['latency_p50_ms']:.1f}",
+                f"{r['latency_p99_ms']:.1f}",
+                pred[2],
+                f"{r['littles_law']['ratio']:.2f}",
+                r["per_replica_requests"],
+            )
         )
+    headers = ["replicas", "clients", "req/s", "predicted req/s", "error", "mean ms", "p50 ms"]
+    headers += ["p99 ms", "predicted p99 ms", "Little L/N", "requests per replica"]
+    lines.append(table(headers, rows))
     cap = result["capacity_at_p99"]
     verdict = "within" if result["all_within_tolerance"] else "NOT within"
     lines += [

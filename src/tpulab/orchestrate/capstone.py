@@ -15,9 +15,10 @@ from pathlib import Path
 from tpulab.checkpoint import rundir
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.rundir import RunDir
-from tpulab.errors import ExitCode, TpulabError
+from tpulab.errors import TpulabError
+from tpulab.evidence.report_kit import table
 from tpulab.orchestrate import report
-from tpulab.orchestrate.stages import Stages
+from tpulab.orchestrate.stages import Stages, prepare_out
 from tpulab.proofs.driver import run_to_completion, verdict_text
 from tpulab.proofs.transformer import train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
@@ -34,13 +35,6 @@ class CapstoneOptions:
     )
     skip_posttrain: bool = False  # SFT and LoRA from the pretrained run, merge, evaluation
     compile_cache: Path | None = None
-
-
-def _prepare_out(out: Path) -> Path:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TpulabError(f"--out {out} already exists and is not empty; choose a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def chaos_config(config: RunConfig) -> RunConfig:
@@ -115,12 +109,16 @@ def posttrain_config(config: RunConfig, base: Path, lora_rank: int = 0) -> RunCo
 
 
 def posttrain_stage(
-    config: RunConfig, base: Path, out: Path, compile_cache: Path | None = None
+    config: RunConfig,
+    base: Path,
+    out: Path,
+    compile_cache: Path | None = None,
+    env: dict | None = None,
 ) -> str:
-    """SFT and LoRA from ``base`` (each a tracked `tpulab train` child), merge-lora, the
-    evaluation of both against the base (logged to their MLflow runs), the report section.
-    Raises TpulabError when a run fails, the merged model's greedy generations differ from the
-    adapter model's, or the evaluation cannot be logged to a run."""
+    """SFT and LoRA from ``base`` (each a tracked `tpulab train` child, ``env`` added to its
+    environment), merge-lora, the evaluation of both against the base (logged to their MLflow
+    runs), the report section. Raises TpulabError when a run fails, the merged model's greedy
+    generations differ from the adapter model's, or the evaluation cannot be logged to a run."""
     from tpulab.posttrain import evaluate_sft, log_to_run
     from tpulab.train.merge import merge_lora
 
@@ -131,7 +129,7 @@ def posttrain_stage(
         run_to_completion(
             train_child_argv(cfg_path, runs[name], compile_cache=compile_cache),
             d / f"{name}.log",
-            dict(os.environ),
+            {**os.environ, **(env or {})},
             1800,
             f"{name} run",
         )
@@ -181,13 +179,17 @@ def tracking_section(out: Path, uri: str) -> tuple[str, list[str]]:
         f"{rundir.METRICS} logged (a failing store only warns while training goes on; this is "
         f"where it would show): **{len(rows) - len(bad)} of {len(rows)}** runs complete.",
         "",
-        "| run dir | MLflow run | steps | in the store |",
-        "|---|---|---|---|",
-        *(
-            f"| `{rel(r.run_dir)}` | {r.run_id[:12] if r.run_id else '-'} | {r.steps} | "
-            + ("yes" if r.problem is None else f"**NO**: {r.problem}")
-            + " |"
-            for r in rows
+        table(
+            ["run dir", "MLflow run", "steps", "in the store"],
+            [
+                (
+                    f"`{rel(r.run_dir)}`",
+                    r.run_id[:12] if r.run_id else "-",
+                    r.steps,
+                    "yes" if r.problem is None else f"**NO**: {r.problem}",
+                )
+                for r in rows
+            ],
         ),
     ]
     if (out / "dossier").is_dir():
@@ -207,21 +209,22 @@ def run_capstone(
 ) -> Path:
     from tpulab.proofs.checks import run_checks
     from tpulab.proofs.transformer import prove_transformer_resume
+    from tpulab.tracking.store import STORE_NAME, sqlite_uri
 
-    out = _prepare_out(Path(out))
+    out = prepare_out(out)
     run_dir = out / "run"
     run = RunDir(out)
     config_path = write_child_config(config, run.config)
     stages = Stages("capstone")
-    stage, sections, failures, timings = (
-        stages.run,
-        stages.sections,
-        stages.failures,
-        stages.timings,
-    )
+    stage, failures = stages.run, stages.failures
+    # One MLflow store for every run the capstone starts (training, proof, chaos, ...): the given
+    # one, else mlruns.db here; it reaches each child in the environment the child is given
+    # (``tracked``), and this process's own environment is left as it was.
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or sqlite_uri(out.absolute() / STORE_NAME)
+    tracked = {"MLFLOW_TRACKING_URI": uri}
 
     def receipt_stage() -> str:
-        from tpulab.evidence.receipt import collective_summary, hardware_line, run_receipt, table
+        from tpulab.evidence.receipt import collective_summary, hardware_line, markdown, run_receipt
 
         receipt = run_receipt(out / "receipt")
         return "\n".join(
@@ -232,7 +235,7 @@ def run_capstone(
                 f"({collective_summary(receipt)}; a timed matmul checked against NumPy; a "
                 "device-to-host round trip). Every chip named in this report comes from it.",
                 "",
-                table(receipt),
+                markdown(receipt),
                 "",
                 "Evidence: `receipt/receipt.json`.",
             ]
@@ -242,7 +245,7 @@ def run_capstone(
         run_to_completion(
             train_child_argv(config_path, run_dir, compile_cache=options.compile_cache),
             out / "train.log",
-            dict(os.environ),
+            {**os.environ, **tracked},
             3600,
             "training run",
         )
@@ -258,7 +261,7 @@ def run_capstone(
 
     def proof_stage() -> str:
         verdict = prove_transformer_resume(
-            config, out, reference_dir=run_dir, compile_cache=options.compile_cache
+            config, out, reference_dir=run_dir, compile_cache=options.compile_cache, env=tracked
         )
         if not verdict["identical"]:
             raise TpulabError(
@@ -282,6 +285,7 @@ def run_capstone(
             kills=options.chaos_kills,
             seed=0,
             compile_cache=options.compile_cache,
+            env=tracked,
         )
         if not verdict["identical"]:
             raise TpulabError(
@@ -306,7 +310,12 @@ def run_capstone(
         from tpulab.proofs.scaleout import prove_multiprocess_resume
 
         v = prove_multiprocess_resume(
-            scaleout_config(config), out / "scaleout", mode="kill", kill_at=8, stall_timeout_s=120
+            scaleout_config(config),
+            out / "scaleout",
+            mode="kill",
+            kill_at=8,
+            stall_timeout_s=120,
+            env=tracked,
         )
         if not (v["identical"] and v["teardown_ok"]):
             raise TpulabError(
@@ -336,64 +345,49 @@ def run_capstone(
         failures.extend(missing)
         return text
 
-    # One MLflow store for every run the capstone starts (training, proof, chaos, ...): the
-    # children inherit it.
-    own_uri = "MLFLOW_TRACKING_URI" not in os.environ
-    if own_uri:
-        from tpulab.tracking.store import STORE_NAME, sqlite_uri
+    stage("receipt", receipt_stage)
+    stage("train", train_stage)
+    if not failures:
+        stage("resume proof", proof_stage)
+        if options.chaos_kills > 0:
+            stage("chaos", chaos_stage)
+        stage("checks", checks_stage)
+        if not options.skip_scaleout:
+            stage("multi-process resume", scaleout_stage)
+        if not options.skip_dossier:
+            stage("dossier", dossier_stage)
+        if not options.skip_inference:
+            from tpulab.inference import capstone_stage as inference_stage
 
-        os.environ["MLFLOW_TRACKING_URI"] = sqlite_uri(out.absolute() / STORE_NAME)
-    uri = os.environ["MLFLOW_TRACKING_URI"]
-    try:
-        stage("receipt", receipt_stage)
-        stage("train", train_stage)
-        if not failures:
-            stage("resume proof", proof_stage)
-            if options.chaos_kills > 0:
-                stage("chaos", chaos_stage)
-            stage("checks", checks_stage)
-            if not options.skip_scaleout:
-                stage("multi-process resume", scaleout_stage)
-            if not options.skip_dossier:
-                stage("dossier", dossier_stage)
-            if not options.skip_inference:
-                from tpulab.inference import capstone_stage as inference_stage
+            stage("inference", lambda: inference_stage(run_dir, out / "inference"))
+        if not options.skip_posttrain:
+            stage(
+                "post-training",
+                lambda: posttrain_stage(config, run_dir, out, options.compile_cache, tracked),
+            )
+    if not options.skip_bridge:
+        from tpulab.bridge import capstone_stage as bridge_stage
 
-                stage("inference", lambda: inference_stage(run_dir, out / "inference"))
-            if not options.skip_posttrain:
-                stage(
-                    "post-training",
-                    lambda: posttrain_stage(config, run_dir, out, options.compile_cache),
-                )
-        if not options.skip_bridge:
-            from tpulab.bridge import capstone_stage as bridge_stage
+        stage("bridge", lambda: bridge_stage(out, tracked))
+    stage("tracking", tracking_stage)
 
-            stage("bridge", lambda: bridge_stage(out))
-        stage("tracking", tracking_stage)
-    finally:
-        if own_uri:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
+    def write() -> Path:
+        header = [
+            "# tpulab capstone report",
+            "",
+            "Every number below was measured by this run and carries its provenance; the raw "
+            "evidence sits beside this file.",
+            "",
+            stages.status(),
+            "",
+            stages.times(),
+        ]
+        text = "\n".join(header) + "\n\n" + stages.body() + "\n"
+        path, page = report.write_reports(out, text, "tpulab capstone report")
+        if RunDir(run_dir).mlflow_run.exists():
+            from tpulab.tracking.store import log_files_to_run
 
-    header = [
-        "# tpulab capstone report",
-        "",
-        "Every number below was measured by this run and carries its provenance; the raw evidence "
-        "sits beside this file.",
-        "",
-        f"Status: **{'PASS' if not failures else 'FAIL'}**"
-        + ("" if not failures else " — " + "; ".join(failures)),
-        "",
-        "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()),
-    ]
-    path, page = report.write_reports(
-        out, "\n".join(header) + "\n\n" + "\n\n".join(sections) + "\n", "tpulab capstone report"
-    )
-    if RunDir(run_dir).mlflow_run.exists():
-        from tpulab.tracking.store import log_files_to_run
+            log_files_to_run(run_dir, [path, page, out / "plots" / "curves.png"], "report")
+        return path
 
-        log_files_to_run(run_dir, [path, page, out / "plots" / "curves.png"], "report")
-    if failures:
-        raise TpulabError(
-            f"capstone failed ({'; '.join(failures)}); report: {path}", exit_code=ExitCode.FAILED
-        )
-    return path
+    return stages.finish(write, "capstone failed", see="report:")

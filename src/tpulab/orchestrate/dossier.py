@@ -16,9 +16,9 @@ import dataclasses
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
-from tpulab.errors import ExitCode, TpulabError
+from tpulab.errors import TpulabError
 from tpulab.evidence.html import render_html
-from tpulab.orchestrate.stages import Stages
+from tpulab.orchestrate.stages import Stages, check_out, prepare_out
 
 DEFAULT_TARGETS = "v5e:2x2,v5p:2x2x1,v6e:2x2"
 KL_OK, AGREE_OK, LOSS_OK = 1e-3, 0.99, 0.01  # a lower precision is acceptable within these of fp32
@@ -92,9 +92,7 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     from tpulab.train.config import RunConfig
     from tpulab.train.loop import train
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TpulabError(f"--out {out} already exists and is not empty; choose a new directory")
+    out = check_out(out)  # before the configs are checked: a used dir is refused first
     target_config = load(RunConfig, None, list(plan.target_overrides), base=to_dict(config))
     sweep = bench.sweep_configs(
         lambda extra: load(RunConfig, None, extra, base=to_dict(config)), plan.batch_sweep
@@ -102,16 +100,11 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     from tpulab.perf.aot import parse_targets
 
     parse_targets(plan.targets)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_out(out)
     run_dir = out / "run"
     results: dict = {}
     stages = Stages("dossier")
-    stage, sections, failures, timings = (
-        stages.run,
-        stages.sections,
-        stages.failures,
-        stages.timings,
-    )
+    stage = stages.run
 
     def receipt():
         env = environment()
@@ -207,39 +200,31 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     # during any later profiler session in this process (tpulab.libtpu_env).
     stage("budget", budget_stage)
 
-    md = (
-        "\n".join(
-            [
-                "# tpulab decision dossier",
-                "",
-                _decisions(results, plan),
-                "",
-                f"Status: **{'complete' if not failures else 'INCOMPLETE'}**"
-                + ("" if not failures else " — " + "; ".join(failures)),
-                "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()),
-                "",
-            ]
+    def write() -> Path:
+        head = [
+            "# tpulab decision dossier",
+            "",
+            _decisions(results, plan),
+            "",
+            stages.status("complete", "INCOMPLETE"),
+            stages.times(),
+            "",
+        ]
+        md = "\n".join(head) + "\n\n" + stages.body() + "\n"
+        atomic_write_bytes(out / "dossier.md", md.encode())
+        atomic_write_bytes(out / "dossier.html", render_html(md, out, "tpulab dossier").encode())
+        atomic_write_json(
+            out / "dossier.json",
+            {
+                "decisions": {k: results.get(k) for k in ("batch", "precision_choice")},
+                "recommendation": results.get("budget", {}).get("recommendation"),
+                "failures": stages.failures,
+                "timings_s": stages.timings,
+            },
         )
-        + "\n\n"
-        + "\n\n".join(sections)
-        + "\n"
-    )
-    atomic_write_bytes(out / "dossier.md", md.encode())
-    atomic_write_bytes(out / "dossier.html", render_html(md, out, "tpulab dossier").encode())
-    atomic_write_json(
-        out / "dossier.json",
-        {
-            "decisions": {k: results.get(k) for k in ("batch", "precision_choice")},
-            "recommendation": results.get("budget", {}).get("recommendation"),
-            "failures": failures,
-            "timings_s": timings,
-        },
-    )
-    if failures:
-        raise TpulabError(
-            f"dossier incomplete ({'; '.join(failures)}); see {out / 'dossier.md'}",
-            exit_code=ExitCode.FAILED,
-        )
+        return out / "dossier.md"
+
+    stages.finish(write, "dossier incomplete")
     return {"md": out / "dossier.md", "html": out / "dossier.html", "results": results}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tpulab.checkpoint import rundir
 from tpulab.checkpoint.rundir import RunDir, read_json
+from tpulab.evidence import report_kit
 from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.evidence.provenance import describe_hardware
@@ -64,36 +65,46 @@ def run_section(run_dir: Path) -> str:
     manifest = rd.checkpoints / str(summary["latest_checkpoint"]) / rundir.MANIFEST
     from tpulab.checkpoint.files import sha256_file
 
-    return "\n".join(
-        [
-            "## The training run",
-            "",
-            "| what | value |",
-            "|---|---|",
-            f"| precision policy | params {prec['param_dtype']}, compute {prec['compute_dtype']}, "
-            f"accumulation {prec['accum_dtype']} |",
-            f"| shapes | batch {shapes['batch']} × sequence {shapes['seq_len']}; "
+    rows = [
+        (
+            "precision policy",
+            f"params {prec['param_dtype']}, compute {prec['compute_dtype']}, "
+            f"accumulation {prec['accum_dtype']}",
+        ),
+        (
+            "shapes",
+            f"batch {shapes['batch']} × sequence {shapes['seq_len']}; "
             f"d_model {shapes['d_model']}, {shapes['n_layers']} layers, {shapes['n_heads']} heads, "
-            f"vocab {shapes['vocab']} (bytes + BOS + PAD) |",
-            f"| parameters | {env['param_count']:,} |",
-            f"| steps | {summary['final_step']} |",
-            f"| final train loss | {summary['final_loss']:.4f} |",
-            f"| final validation loss | {summary['final_val_loss']:.4f} "
-            "(held-out whole documents) |",
-            f"| steady-state throughput | {tps:,.0f} tokens/s "
-            "(median over steps, compile and warm-up excluded) |"
+            f"vocab {shapes['vocab']} (bytes + BOS + PAD)",
+        ),
+        ("parameters", f"{env['param_count']:,}"),
+        ("steps", summary["final_step"]),
+        ("final train loss", f"{summary['final_loss']:.4f}"),
+        (
+            "final validation loss",
+            f"{summary['final_val_loss']:.4f} (held-out whole documents)",
+        ),
+        (
+            "steady-state throughput",
+            f"{tps:,.0f} tokens/s (median over steps, compile and warm-up excluded)"
             if tps
-            else "| steady-state throughput | n/a |",
-            f"| time to first step (incl. compile) | {summary['time_to_first_step_s']:.1f} s |",
-            f"| corpus | {docs['source']}: {len(docs['train_documents'])} train / "
+            else "n/a",
+        ),
+        ("time to first step (incl. compile)", f"{summary['time_to_first_step_s']:.1f} s"),
+        (
+            "corpus",
+            f"{docs['source']}: {len(docs['train_documents'])} train / "
             f"{len(docs['validation_documents'])} validation documents, "
-            f"identity `{docs['identity'][:16]}…` |",
-            f"| final checkpoint | step {summary['latest_checkpoint']}, "
-            f"manifest sha256 `{sha256_file(manifest)[:16]}…` |"
+            f"identity `{docs['identity'][:16]}…`",
+        ),
+        (
+            "final checkpoint",
+            f"step {summary['latest_checkpoint']}, manifest sha256 `{sha256_file(manifest)[:16]}…`"
             if manifest.exists()
-            else "| final checkpoint | missing |",
-        ]
-    )
+            else "missing",
+        ),
+    ]
+    return report_kit.section("The training run", report_kit.table(["what", "value"], rows))
 
 
 def proof_section(proof_dir: Path, rel: str) -> str:
@@ -157,13 +168,12 @@ def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
     val = {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval"}
     if not loss:
         return "## Training curves\n\nNo step was logged."
-    import matplotlib
+    with report_kit.figure(out_png, dpi=100, figsize=(8, 4)) as (_, ax):
+        _draw_curves(ax, recs, loss, val)
+    return f"## Training curves\n\n![training and validation loss]({rel})"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4))
+def _draw_curves(ax, recs: list[dict], loss: dict, val: dict) -> None:
     xs = sorted(loss)
     ax.plot(xs, [loss[s] for s in xs], lw=1.2, label="train loss (per step)")
     if val:
@@ -177,10 +187,6 @@ def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
     ax.set_xlabel("step (dotted: a process resumed from this checkpoint)")
     ax.set_ylabel("loss")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    return f"## Training curves\n\n![training and validation loss]({rel})"
 
 
 def goodput_section(run_dir: Path, title: str, kill_tail_s: float = 0.0) -> str:
@@ -274,16 +280,15 @@ def _checkpoint_bytes(run_dir: Path) -> int:
 def posttrain_curves(runs: dict[str, Path], evals: dict[str, dict], out_png: Path) -> None:
     """Training loss (per step) and validation response loss of each post-training run, the
     validation curve starting at step 0 with the base's loss on the same batches."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     # both runs validate on the same batches (same data config): one step-0 point, the base's
     base_val = next(
         e["models"]["base"]["val_loss"] for e in evals.values() if "base" in e["models"]
     )
-    fig, ax = plt.subplots(figsize=(8, 4))
+    with report_kit.figure(out_png, dpi=100, figsize=(8, 4)) as (_, ax):
+        _draw_posttrain(ax, runs, base_val)
+
+
+def _draw_posttrain(ax, runs: dict[str, Path], base_val: float) -> None:
     for (name, run_dir), color in zip(runs.items(), ("tab:blue", "tab:orange")):
         recs = read_records(run_dir)
         loss = curve(recs, "loss")
@@ -296,10 +301,6 @@ def posttrain_curves(runs: dict[str, Path], evals: dict[str, dict], out_png: Pat
     ax.set_xlabel("step (0: the pretrained base)")
     ax.set_ylabel("response loss (nats per byte)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
 
 
 def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, rel: str) -> str:
@@ -319,11 +320,16 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
         sh = env["shapes"]
         tps = steady_tokens_per_s(run_dir, sh["batch"] * sh["seq_len"])
         train_rows.append(
-            f"| {names[name]} | {env['trained_param_count']:,} of {env['param_count']:,} | "
-            f"{env['optimizer_state_bytes'] / 2**20:.2f} MiB | "
-            f"{_checkpoint_bytes(run_dir) / 2**20:.2f} MiB | {summary['final_step']} | "
-            f"{summary['final_loss']:.4f} | {f'{tps:,.0f}' if tps else 'n/a'} | "
-            f"{str(link.get('run_id', '-'))[:12]} |"
+            (
+                names[name],
+                f"{env['trained_param_count']:,} of {env['param_count']:,}",
+                f"{env['optimizer_state_bytes'] / 2**20:.2f} MiB",
+                f"{_checkpoint_bytes(run_dir) / 2**20:.2f} MiB",
+                summary["final_step"],
+                f"{summary['final_loss']:.4f}",
+                f"{tps:,.0f}" if tps else "n/a",
+                str(link.get("run_id", "-"))[:12],
+            )
         )
 
     def pct(x):
@@ -332,9 +338,14 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
     def eval_row(label, m):
         stop_at, val = m["median_stop_bytes"], m.get("val_loss")
         return (
-            f"| {label} | {m['response_loss']:.4f} | {'-' if val is None else f'{val:.4f}'} | "
-            f"{pct(m['stop_accuracy'])} | {m['stop_probability']:.3f} | {pct(m['stop_rate'])} | "
-            f"{pct(m['stop_rate_in_room'])} | {'-' if stop_at is None else f'{stop_at:.0f}'} |"
+            label,
+            f"{m['response_loss']:.4f}",
+            "-" if val is None else f"{val:.4f}",
+            pct(m["stop_accuracy"]),
+            f"{m['stop_probability']:.3f}",
+            pct(m["stop_rate"]),
+            pct(m["stop_rate_in_room"]),
+            "-" if stop_at is None else f"{stop_at:.0f}",
         )
 
     mg = lora["merged"]
@@ -367,10 +378,19 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
             f"{prov['dtypes']['compute_dtype']}/{prov['dtypes']['accum_dtype']}; jax "
             f"{prov['packages']['jax']}; commit `{prov['git_commit']}`.",
             "",
-            "| run | trained params | optimizer state | newest checkpoint on disk | steps | "
-            "final train loss | steady tokens/s | MLflow run |",
-            "|---|---|---|---|---|---|---|---|",
-            *train_rows,
+            report_kit.table(
+                [
+                    "run",
+                    "trained params",
+                    "optimizer state",
+                    "newest checkpoint on disk",
+                    "steps",
+                    "final train loss",
+                    "steady tokens/s",
+                    "MLflow run",
+                ],
+                train_rows,
+            ),
             "",
             f"Response loss: mean NLL per response byte, the stop byte included (the SFT "
             f"objective's masked loss on the deterministic forward), over {ds['loss_pairs']:,} "
@@ -386,14 +406,26 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
             "pairs that all end inside the context learns to stop as it runs out). "
             f"{stop['skipped_prompts']} prompts left out (no room for {stop['room']} bytes).",
             "",
-            "| model | response loss | validation loss | ETX top-1 at the stop | P(ETX) at the "
-            "stop | stop rate (N) | stop within the room | median bytes to stop |",
-            "|---|---|---|---|---|---|---|---|",
-            eval_row("base (pretrained, step 0)", sft["models"]["base"]),
-            eval_row(names["sft"], sft["models"]["sft"]),
-            eval_row(names["lora"], lora["models"]["sft"]),
-            eval_row(f"{names['lora']} merged", lora["models"]["merged"]),
-            f"| the reference responses | - | - | - | - | {pct(stop['reference_rate'])} | - | - |",
+            report_kit.table(
+                [
+                    "model",
+                    "response loss",
+                    "validation loss",
+                    "ETX top-1 at the stop",
+                    "P(ETX) at the stop",
+                    "stop rate (N)",
+                    "stop within the room",
+                    "median bytes to stop",
+                ],
+                [
+                    eval_row("base (pretrained, step 0)", sft["models"]["base"]),
+                    eval_row(names["sft"], sft["models"]["sft"]),
+                    eval_row(names["lora"], lora["models"]["sft"]),
+                    eval_row(f"{names['lora']} merged", lora["models"]["merged"]),
+                    ("the reference responses", "-", "-", "-", "-", pct(stop["reference_rate"]))
+                    + ("-", "-"),
+                ],
+            ),
             "",
             f"Merge (`tpulab merge-lora`, W = W0 + (alpha/r)·A·B in float32, "
             f"{merge['adapted_matrices']} matrices, {merge['merge_seconds']:.3f} s): merged "

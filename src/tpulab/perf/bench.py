@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpulab.errors import TpulabError
+from tpulab.evidence.report_kit import figure, table
 from tpulab.perf.timing import MIN_TIMED_STEPS, count_host_syncs, summarize
 from tpulab.progress import progress
 
@@ -348,20 +349,24 @@ def sweep_configs(
 
 
 def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
-    lines = [
-        f"| {key} | params (matmul) | step median ms (p10-p90) | tokens/s | achieved GFLOP/s | "
-        "matmul GFLOP/s at its shapes | utilization (raw) and target | recompiles |",
-        "|" + "---|" * 8,
-    ]
+    headers = [key, "params (matmul)", "step median ms (p10-p90)", "tokens/s", "achieved GFLOP/s"]
+    headers += ["matmul GFLOP/s at its shapes", "utilization (raw) and target", "recompiles"]
+    cells = []
     for value, r in rows:
         st = r["step_time"]
-        lines.append(
-            f"| {value} | {r['matmul_params'] / 1e6:.2f}M | {1e3 * st['median_s']:.1f} "
-            f"({1e3 * st['p10_s']:.1f}-{1e3 * st['p90_s']:.1f}) | {r['tokens_per_s']:.0f} | "
-            f"{r['achieved_flop_per_s'] / 1e9:.1f} | {r['matmul']['flop_per_s'] / 1e9:.1f} | "
-            f"{utilization_text(r)} | {r['recompiles_after_warmup']} |"
+        cells.append(
+            (
+                value,
+                f"{r['matmul_params'] / 1e6:.2f}M",
+                f"{1e3 * st['median_s']:.1f} ({1e3 * st['p10_s']:.1f}-{1e3 * st['p90_s']:.1f})",
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['achieved_flop_per_s'] / 1e9:.1f}",
+                f"{r['matmul']['flop_per_s'] / 1e9:.1f}",
+                utilization_text(r),
+                r["recompiles_after_warmup"],
+            )
         )
-    return "\n".join(lines)
+    return table(headers, cells)
 
 
 def summary_table(r: dict) -> str:
@@ -401,7 +406,7 @@ def summary_table(r: dict) -> str:
                 f"{100 * r['utilization_vs_chip_peak_bf16']:.1f}%",
             )
         )
-    return "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+    return table(["measure", "value"], rows)
 
 
 def run_bench(
@@ -446,29 +451,21 @@ def run_bench(
 
 
 def sweep_plot(key: str, rows: list[tuple[str, dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [v for v, _ in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    axes[0].plot(labels, [1e3 * r["step_time"]["median_s"] for _, r in rows], "o-")
-    axes[0].set_ylabel("median step (ms)")
-    axes[1].plot(labels, [r["tokens_per_s"] for _, r in rows], "o-")
-    axes[1].set_ylabel("tokens/s")
-    util = [100 * r["utilization_vs_matmul_rate"] for _, r in rows]
-    axes[2].plot(labels, util, "o-", label="step (raw)")
-    targets = [100 * utilization_verdict(r)["target"] for _, r in rows]
-    axes[2].plot(labels, targets, "k_", ms=20, mew=2, ls="none", label="target")
-    axes[2].axhline(100 * MAX_UTILIZATION, color="tab:red", ls=":", lw=1)
-    axes[2].set_ylabel("% of matmul rate at own shapes")
-    axes[2].set_ylim(0, max(105, 1.1 * max(util)))  # a value over 100% (invalid) stays visible
-    axes[2].legend(fontsize=8)
-    for ax in axes:
-        ax.set_xlabel(key)
-        ax.grid(alpha=0.3)
-    fig.suptitle("train step vs size (same host, same run)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, ncols=3, figsize=(12, 3.6)) as (fig, axes):
+        axes[0].plot(labels, [1e3 * r["step_time"]["median_s"] for _, r in rows], "o-")
+        axes[0].set_ylabel("median step (ms)")
+        axes[1].plot(labels, [r["tokens_per_s"] for _, r in rows], "o-")
+        axes[1].set_ylabel("tokens/s")
+        util = [100 * r["utilization_vs_matmul_rate"] for _, r in rows]
+        axes[2].plot(labels, util, "o-", label="step (raw)")
+        targets = [100 * utilization_verdict(r)["target"] for _, r in rows]
+        axes[2].plot(labels, targets, "k_", ms=20, mew=2, ls="none", label="target")
+        axes[2].axhline(100 * MAX_UTILIZATION, color="tab:red", ls=":", lw=1)
+        axes[2].set_ylabel("% of matmul rate at own shapes")
+        axes[2].set_ylim(0, max(105, 1.1 * max(util)))  # a value over 100% (invalid) stays visible
+        axes[2].legend(fontsize=8)
+        for ax in axes:
+            ax.set_xlabel(key)
+            ax.grid(alpha=0.3)
+        fig.suptitle("train step vs size (same host, same run)")

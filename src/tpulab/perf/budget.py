@@ -35,6 +35,8 @@ import math
 from typing import TYPE_CHECKING
 
 from tpulab.errors import TpulabError
+from tpulab.evidence import report_kit
+from tpulab.evidence.report_kit import figure
 from tpulab.model.config import matmul_params, param_count
 from tpulab.perf import aot
 from tpulab.perf.chips import CHIPS
@@ -349,12 +351,10 @@ def _compiled_cell(r: dict) -> str:
 
 def table(result: dict) -> str:
     """Markdown: one row per target (per device), then the recommendation."""
-    lines = [
-        "| target | dev | HBM/dev | params+grads+Adam | activations (remat) | analytic total "
-        "(remat) | compiled peak | fits | serve bf16 / int8 KV | compiler GFLOP vs analytic | "
-        "AI (FLOP/B) vs ridge bf16 | notes |",
-        "|" + "---|" * 12,
-    ]
+    headers = ["target", "dev", "HBM/dev", "params+grads+Adam", "activations (remat)"]
+    headers += ["analytic total (remat)", "compiled peak", "fits", "serve bf16 / int8 KV"]
+    headers += ["compiler GFLOP vs analytic", "AI (FLOP/B) vs ridge bf16", "notes"]
+    cells = []
     for r in result["rows"]:
         t = r["train"]
         state = t["params"] + t["grads"] + t["adam_mu"] + t["adam_nu"]
@@ -378,14 +378,24 @@ def table(result: dict) -> str:
             if n
         )
         s = r["serve"]["bytes_per_device"]
-        lines.append(
-            f"| {r['target']} | {r['devices']} | {_gib(r['hbm_per_device'])} | {_gib(state)} | "
-            f"{_gib(t['activations'])} ({_gib(t['activations_remat'])}) | {_gib(t['total'])} "
-            f"({_gib(t['total_remat'])}) | {_compiled_cell(r)} | {_fits(r)} | "
-            f"{_gib(s['bf16'])} / {_gib(s['int8'])} | {flops} | {ai} | {notes} |"
+        cells.append(
+            (
+                r["target"],
+                r["devices"],
+                _gib(r["hbm_per_device"]),
+                _gib(state),
+                f"{_gib(t['activations'])} ({_gib(t['activations_remat'])})",
+                f"{_gib(t['total'])} ({_gib(t['total_remat'])})",
+                _compiled_cell(r),
+                _fits(r),
+                f"{_gib(s['bf16'])} / {_gib(s['int8'])}",
+                flops,
+                ai,
+                notes,
+            )
         )
     rec = result["recommendation"]
-    lines.append("")
+    lines = [report_kit.table(headers, cells), ""]
     lines.append(
         f"Recommendation: {rec['target']}"
         + (f" with `{rec['set']}`" if rec.get("set") else "")
@@ -405,67 +415,60 @@ def plot(result: dict, path) -> dict:
     the XLA:TPU compiler's peaks. A program the compiler refused has no peak, so it is drawn as a
     hatched red bar above the HBM line, labelled, instead of as a missing (zero) bar. Returns what
     was drawn as refused."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     rows, gib = result["rows"], 2**30
     x = np.arange(len(rows))
     hbm = np.array([r["hbm_per_device"] / gib for r in rows])
-    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(rows)) + 2.5, 3.8))
-    width = 0.2
-    ax.bar(x - 1.5 * width, [r["train"]["total"] / gib for r in rows], width, label="analytic")
-    ax.bar(
-        x - 0.5 * width,
-        [r["train"]["total_remat"] / gib for r in rows],
-        width,
-        label="analytic, remat",
-    )
-    refused: dict[str, list[str]] = {"as configured": [], f"model.remat={REMAT}": []}
-    for offset, key, label, color in (
-        (0.5, "compiled_train", "XLA:TPU peak", "tab:green"),
-        (1.5, "compiled_train_remat", f"XLA:TPU peak, model.remat={REMAT}", "tab:purple"),
-    ):
-        peaks = [r.get(key, {}).get("peak_bytes", 0) / gib for r in rows]
-        ax.bar(x + offset * width, peaks, width, label=label, color=color)
-        for i, r in enumerate(rows):
-            gone = r.get("compiler_refused") if key == "compiled_train" else None
-            gone = gone or r.get(key, {}).get("refused")
-            if not gone:
-                continue
-            first = not any(refused.values())
-            refused["as configured" if key == "compiled_train" else f"model.remat={REMAT}"].append(
-                r["target"]
-            )
-            ax.bar(
-                x[i] + offset * width,
-                1.25 * hbm[i],
-                width,
-                color="none",
-                edgecolor="tab:red",
-                hatch="xx",
-                label="refused by XLA:TPU (out of HBM)" if first else None,
-            )
-            ax.annotate(
-                "refused",
-                (x[i] + offset * width, 1.25 * hbm[i]),
-                ha="center",
-                va="bottom",
-                fontsize=7,
-                color="tab:red",
-                rotation=90,
-            )
-    ax.scatter(x, hbm, marker="_", s=900, color="k", label="HBM/device", zorder=3)
-    ax.set_xticks(x, [r["target"] for r in rows])
-    ax.set_ylabel("GiB per device")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title("train step memory per device")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(max(7, 1.6 * len(rows)) + 2.5, 3.8)) as (_, ax):
+        width = 0.2
+        ax.bar(x - 1.5 * width, [r["train"]["total"] / gib for r in rows], width, label="analytic")
+        ax.bar(
+            x - 0.5 * width,
+            [r["train"]["total_remat"] / gib for r in rows],
+            width,
+            label="analytic, remat",
+        )
+        refused: dict[str, list[str]] = {"as configured": [], f"model.remat={REMAT}": []}
+        for offset, key, label, color in (
+            (0.5, "compiled_train", "XLA:TPU peak", "tab:green"),
+            (1.5, "compiled_train_remat", f"XLA:TPU peak, model.remat={REMAT}", "tab:purple"),
+        ):
+            peaks = [r.get(key, {}).get("peak_bytes", 0) / gib for r in rows]
+            ax.bar(x + offset * width, peaks, width, label=label, color=color)
+            for i, r in enumerate(rows):
+                gone = r.get("compiler_refused") if key == "compiled_train" else None
+                gone = gone or r.get(key, {}).get("refused")
+                if not gone:
+                    continue
+                first = not any(refused.values())
+                refused[
+                    "as configured" if key == "compiled_train" else f"model.remat={REMAT}"
+                ].append(r["target"])
+                ax.bar(
+                    x[i] + offset * width,
+                    1.25 * hbm[i],
+                    width,
+                    color="none",
+                    edgecolor="tab:red",
+                    hatch="xx",
+                    label="refused by XLA:TPU (out of HBM)" if first else None,
+                )
+                ax.annotate(
+                    "refused",
+                    (x[i] + offset * width, 1.25 * hbm[i]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color="tab:red",
+                    rotation=90,
+                )
+        ax.scatter(x, hbm, marker="_", s=900, color="k", label="HBM/device", zorder=3)
+        ax.set_xticks(x, [r["target"] for r in rows])
+        ax.set_ylabel("GiB per device")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.set_title("train step memory per device")
     return {"refused": refused}
 
 

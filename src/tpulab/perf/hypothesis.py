@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpulab.errors import TpulabError
+from tpulab.evidence.report_kit import figure, table
 
 if TYPE_CHECKING:
     from tpulab.train.config import RunConfig
@@ -158,10 +159,13 @@ def markdown(r: dict) -> str:
             f"Hypothesis: {r['prediction']}",
             f"Change: `{r['change']}`",
             "",
-            "| | median step ms | val loss |",
-            "|---|---|---|",
-            f"| baseline | {1e3 * b['median_step_s']:.2f} | {b['val_loss']:.4f} |",
-            f"| changed | {1e3 * c['median_step_s']:.2f} | {c['val_loss']:.4f} |",
+            table(
+                ["", "median step ms", "val loss"],
+                [
+                    (name, f"{1e3 * x['median_step_s']:.2f}", f"{x['val_loss']:.4f}")
+                    for name, x in (("baseline", b), ("changed", c))
+                ],
+            ),
             "",
             f"Predicted step time {r['predicted_step_time_change_pct']:+.1f}%, measured "
             f"{r['measured_step_time_change_pct']:+.1f}% over {r['timed_steps_per_side']} "
@@ -177,34 +181,27 @@ def markdown(r: dict) -> str:
 
 
 def _plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-    for name, style in (("baseline", "-"), ("changed", "--")):
-        axes[0].plot(
-            range(1, r["steps"] + 1),
-            r[name]["losses"],
-            style,
-            label=f"{name} (val {r[name]['val_loss']:.3f})",
+    with figure(path, ncols=2, figsize=(10, 3.4)) as (fig, axes):
+        for name, style in (("baseline", "-"), ("changed", "--")):
+            axes[0].plot(
+                range(1, r["steps"] + 1),
+                r[name]["losses"],
+                style,
+                label=f"{name} (val {r[name]['val_loss']:.3f})",
+            )
+            axes[1].plot(
+                range(1, r["steps"] + 1), [1e3 * t for t in r[name]["times"]], style, label=name
+            )
+        axes[0].set_xlabel("step")
+        axes[0].set_ylabel("train loss")
+        axes[0].legend(fontsize=8)
+        axes[1].set_xlabel("step")
+        axes[1].set_ylabel("step time (ms)")
+        axes[1].set_yscale("log")
+        axes[1].legend(fontsize=8)
+        fig.suptitle(
+            f"{r['change']}: {r['verdict']} "
+            f"(predicted {r['predicted_step_time_change_pct']:+.0f}%, "
+            f"measured {r['measured_step_time_change_pct']:+.0f}%)",
+            fontsize=10,
         )
-        axes[1].plot(
-            range(1, r["steps"] + 1), [1e3 * t for t in r[name]["times"]], style, label=name
-        )
-    axes[0].set_xlabel("step")
-    axes[0].set_ylabel("train loss")
-    axes[0].legend(fontsize=8)
-    axes[1].set_xlabel("step")
-    axes[1].set_ylabel("step time (ms)")
-    axes[1].set_yscale("log")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(
-        f"{r['change']}: {r['verdict']} (predicted {r['predicted_step_time_change_pct']:+.0f}%, "
-        f"measured {r['measured_step_time_change_pct']:+.0f}%)",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

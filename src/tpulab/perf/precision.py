@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpulab.errors import TpulabError
+from tpulab.evidence.report_kit import table
 
 if TYPE_CHECKING:
     from tpulab.model.config import ModelConfig
@@ -257,23 +258,30 @@ def precision_table(run_dir: str | Path, *, windows: int = 8, train_steps: int =
 
 
 def markdown(result: dict) -> str:
-    lines = [
-        "| policy | weights | activations | accum | KV cache | held-out loss | max abs logit diff "
-        "vs float64 | mean KL vs float64 | greedy agreement | weight MB | KV B/token | forward ms "
-        "| train step ms |",
-        "|" + "---|" * 13,
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['policy']} | {r['weights']} | {r['activations']} | {r['accumulation']} "
-            f"| {r['kv_cache']} | {r['heldout_loss']:.4f} | {r['max_abs_logit_diff']:.2e} "
-            f"| {r['mean_kl']:.2e} | {r['greedy_agreement']:.4f} | {r['weight_bytes'] / 1e6:.3f} "
-            f"| {r['kv_bytes_per_token']:.0f} | "
-            f"{r['forward_ms']:.2f} | "
-            + (f"{r['train_step_ms']:.2f}" if "train_step_ms" in r else "inference only")
-            + " |"
-        )
-    return "\n".join(lines)
+    headers = ["policy", "weights", "activations", "accum", "KV cache", "held-out loss"]
+    headers += ["max abs logit diff vs float64", "mean KL vs float64", "greedy agreement"]
+    headers += ["weight MB", "KV B/token", "forward ms", "train step ms"]
+    return table(
+        headers,
+        [
+            (
+                r["policy"],
+                r["weights"],
+                r["activations"],
+                r["accumulation"],
+                r["kv_cache"],
+                f"{r['heldout_loss']:.4f}",
+                f"{r['max_abs_logit_diff']:.2e}",
+                f"{r['mean_kl']:.2e}",
+                f"{r['greedy_agreement']:.4f}",
+                f"{r['weight_bytes'] / 1e6:.3f}",
+                f"{r['kv_bytes_per_token']:.0f}",
+                f"{r['forward_ms']:.2f}",
+                f"{r['train_step_ms']:.2f}" if "train_step_ms" in r else "inference only",
+            )
+            for r in result["rows"]
+        ],
+    )
 
 
 def write_precision(run_dir: str | Path, out_dir: str | Path | None = None, **kwargs) -> dict:

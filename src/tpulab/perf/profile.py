@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from tpulab.errors import TpulabError
+from tpulab.evidence.report_kit import table
 
 AGREEMENT = 0.10
 _COLLECTIVES = (
@@ -291,18 +292,26 @@ def markdown(r: dict) -> str:
         f"({100 * r['relative_difference']:.1f}% apart: {verdict} "
         f"within {100 * r['agrees_within']:.0f}%)",
         "",
-        "| category | ms/step | share of step |",
-        "|---|---|---|",
-    ]
-    lines += [
-        f"| {k} | {v['ms_per_step']:.2f} | {100 * v['share_of_step']:.1f}% |"
-        for k, v in r["categories"].items()
-    ]
-    lines += ["", "| HLO op / fusion | category | ms/step | share of step |", "|---|---|---|---|"]
-    lines += [
-        f"| {o['op']} | {o['category']} | {o['ms_per_step']:.2f} "
-        f"| {100 * o['share_of_step']:.1f}% |"
-        for o in r["ops"]
+        table(
+            ["category", "ms/step", "share of step"],
+            [
+                (k, f"{v['ms_per_step']:.2f}", f"{100 * v['share_of_step']:.1f}%")
+                for k, v in r["categories"].items()
+            ],
+        ),
+        "",
+        table(
+            ["HLO op / fusion", "category", "ms/step", "share of step"],
+            [
+                (
+                    o["op"],
+                    o["category"],
+                    f"{o['ms_per_step']:.2f}",
+                    f"{100 * o['share_of_step']:.1f}%",
+                )
+                for o in r["ops"]
+            ],
+        ),
     ]
     lines += ["", r["note"], f"Trace: {r['xplane']} — {r['how_to_open']}"]
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from tpulab.checkpoint.rundir import VERDICT, RunDir
 from tpulab.checkpoint.store import TMP_MARK, scan
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import curve, read_records, starts
+from tpulab.evidence.report_kit import figure
 from tpulab.proofs import cache
 from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
 from tpulab.proofs.state import final_state_verdict
@@ -65,13 +66,15 @@ def run_chaos(
     timeout_s: float = 900,
     warm_resume_cache: bool = False,
     reference_dir: Path | None = None,
+    env: dict | None = None,
 ) -> dict:
     """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict.
 
     The reference and the first victim lifetime use ``compile_cache`` (or the default); every later
     lifetime is a resume and gets a fresh, empty compilation cache, unless ``warm_resume_cache``.
     Each process's cache hits and misses are recorded (``proofs.cache``). ``reference_dir``: an
-    uninterrupted finished run of this config to reuse instead of training one (read only)."""
+    uninterrupted finished run of this config to reuse instead of training one (read only).
+    ``env`` is added to every child's environment (the capstone's MLflow store)."""
     if kills < 1:
         raise TpulabError(f"--kills {kills} must be at least 1")
     if reference_dir is not None:
@@ -92,7 +95,7 @@ def run_chaos(
             str(stats_dir / f"{role}.json"),
         ]
 
-    env = {**os.environ, **(cache.cache_env(compile_cache) if compile_cache else {})}
+    env = {**os.environ, **(env or {}), **(cache.cache_env(compile_cache) if compile_cache else {})}
     processes: dict[str, dict] = {}
 
     reference, victim = reference_dir or chaos.reference.root, chaos.victim.root
@@ -286,66 +289,65 @@ def _summary(v: dict) -> str:
 
 
 def plot_segments(reference: Path, victim: Path, verdict: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib  # its colour maps; the figure's preamble is report_kit's
 
     ref = curve(read_records(reference))
     recs = read_records(victim)
-    fig, (ax, ax_d) = plt.subplots(
-        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
-    )
-    rs = sorted(ref)
-    ax.plot(
-        rs, [ref[s] for s in rs], color="0.6", lw=5, alpha=0.6, label="reference (uninterrupted)"
-    )
-    cmap = plt.get_cmap("tab10")
-    diffs: dict[int, float] = {}
-    for i, start in enumerate(starts(recs)):
-        seg = curve(recs, segment=start["segment"])
-        xs = sorted(seg)
-        if not xs:
-            continue
-        origin = start.get("resumed_from")
+    with figure(
+        path, nrows=2, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
+    ) as (_, (ax, ax_d)):
+        rs = sorted(ref)
         ax.plot(
-            xs,
-            [seg[s] for s in xs],
-            color=cmap(i % 10),
-            lw=1.2,
-            marker=".",
-            ms=3,
-            label=f"lifetime {i}: "
-            + ("from scratch" if origin is None else f"resumed from step {origin}"),
+            rs,
+            [ref[s] for s in rs],
+            color="0.6",
+            lw=5,
+            alpha=0.6,
+            label="reference (uninterrupted)",
         )
-        for s in xs:
-            if s in ref:
-                diffs[s] = max(diffs.get(s, 0.0), abs(seg[s] - ref[s]))
-    for k in verdict["kill_log"]:
-        if k["last_logged_step"] is not None:
-            ax.axvline(k["last_logged_step"], color="k", ls=":", lw=0.8)
-    ax.set_ylabel("train loss")
-    ax.set_title(
-        f"chaos: {verdict['kills']} random SIGKILLs ({verdict['kills_during_save']} mid-save); "
-        + ("IDENTICAL" if verdict["identical"] else "NOT identical"),
-        fontsize=10,
-    )
-    ax.legend(fontsize=7, ncol=2)
-    ds = sorted(diffs)
-    ax_d.plot(ds, [diffs[s] for s in ds], color="tab:purple", marker=".", ms=3, lw=0.8)
-    ax_d.set_yscale("symlog", linthresh=1e-8)
-    ax_d.set_ylim(0, max(1e-6, 10 * max(diffs.values(), default=0.0)))
-    if diffs and max(diffs.values()) == 0.0:
-        ax_d.text(
-            0.5,
-            0.5,
-            "every logged step of every lifetime: difference exactly 0",
-            transform=ax_d.transAxes,
-            ha="center",
-            fontsize=9,
+        cmap = matplotlib.colormaps["tab10"]
+        diffs: dict[int, float] = {}
+        for i, start in enumerate(starts(recs)):
+            seg = curve(recs, segment=start["segment"])
+            xs = sorted(seg)
+            if not xs:
+                continue
+            origin = start.get("resumed_from")
+            ax.plot(
+                xs,
+                [seg[s] for s in xs],
+                color=cmap(i % 10),
+                lw=1.2,
+                marker=".",
+                ms=3,
+                label=f"lifetime {i}: "
+                + ("from scratch" if origin is None else f"resumed from step {origin}"),
+            )
+            for s in xs:
+                if s in ref:
+                    diffs[s] = max(diffs.get(s, 0.0), abs(seg[s] - ref[s]))
+        for k in verdict["kill_log"]:
+            if k["last_logged_step"] is not None:
+                ax.axvline(k["last_logged_step"], color="k", ls=":", lw=0.8)
+        ax.set_ylabel("train loss")
+        ax.set_title(
+            f"chaos: {verdict['kills']} random SIGKILLs ({verdict['kills_during_save']} mid-save); "
+            + ("IDENTICAL" if verdict["identical"] else "NOT identical"),
+            fontsize=10,
         )
-    ax_d.set_ylabel("max |lifetime - reference|")
-    ax_d.set_xlabel("step (dotted: last step logged before a kill)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.legend(fontsize=7, ncol=2)
+        ds = sorted(diffs)
+        ax_d.plot(ds, [diffs[s] for s in ds], color="tab:purple", marker=".", ms=3, lw=0.8)
+        ax_d.set_yscale("symlog", linthresh=1e-8)
+        ax_d.set_ylim(0, max(1e-6, 10 * max(diffs.values(), default=0.0)))
+        if diffs and max(diffs.values()) == 0.0:
+            ax_d.text(
+                0.5,
+                0.5,
+                "every logged step of every lifetime: difference exactly 0",
+                transform=ax_d.transAxes,
+                ha="center",
+                fontsize=9,
+            )
+        ax_d.set_ylabel("max |lifetime - reference|")
+        ax_d.set_xlabel("step (dotted: last step logged before a kill)")

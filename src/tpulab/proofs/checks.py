@@ -24,6 +24,7 @@ from tpulab.data.pipeline import build_splits, document_windows, to_batch
 from tpulab.data.tokenizer import PAD
 from tpulab.errors import TpulabError
 from tpulab.evidence.ledger import coverage, read_ledger, window_sha256
+from tpulab.evidence.report_kit import table
 from tpulab.train.config import RunConfig
 from tpulab.train.step import Steps, TrainState, make_mesh, make_steps
 
@@ -244,11 +245,10 @@ def run_checks(config: RunConfig, run_dir: Path | None = None) -> list[dict]:
 
 
 def table_markdown(results: list[dict]) -> str:
-    lines = ["| check | result | detail |", "|---|---|---|"]
-    lines += [
-        f"| {r['check']} | {'PASS' if r['passed'] else 'FAIL'} | {r['detail']} |" for r in results
-    ]
-    return "\n".join(lines)
+    return table(
+        ["check", "result", "detail"],
+        [(r["check"], "PASS" if r["passed"] else "FAIL", r["detail"]) for r in results],
+    )
 
 
 def print_table(results: list[dict]) -> None:

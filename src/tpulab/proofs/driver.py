@@ -28,6 +28,7 @@ from pathlib import Path
 from tpulab.checkpoint.rundir import VERDICT, RunDir
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
+from tpulab.evidence.report_kit import figure
 from tpulab.proofs import cache
 
 HOLD_FLAG = "--hold-after-step"  # every trainer the driver starts accepts it (hidden from --help)
@@ -340,67 +341,62 @@ def plot_overlay(
     """Two panels: the three curves overlaid (checkpoint and kill marked) and
     |resumed - reference|. ``labels`` (reference, first segment, second segment) and ``marks``
     rename them for other proofs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax_d) = plt.subplots(
-        2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
-    )
-    rs = sorted(ref)
-    labels = labels or (
-        "reference (uninterrupted)",
-        f"killed run (SIGKILL after step {verdict['kill_step']})",
-        f"fresh process, resumed from step {verdict['resumed_from_step']}",
-    )
-    ax.plot(rs, [ref[s] for s in rs], color="0.55", lw=4.0, alpha=0.6, label=labels[0])
-    ks = sorted(killed)
-    ax.plot(ks, [killed[s] for s in ks], color="tab:blue", lw=1.3, label=labels[1])
-    us = sorted(resumed)
-    ax.plot(us, [resumed[s] for s in us], color="tab:red", lw=1.3, ls="--", label=labels[2])
-    for a in (ax, ax_d):
-        a.axvline(verdict["resumed_from_step"], color="tab:green", ls=":", lw=1.2)
-        a.axvline(verdict["kill_step"], color="k", ls=":", lw=1.2)
-    ax.annotate(
-        f" {marks[0]}",
-        (verdict["resumed_from_step"], 0.98),
-        xycoords=("data", "axes fraction"),
-        color="tab:green",
-        va="top",
-        ha="right",
-        fontsize=8,
-    )
-    ax.annotate(
-        f" {marks[1]}",
-        (verdict["kill_step"], 0.98),
-        xycoords=("data", "axes fraction"),
-        va="top",
-        fontsize=8,
-    )
-    ax.set_ylabel("train loss")
-    ax.set_title("\n".join(textwrap.wrap(f"{title}: {verdict_text(verdict)}", 90)), fontsize=10)
-    ax.legend(fontsize=8)
-    both = {**killed, **resumed}  # where both ran a step, the resumed value is the one that matters
-    diff_steps = [s for s in rs if s in both]
-    diffs = [abs(both[s] - ref[s]) for s in diff_steps]
-    ax_d.plot(diff_steps, diffs, color="tab:purple", marker=".", ms=3, lw=0.8)
-    ax_d.set_yscale("symlog", linthresh=1e-8)
-    ax_d.set_ylim(0, max(1e-6, 10 * max(diffs, default=0.0)))
-    if diffs and max(diffs) == 0.0:
-        ax_d.text(
-            0.5,
-            0.5,
-            "every step: difference exactly 0",
-            transform=ax_d.transAxes,
-            ha="center",
-            fontsize=9,
+    with figure(
+        path, nrows=2, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]}
+    ) as (_, (ax, ax_d)):
+        rs = sorted(ref)
+        labels = labels or (
+            "reference (uninterrupted)",
+            f"killed run (SIGKILL after step {verdict['kill_step']})",
+            f"fresh process, resumed from step {verdict['resumed_from_step']}",
         )
-    ax_d.set_ylabel("|run - reference|")
-    ax_d.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.plot(rs, [ref[s] for s in rs], color="0.55", lw=4.0, alpha=0.6, label=labels[0])
+        ks = sorted(killed)
+        ax.plot(ks, [killed[s] for s in ks], color="tab:blue", lw=1.3, label=labels[1])
+        us = sorted(resumed)
+        ax.plot(us, [resumed[s] for s in us], color="tab:red", lw=1.3, ls="--", label=labels[2])
+        for a in (ax, ax_d):
+            a.axvline(verdict["resumed_from_step"], color="tab:green", ls=":", lw=1.2)
+            a.axvline(verdict["kill_step"], color="k", ls=":", lw=1.2)
+        ax.annotate(
+            f" {marks[0]}",
+            (verdict["resumed_from_step"], 0.98),
+            xycoords=("data", "axes fraction"),
+            color="tab:green",
+            va="top",
+            ha="right",
+            fontsize=8,
+        )
+        ax.annotate(
+            f" {marks[1]}",
+            (verdict["kill_step"], 0.98),
+            xycoords=("data", "axes fraction"),
+            va="top",
+            fontsize=8,
+        )
+        ax.set_ylabel("train loss")
+        ax.set_title("\n".join(textwrap.wrap(f"{title}: {verdict_text(verdict)}", 90)), fontsize=10)
+        ax.legend(fontsize=8)
+        both = {
+            **killed,
+            **resumed,
+        }  # where both ran a step, the resumed value is the one that matters
+        diff_steps = [s for s in rs if s in both]
+        diffs = [abs(both[s] - ref[s]) for s in diff_steps]
+        ax_d.plot(diff_steps, diffs, color="tab:purple", marker=".", ms=3, lw=0.8)
+        ax_d.set_yscale("symlog", linthresh=1e-8)
+        ax_d.set_ylim(0, max(1e-6, 10 * max(diffs, default=0.0)))
+        if diffs and max(diffs) == 0.0:
+            ax_d.text(
+                0.5,
+                0.5,
+                "every step: difference exactly 0",
+                transform=ax_d.transAxes,
+                ha="center",
+                fontsize=9,
+            )
+        ax_d.set_ylabel("|run - reference|")
+        ax_d.set_xlabel("step")
 
 
 def tpulab_argv(*args: str) -> list[str]:

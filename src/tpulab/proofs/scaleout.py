@@ -25,6 +25,7 @@ from tpulab.checkpoint.files import atomic_write_json
 from tpulab.checkpoint.rundir import VERDICT, RunDir, read_json
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import METRICS, curve, read_records
+from tpulab.evidence.report_kit import table
 from tpulab.proofs.driver import (
     Proc,
     judge,
@@ -137,18 +138,20 @@ def prove_layouts(config: RunConfig, out_dir: Path, *, timeout_s: float = 600) -
 
 
 def layout_markdown(v: dict) -> str:
-    lines = [
-        "| layout A | layout B | steps | bitwise | max rel diff | first differing step "
-        "| within rtol |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in v["rows"]:
-        lines.append(
-            f"| {r['a']} | {r['b']} | {r['steps']} | {'yes' if r['bitwise'] else 'no'} | "
-            f"{r['max_rel_diff']:.2e} | {r['first_differing_step'] or '-'} | "
-            f"{'yes' if r['within_tolerance'] else 'NO'} (rtol {v['rtol']:g}) |"
+    headers = ["layout A", "layout B", "steps", "bitwise", "max rel diff", "first differing step"]
+    rows = [
+        (
+            r["a"],
+            r["b"],
+            r["steps"],
+            "yes" if r["bitwise"] else "no",
+            f"{r['max_rel_diff']:.2e}",
+            r["first_differing_step"] or "-",
+            f"{'yes' if r['within_tolerance'] else 'NO'} (rtol {v['rtol']:g})",
         )
-    return "\n".join(lines) + "\n"
+        for r in v["rows"]
+    ]
+    return table([*headers, "within rtol"], rows) + "\n"
 
 
 def _pids(run_dir: Path) -> list[int]:
@@ -170,6 +173,7 @@ def interrupt_one(
     victim: int,
     mode: str,
     timeout_s: float,
+    env: dict | None = None,
 ) -> dict:
     """Start a launched job, wait for step ``at_step`` in process 0's metrics and a committed
     checkpoint, then SIGKILL (``mode='kill'``, the job held there) or SIGSTOP (``mode='stall'``,
@@ -178,7 +182,7 @@ def interrupt_one(
     closing barrier, and is then (rightly) refused."""
     from tpulab.checkpoint.store import scan
 
-    with Proc(argv, log_path) as proc:
+    with Proc(argv, log_path, env) as proc:
         pids = _pids(run_dir)
         deadline = time.monotonic() + timeout_s
         while (
@@ -234,11 +238,14 @@ def prove_multiprocess_resume(
     stall_timeout_s: float = 10.0,
     reference_dir: Path | None = None,
     timeout_s: float = 600,
+    env: dict | None = None,
 ) -> dict:
     """Reference job; a job whose process ``victim`` is SIGKILLed (held after ``kill_at``) or
     SIGSTOPped (the others then hang in a collective until their step watchdog fires); a fresh
     launch that resumes. Curves and final whole state compared bitwise with the reference;
-    verdict.json and overlay.png."""
+    verdict.json and overlay.png. ``env`` is added to every job's environment (the capstone's MLflow
+    store)."""
+    env = {**os.environ, **(env or {})}
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
     check_kill_step(kill_at, steps, save_every)
@@ -261,7 +268,7 @@ def prove_multiprocess_resume(
         run_to_completion(
             argv(reference_dir),
             proof_dir / "reference.log",
-            dict(os.environ),
+            env,
             timeout_s,
             "reference job",
         )
@@ -277,13 +284,12 @@ def prove_multiprocess_resume(
         victim=victim,
         mode=mode,
         timeout_s=timeout_s,
+        env=env,
     )
     timings["interrupted_s"] = round(time.monotonic() - t0, 2)
     expected = ExitCode.PEER_FAILED if mode == "kill" else ExitCode.STALLED
     t0 = time.monotonic()
-    run_to_completion(
-        argv(run_dir), proof_dir / "resumed.log", dict(os.environ), timeout_s, "resumed job"
-    )
+    run_to_completion(argv(run_dir), proof_dir / "resumed.log", env, timeout_s, "resumed job")
     timings["resumed_s"] = round(time.monotonic() - t0, 2)
     verdict = judge(Path(reference_dir), run_dir, steps=steps, kill_step=event["last_logged_step"])
     verdict.update(final_state_verdict(Path(reference_dir), run_dir))

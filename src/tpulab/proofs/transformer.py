@@ -92,10 +92,12 @@ def prove_transformer_resume(
     skip_restore: tuple[str, ...] = (),
     compile_cache: Path | None = None,
     warm_resume_cache: bool = False,
+    env: dict | None = None,
 ) -> dict:
     """Write out_dir/proof/{verdict.json, overlay.png}: per-step losses and the final whole state
     compared. ``compile_cache`` is the reference and killed runs' cache (through the environment, so
-    the driver can give the resumed process its own fresh one unless ``warm_resume_cache``).
+    the driver can give the resumed process its own fresh one unless ``warm_resume_cache``);
+    ``env`` is added to every child's environment (the capstone's MLflow store).
     ``reference_dir``: an uninterrupted finished run of this config to reuse (read only)."""
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
@@ -114,7 +116,7 @@ def prove_transformer_resume(
         steps=steps,
         kill_at=kill_at,
         reference_dir=reference_dir,
-        env=cache_env(compile_cache) if compile_cache is not None else None,
+        env={**(env or {}), **(cache_env(compile_cache) if compile_cache is not None else {})},
         title="Transformer kill/resume",
         compare_state=final_state_verdict,
         extra={"skip_restore": list(skip_restore)},
