@@ -365,6 +365,13 @@ def run_capstone(
                     "post-training",
                     lambda: posttrain_stage(config, run_dir, out, options.compile_cache),
                 )
+                if RunDir(out / "posttrain" / "sft").summary.exists():  # SFT ended
+                    from tpulab.orchestrate.chain import chain_stage
+
+                    stage(
+                        "preference chain",
+                        lambda: chain_stage(out / "posttrain" / "sft", out, options.compile_cache),
+                    )
         if not options.skip_bridge:
             from tpulab.bridge import capstone_stage as bridge_stage
 

@@ -154,7 +154,7 @@ def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
     ``out_png``."""
     recs = read_records(run_dir)
     loss = curve(recs, "loss")
-    val = {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval"}
+    val = {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval" and "val_loss" in r}
     if not loss:
         return "## Training curves\n\nNo step was logged."
     import matplotlib
