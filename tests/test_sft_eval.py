@@ -234,6 +234,11 @@ def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
         got = client.get_run(link["run_id"]).data.metrics
         assert got["eval.sft.response_loss"] == record["models"]["sft"]["response_loss"]
     check_the_preference_chain(d / "sft", tmp_path)
+    from tpulab.orchestrate.chain import run_chain
+
+    with pytest.raises(TpulabError, match="is a pretrain run, not sft"):
+        run_chain(trained_run, tmp_path / "not-from-sft")
+    assert not (tmp_path / "not-from-sft").exists()
     # the capstone's own audit finds every run complete in the store: SFT, LoRA, the chain's
     # reward, DPO and PPO runs and its DPO resume proof's killed-and-resumed run
     text, failures = tracking_section(tmp_path, uri)

@@ -122,6 +122,8 @@ def run_chain(
     sft, out = Path(sft), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise TpulabError(f"--out {out} already exists and is not empty; choose a new directory")
+    if not RunDir(sft).config.is_file():
+        raise TpulabError(f"{sft} is not a run dir (no {rundir.CONFIG}); give an SFT run's dir")
     sft_config = load(RunConfig, RunDir(sft).config)
     if sft_config.objective.kind != "sft":
         raise TpulabError(f"{sft} is a {sft_config.objective.kind} run, not sft")
