@@ -160,6 +160,9 @@ def run_chain(
         out / "dpo-resume",
         reference_dir=runs["dpo"],
         compile_cache=compile_cache,
+        # the capstone's own proof resumes on a cold cache; this one shares the chain's, which
+        # saves the resumed process its compiles (the verdict records which)
+        warm_resume_cache=True,
     )
     wins = {
         name: timed(f"{name} win rate", win_rate, runs[name], sft, sizes.win_prompts)
