@@ -235,6 +235,8 @@ def build_report(d: str | Path) -> str:
         sections.append((d / "inference" / "inference.md").read_text())
     if (d / "posttrain" / "posttrain.md").exists():
         sections.append((d / "posttrain" / "posttrain.md").read_text())
+    if (d / "posttrain" / "chain" / "chain.md").exists():  # the preference chain (its links: d)
+        sections.append((d / "posttrain" / "chain" / "chain.md").read_text())
     return (
         "# tpulab evidence report\n\nBuilt from the evidence in this directory.\n\n"
         + "\n\n".join(sections)
