@@ -53,6 +53,7 @@ class ChainSizes:
     win_prompts: int = 16
     reward_lr: float = 1e-3
     dpo_lr: float = 3e-4
+    ppo_lr: float = 3e-4
     beta: float = 0.1
 
 
@@ -62,8 +63,7 @@ STAGES = ("reward", "dpo", "ppo")
 
 def chain_configs(sft_config: RunConfig, sft: Path, pairs: Path, reward: Path, s: ChainSizes):
     """name -> RunConfig of the chain's reward, DPO and PPO runs, from the SFT run's config."""
-    base = to_dict(sft_config)
-    lora = {**base["objective"]["lora"], "rank": 0}
+    lora = {**to_dict(sft_config)["objective"]["lora"], "rank": 0}  # full fine-tuning
 
     def cfg(objective: dict, steps: int, lr: float, eval_every: int, save_every: int, batch: int):
         d = to_dict(sft_config)
@@ -97,7 +97,7 @@ def chain_configs(sft_config: RunConfig, sft: Path, pairs: Path, reward: Path, s
                 },
             },
             steps=ppo_steps,
-            lr=s.dpo_lr,
+            lr=s.ppo_lr,
             eval_every=3,
             save_every=4,
             batch=s.batch,
