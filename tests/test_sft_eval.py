@@ -236,3 +236,89 @@ def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
     # the capstone's own audit finds both runs complete in the store
     text, failures = tracking_section(tmp_path, uri)
     assert failures == [] and "**2 of 2** runs complete" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(
+    1800
+)  # 5 child processes and 3 in-process generations: 600 s ran out at load 24
+def test_the_preference_chain_section_is_what_its_runs_recorded(
+    sft_policy, trained_run, tmp_path, monkeypatch
+):
+    """The capstone's preference-chain stage from an SFT run at the tiny size: the section's
+    identity rows are the digests the checkpoints recorded and recompute from their sources, its
+    verdict is the proof's verdict file, its gold-vs-proxy rows are PPO's evaluations in
+    metrics.jsonl, every run is in the MLflow store; control: a changed SFT checkpoint shows as
+    changed in every row that names it. A run that is not SFT is refused in one line."""
+    from tpulab.checkpoint.files import MANIFEST, manifest_digest
+    from tpulab.checkpoint.rundir import RunDir
+    from tpulab.checkpoint.store import read_meta
+    from tpulab.config import load
+    from tpulab.orchestrate.chain import (
+        DEMO,
+        chain_configs,
+        chain_stage,
+        changed,
+        identity_rows,
+        run_chain,
+    )
+    from tpulab.tracking.audit import audit_runs, run_dirs
+    from tpulab.tracking.store import sqlite_uri
+    from tpulab.train.config import RunConfig
+    from tpulab.train.restore import checkpoint_dir
+
+    with pytest.raises(TpulabError, match="is a pretrain run, not sft"):
+        run_chain(trained_run, tmp_path / "not-from-sft")
+    assert not (tmp_path / "not-from-sft").exists()
+    # a copy: the control below changes its checkpoint, and the session's policy is shared
+    sft = tmp_path / "sft"
+    shutil.copytree(sft_policy, sft)
+    uri = sqlite_uri(tmp_path / "mlruns.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    out = tmp_path
+    section = chain_stage(sft, out)
+    c = out / "posttrain" / "chain"
+    assert (c / "chain.md").read_text() == section and section.startswith("## Preference chain")
+    record = json.loads((c / "chain.json").read_text())
+    rows = record["identities"]
+    assert len(rows) == 12 and all(r["unchanged"] for r in rows)
+    for r in rows:
+        recorded = read_meta(checkpoint_dir(c / r["run"] if r["run"] != "sft" else sft))
+        assert r["recorded"] == recorded["identities"][r["name"]]
+        if r["name"] in ("base", "init", "reference", "reward_model"):
+            assert r["recomputed"] == manifest_digest(checkpoint_dir(r["source_dir"]))
+        assert f"| {r['run']} | {r['name']} | `{r['recorded'][:16]}` |" in section
+    assert "**12 of 12 unchanged**" in section
+    v = json.loads((c / "dpo-resume" / "proof" / "verdict.json").read_text())
+    assert v["identical"] and v["final_state_identical"] and v["steps_compared"] == 16
+    assert f"after step {v['kill_step']}, resumed from step {v['resumed_from_step']}" in section
+    assert "**bitwise identical**" in section
+    evals = [r for r in read_records(c / "ppo") if r.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [3, 6, 9, 12]
+    for e in evals:
+        assert f"| {e['step']} | {e['val_kl']:.4f} | {e['val_reward']:.4f} | " in section
+    for name in ("reward", "dpo", "ppo"):
+        assert (c / f"{name}-curves.png").stat().st_size > 10_000
+        assert f"](posttrain/chain/{name}-curves.png)" in section
+    w = record["win_rate"]["dpo"]
+    assert f"| DPO vs SFT | {w['prompts']} | {w['win_rate']:.3f} |" in section
+    # control: one byte more in the SFT run's newest manifest is another checkpoint
+    manifest = checkpoint_dir(sft) / MANIFEST
+    manifest.write_bytes(manifest.read_bytes() + b"\n")
+    runs = {"sft": sft, "pairs": c / "pairs", **{k: c / k for k in ("reward", "dpo", "ppo")}}
+    runs["dpo_resumed"] = c / "dpo-resume" / "proof" / "interrupted"
+    sft_config = load(RunConfig, RunDir(sft).config)
+    configs = chain_configs(sft_config, sft, runs["pairs"], runs["reward"], DEMO)
+    after = identity_rows(runs, configs)
+    moved = {(r["run"], r["name"]) for r in after if not r["unchanged"]}
+    assert moved == {
+        ("reward", "base"),
+        ("dpo", "base"),
+        ("dpo", "reference"),
+        ("ppo", "init"),
+        ("ppo", "reference"),
+    }
+    assert len(changed(after)) == 5 and "ppo's reference changed" in " ".join(changed(after))
+    # the reward, DPO and PPO runs and the proof's killed-and-resumed run, each in the store whole
+    tracked = audit_runs(run_dirs(c), uri)
+    assert len(tracked) == 4 and [t.problem for t in tracked] == [None] * 4

@@ -1,9 +1,11 @@
-"""Post-training stages that generate: ``tpulab pairs`` (sampled preference pairs) and ``tpulab
-win-rate`` (gold-reward win rate of greedy replies)."""
+"""Post-training stages that generate: ``tpulab pairs`` (sampled preference pairs), ``tpulab
+win-rate`` (gold-reward win rate of greedy replies) and ``tpulab posttrain`` (the preference chain
+from an SFT run: pairs, reward model, DPO and PPO, with its report section)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tpulab.cli.train_cmds import checked_path, path_arg
 from tpulab.errors import ExitCode
@@ -47,6 +49,17 @@ def cmd_win_rate(args) -> int:
     return ExitCode.OK
 
 
+def cmd_posttrain(args) -> int:
+    from tpulab import compile_cache
+    from tpulab.orchestrate.chain import run_chain
+
+    cache = compile_cache.enable(args.compile_cache)
+    out = checked_path(args.out, "--out")
+    run_chain(checked_path(args.sft, "--sft"), out, compile_cache=cache)
+    print(f"wrote {out}/chain.md and chain.json")
+    return ExitCode.OK
+
+
 def _count(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -80,3 +93,14 @@ def register(sub) -> None:
     p.add_argument("--max-prompts", type=_count, default=0, help="the first N prompts; 0 = all")
     p.add_argument("--out", type=path_arg, default=None, help="write the whole result as JSON")
     p.set_defaults(handler=cmd_win_rate)
+
+    p = sub.add_parser(
+        "posttrain",
+        help="the preference chain from an SFT run at the demo's size: tpulab pairs, a reward "
+        "model, DPO (also killed and resumed) and PPO, then DIR/chain.md with curves, the "
+        "gold-vs-proxy table, win rates, the identity table and the resume verdict",
+    )
+    p.add_argument("--sft", type=path_arg, required=True, help="the SFT run dir")
+    p.add_argument("--out", type=path_arg, required=True, help="a new (or empty) directory")
+    p.add_argument("--compile-cache", type=Path, help="JAX persistent compilation cache dir")
+    p.set_defaults(handler=cmd_posttrain)

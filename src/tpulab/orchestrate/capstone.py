@@ -365,6 +365,14 @@ def run_capstone(
                 "post-training",
                 lambda: posttrain_stage(config, run_dir, out, options.compile_cache, tracked),
             )
+            if RunDir(out / "posttrain" / "sft").summary.exists():  # SFT ended
+                from tpulab.orchestrate.chain import chain_stage
+
+                sft = out / "posttrain" / "sft"
+                stage(
+                    "preference chain",
+                    lambda: chain_stage(sft, out, options.compile_cache, tracked),
+                )
     if not options.skip_bridge:
         from tpulab.bridge import capstone_stage as bridge_stage
 

@@ -165,7 +165,7 @@ def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
     ``out_png``."""
     recs = read_records(run_dir)
     loss = curve(recs, "loss")
-    val = {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval"}
+    val = {r["step"]: r["val_loss"] for r in recs if r.get("event") == "eval" and "val_loss" in r}
     if not loss:
         return "## Training curves\n\nNo step was logged."
     with report_kit.figure(out_png, dpi=100, figsize=(8, 4)) as (_, ax):
@@ -241,6 +241,8 @@ def build_report(d: str | Path) -> str:
         sections.append((d / "inference" / "inference.md").read_text())
     if (d / "posttrain" / "posttrain.md").exists():
         sections.append((d / "posttrain" / "posttrain.md").read_text())
+    if (d / "posttrain" / "chain" / "chain.md").exists():  # the preference chain (its links: d)
+        sections.append((d / "posttrain" / "chain" / "chain.md").read_text())
     return (
         "# tpulab evidence report\n\nBuilt from the evidence in this directory.\n\n"
         + "\n\n".join(sections)
