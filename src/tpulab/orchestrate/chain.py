@@ -30,6 +30,7 @@ from tpulab.checkpoint.store import read_meta
 from tpulab.config import from_dict, load, to_dict
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
+from tpulab.evidence.report_kit import table
 from tpulab.orchestrate import report
 from tpulab.proofs.driver import run_to_completion, verdict_text
 from tpulab.proofs.transformer import prove_transformer_resume, train_child_argv, write_child_config
@@ -311,13 +312,74 @@ def chain_section(
 
     def win_row(name):
         w = wins[name]
-        return (
-            f"| {name.upper()} vs SFT | {w['prompts']} | {w['win_rate']:.3f} | {w['wins']} / "
-            f"{w['ties']} / {w['losses']} | {w['gold_mean']['policy']:.3f} / "
-            f"{w['gold_mean']['against']:.3f} | {w['stop_rate']['policy']:.3f} / "
-            f"{w['stop_rate']['against']:.3f} |"
-        )
+        return [
+            f"{name.upper()} vs SFT",
+            w["prompts"],
+            f"{w['win_rate']:.3f}",
+            f"{w['wins']} / {w['ties']} / {w['losses']}",
+            f"{w['gold_mean']['policy']:.3f} / {w['gold_mean']['against']:.3f}",
+            f"{w['stop_rate']['policy']:.3f} / {w['stop_rate']['against']:.3f}",
+        ]
 
+    results = table(
+        ["stage", "result"],
+        [
+            [
+                f"reward model, accuracy on {c['eval']['pairs']} held-out pairs",
+                f"{rm['val_accuracy']:.3f} (gold-optimal {rm['val_gold_optimal_accuracy']:.3f}; "
+                f"margin {rm['val_margin']:.3f})",
+            ],
+            ["DPO step-1 loss", f"{dpo_first['loss']!r} (ln 2 = {math.log(2)!r})"],
+            [
+                "DPO held-out pair accuracy, KL(ref || pi) per reply (a sample estimate)",
+                f"{dpo['val_reward_accuracy']:.3f}, {dpo['val_kl_ref']:.3f} nats",
+            ],
+            [
+                "PPO, last evaluation: proxy / gold reward, KL",
+                f"{ppo_evals[-1]['val_reward']:.3f} / {ppo_evals[-1]['val_gold_reward']:.3f}, "
+                f"{ppo_evals[-1]['val_kl']:.3f} nats",
+            ],
+        ],
+    )
+    win_table = table(
+        [
+            "policy",
+            "prompts",
+            "win rate",
+            "wins / ties / losses",
+            "mean r*: policy / SFT",
+            "stop rate: policy / SFT",
+        ],
+        [win_row("dpo"), win_row("ppo")],
+    )
+    curve_table = table(
+        ["step", "KL to the reference (nats per reply)", "proxy reward", "gold reward r*"]
+        + ["reply bytes"],
+        (
+            [
+                e["step"],
+                f"{e['val_kl']:.4f}",
+                f"{e['val_reward']:.4f}",
+                f"{e['val_gold_reward']:.4f}",
+                f"{e['val_response_length']:.1f}",
+            ]
+            for e in ppo_evals
+        ),
+    )
+    identity_table = table(
+        ["run", "identity", "recorded digest", "from", "recomputed", "unchanged"],
+        (
+            [
+                r["run"],
+                r["name"],
+                f"`{r['recorded'][:16]}`",
+                r["source"],
+                f"`{r['recomputed'][:16]}`",
+                "yes" if r["unchanged"] else "**NO**",
+            ]
+            for r in identities
+        ),
+    )
     unchanged = sum(r["unchanged"] for r in identities)
     return "\n".join(
         [
@@ -331,52 +393,25 @@ def chain_section(
             "the numbers show the chain works and its evidence holds, not what it reaches); the "
             "default-size numbers are in benchmarks/results/preference_chain.md.",
             "",
-            "| stage | result |",
-            "|---|---|",
-            f"| reward model, accuracy on {c['eval']['pairs']} held-out pairs | "
-            f"{rm['val_accuracy']:.3f} (gold-optimal "
-            f"{rm['val_gold_optimal_accuracy']:.3f}; margin {rm['val_margin']:.3f}) |",
-            f"| DPO step-1 loss | {dpo_first['loss']!r} (ln 2 = {math.log(2)!r}) |",
-            f"| DPO held-out pair accuracy, KL(ref \\|\\| pi) per reply (a sample estimate) | "
-            f"{dpo['val_reward_accuracy']:.3f}, {dpo['val_kl_ref']:.3f} nats |",
-            f"| PPO, last evaluation: proxy / gold reward, KL | "
-            f"{ppo_evals[-1]['val_reward']:.3f} / {ppo_evals[-1]['val_gold_reward']:.3f}, "
-            f"{ppo_evals[-1]['val_kl']:.3f} nats |",
+            results,
             "",
             "Gold win rate of greedy replies against SFT's on the first held-out prompts "
             "(ties count half):",
             "",
-            "| policy | prompts | win rate | wins / ties / losses | mean r*: policy / SFT | "
-            "stop rate: policy / SFT |",
-            "|---|---|---|---|---|---|",
-            win_row("dpo"),
-            win_row("ppo"),
+            win_table,
             "",
             "PPO's proxy reward (the reward model's score) and gold reward r* of its replies to "
             "held-out prompts against the KL to the reference, at every evaluation (Gao et al., "
             "arXiv:2210.10760: the proxy can rise while the gold falls):",
             "",
-            "| step | KL to the reference (nats per reply) | proxy reward | gold reward r* | "
-            "reply bytes |",
-            "|---|---|---|---|---|",
-            *(
-                f"| {e['step']} | {e['val_kl']:.4f} | {e['val_reward']:.4f} | "
-                f"{e['val_gold_reward']:.4f} | {e['val_response_length']:.1f} |"
-                for e in ppo_evals
-            ),
+            curve_table,
             "",
             f"Identities: every digest the runs' newest checkpoints recorded, recomputed now from "
             f"its source: **{unchanged} of {len(identities)} unchanged**. The frozen reference "
             "and reward model were also checked bitwise at the end of each run by the loop "
             "(`frozen_sha256` in each summary.json).",
             "",
-            "| run | identity | recorded digest | from | recomputed | unchanged |",
-            "|---|---|---|---|---|---|",
-            *(
-                f"| {r['run']} | {r['name']} | `{r['recorded'][:16]}` | {r['source']} | "
-                f"`{r['recomputed'][:16]}` | {'yes' if r['unchanged'] else '**NO**'} |"
-                for r in identities
-            ),
+            identity_table,
             "",
             f"Resume: DPO killed with {v['signal']} after step {v['kill_step']}, resumed from "
             f"step {v['resumed_from_step']} in a fresh process, against the chain's DPO run: "
