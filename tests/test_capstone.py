@@ -46,6 +46,10 @@ def test_capstone_writes_report_overlay_and_verdict(tmp_path):
         and chaos["kills"] == 1
         and "Chaos: SIGKILL at random moments" in report
     )
+    # the lifetime after the kill is a resume and compiled from a fresh, empty cache (JAX's events)
+    resumed = chaos["compile_cache"]["processes"]["lifetime-1"]
+    assert resumed["cold"] is True and resumed["hits"] in (0, None), resumed
+    assert resumed.get("cold_confirmed") is True, resumed
     again = run_cli(
         "capstone", "--out", str(out), "--config", str(TINY), "--skip-bridge", "--skip-inference"
     )

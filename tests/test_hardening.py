@@ -436,12 +436,13 @@ def test_chaos_five_random_kills_end_identical(tmp_path):
     )
     assert v["segments"] == 6 and len(v["kill_log"]) == 5 and v["signal"] == "SIGKILL"
     assert v["steps_compared"] >= 60 and not v["missing_steps"]
-    # every lifetime after a kill is a resume and compiled from a fresh, empty cache (JAX's events)
+    # --warm-resume-cache: every lifetime after a kill shares the one cache (JAX's events); the
+    # cold path (a fresh, empty cache per resumed lifetime) is asserted by tests/test_capstone.py
     caches = v["compile_cache"]["processes"]
     assert set(caches) == {"reference", *(f"lifetime-{i}" for i in range(6))}
     resumed = [caches[f"lifetime-{i}"] for i in range(1, 6)]
-    assert all(c["cold"] is True and c["hits"] in (0, None) for c in resumed), resumed
-    assert any(c.get("cold_confirmed") for c in resumed), resumed  # None: killed before it recorded
+    assert all(c["cold"] is False for c in resumed), resumed
+    assert any(c["hits"] for c in resumed), resumed  # None/0: killed before it recorded a lookup
     assert (tmp_path / "chaos" / "segments.png").stat().st_size > 10_000
     assert not list((tmp_path / "chaos" / "victim" / "checkpoints").glob("*orbax-checkpoint-tmp*"))
 
