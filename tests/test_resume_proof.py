@@ -64,6 +64,7 @@ def test_negative_control_resume_without_part_is_caught(trained_run, tmp_path, p
         "prove-resume",
         *("--run-dir", str(tmp_path), "--config", str(TINY), "--skip-restore", part),
         *("--reference", str(trained_run)),
+        "--warm-resume-cache",  # the judge is under test here; the cold resume is proven above
     )
     assert result.returncode == ExitCode.FAILED, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
