@@ -164,6 +164,10 @@ def test_ctrl_c_during_training_is_one_line_and_exits_interrupted(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # a terminal's Ctrl-C: a pytest started as a background job of a non-interactive shell
+        # (`cmd &`) ignores SIGINT, and an ignored signal stays ignored across exec (a hang of
+        # 120 s, seen twice)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 240
