@@ -7,15 +7,14 @@ TrainState and of the Grain data position. The run here must reproduce all of th
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
+from goldens.record_default_100 import leaf_digests  # one hashing for goldens and runs
 from tpulab.config import load
 from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.state import data_position
@@ -24,15 +23,6 @@ from tpulab.train.loop import train
 from tpulab.train.restore import load_model
 
 GOLDENS = Path(__file__).parent / "goldens"
-
-
-def leaf_digests(state) -> dict[str, str]:
-    out = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]:
-        a = np.asarray(x)
-        h = hashlib.sha256(a.dtype.str.encode() + str(a.shape).encode() + a.tobytes())
-        out[jax.tree_util.keystr(path)] = h.hexdigest()
-    return out
 
 
 def run_record(run_dir: Path) -> dict:

@@ -32,6 +32,7 @@ from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.report_kit import table
 from tpulab.orchestrate import report
+from tpulab.orchestrate.stages import check_out
 from tpulab.proofs.driver import run_to_completion, verdict_text
 from tpulab.proofs.transformer import prove_transformer_resume, train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
@@ -122,9 +123,7 @@ def run_chain(
     from tpulab.posttrain.pairs import PairsConfig, make_pairs
     from tpulab.posttrain.winrate import win_rate
 
-    sft, out = Path(sft), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TpulabError(f"--out {out} already exists and is not empty; choose a new directory")
+    sft, out = Path(sft), check_out(out)
     if not RunDir(sft).config.is_file():
         raise TpulabError(f"{sft} is not a run dir (no {rundir.CONFIG}); give an SFT run's dir")
     sft_config = load(RunConfig, RunDir(sft).config)

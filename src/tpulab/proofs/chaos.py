@@ -27,7 +27,7 @@ from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import curve, read_records, starts
 from tpulab.evidence.report_kit import figure
 from tpulab.proofs import cache
-from tpulab.proofs.driver import Proc, compare_curves, run_to_completion
+from tpulab.proofs.driver import Proc, compare_curves, diff_panel, run_to_completion
 from tpulab.proofs.state import final_state_verdict
 from tpulab.proofs.transformer import check_reference, train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
@@ -337,17 +337,7 @@ def plot_segments(reference: Path, victim: Path, verdict: dict, path: Path) -> N
         )
         ax.legend(fontsize=7, ncol=2)
         ds = sorted(diffs)
-        ax_d.plot(ds, [diffs[s] for s in ds], color="tab:purple", marker=".", ms=3, lw=0.8)
-        ax_d.set_yscale("symlog", linthresh=1e-8)
-        ax_d.set_ylim(0, max(1e-6, 10 * max(diffs.values(), default=0.0)))
-        if diffs and max(diffs.values()) == 0.0:
-            ax_d.text(
-                0.5,
-                0.5,
-                "every logged step of every lifetime: difference exactly 0",
-                transform=ax_d.transAxes,
-                ha="center",
-                fontsize=9,
-            )
+        all_zero = "every logged step of every lifetime: difference exactly 0"
+        diff_panel(ax_d, ds, [diffs[s] for s in ds], all_zero)
         ax_d.set_ylabel("max |lifetime - reference|")
         ax_d.set_xlabel("step (dotted: last step logged before a kill)")

@@ -383,20 +383,19 @@ def plot_overlay(
         }  # where both ran a step, the resumed value is the one that matters
         diff_steps = [s for s in rs if s in both]
         diffs = [abs(both[s] - ref[s]) for s in diff_steps]
-        ax_d.plot(diff_steps, diffs, color="tab:purple", marker=".", ms=3, lw=0.8)
-        ax_d.set_yscale("symlog", linthresh=1e-8)
-        ax_d.set_ylim(0, max(1e-6, 10 * max(diffs, default=0.0)))
-        if diffs and max(diffs) == 0.0:
-            ax_d.text(
-                0.5,
-                0.5,
-                "every step: difference exactly 0",
-                transform=ax_d.transAxes,
-                ha="center",
-                fontsize=9,
-            )
+        diff_panel(ax_d, diff_steps, diffs, "every step: difference exactly 0")
         ax_d.set_ylabel("|run - reference|")
         ax_d.set_xlabel("step")
+
+
+def diff_panel(ax, steps: list[int], diffs: list[float], all_zero: str) -> None:
+    """The lower panel of a proof's plot: |difference| per step on a symlog axis (exact zeros
+    stay visible), and ``all_zero`` written across it when every difference is exactly 0."""
+    ax.plot(steps, diffs, color="tab:purple", marker=".", ms=3, lw=0.8)
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.set_ylim(0, max(1e-6, 10 * max(diffs, default=0.0)))
+    if diffs and max(diffs) == 0.0:
+        ax.text(0.5, 0.5, all_zero, transform=ax.transAxes, ha="center", fontsize=9)
 
 
 def tpulab_argv(*args: str) -> list[str]:
