@@ -469,3 +469,27 @@ def test_chaos_judge_fails_on_a_tampered_lifetime(tmp_path):
     (vic / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed))
     v = judge_segments(ref, vic, 6)
     assert v["curves_identical"] is False and v["first_differing_step"] == 5
+
+
+def test_a_wall_clock_kill_lands_at_the_first_step_of_a_short_start_up(tmp_path):
+    """CI drew a 26 s start-up kill for a warm resume that finished its 5 steps sooner: the kill
+    must land while the lifetime still runs, at its first logged step, and say so."""
+    from tpulab.proofs.chaos import _wait_for
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 0, "loss": 1.0}\n')  # an earlier lifetime's record
+    writer = (
+        "import time, sys; time.sleep(0.3); "
+        f"open({str(metrics)!r}, 'a').write('{{\"step\": 1, \"loss\": 1.0}}\\n'); time.sleep(30)"
+    )
+    plan = {"phase": "wall-clock", "delay_s": 20.0}
+    with Proc([sys.executable, "-c", writer], tmp_path / "a.log") as proc:
+        t = time.monotonic()
+        assert _wait_for(proc, tmp_path, plan, 1, t, 60)
+        assert time.monotonic() - t < 10 and proc.p.poll() is None
+    assert plan["landed"].startswith("at this lifetime's first logged step")
+    # negative control: a lifetime that ends during the delay without a step is reported as such
+    plan = {"phase": "wall-clock", "delay_s": 20.0}
+    with Proc([sys.executable, "-c", "pass"], tmp_path / "b.log") as proc:
+        assert not _wait_for(proc, tmp_path, plan, 2, time.monotonic(), 60)
+    assert "landed" not in plan

@@ -408,7 +408,7 @@ def chain_section(
             f"Identities: every digest the runs' newest checkpoints recorded, recomputed now from "
             f"its source: **{unchanged} of {len(identities)} unchanged**. The frozen reference "
             "and reward model were also checked bitwise at the end of each run by the loop "
-            "(`frozen_sha256` in each summary.json).",
+            f"(`frozen_sha256` in each {rundir.SUMMARY}).",
             "",
             identity_table,
             "",
