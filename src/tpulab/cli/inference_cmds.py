@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
-from tpulab.cli.train_cmds import checked_path, path_arg
+from tpulab.cli.train_cmds import path_arg, paths_checked
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.model.policies import POLICIES as _POLICIES
-
-
-def _paths_checked(handler):
-    """Every path flag given as "" or too long is one error line before the handler runs
-    (``Path("")`` would silently mean the current directory)."""
-
-    @functools.wraps(handler)
-    def run(args) -> int:
-        for name in ("run_dir", "out", "artifacts", "key_file", "trace_log", "drift_reference"):
-            value = getattr(args, name, None)
-            if value is not None:
-                setattr(args, name, checked_path(value, "--" + name.replace("_", "-")))
-        return handler(args)
-
-    return run
 
 
 def cmd_kvcache(args) -> int:
@@ -162,7 +146,7 @@ def register(sub) -> None:
     p.add_argument(
         "--out", type=path_arg, default=None, help="output dir (default: RUN_DIR/kvcache)"
     )
-    p.set_defaults(handler=_paths_checked(cmd_kvcache))
+    p.set_defaults(handler=paths_checked(cmd_kvcache))
 
     p = sub.add_parser(
         "export", help="serialize prefill/decode endpoints (jax.export) for cpu, tpu and cuda"
@@ -171,7 +155,7 @@ def register(sub) -> None:
     p.add_argument("--out", type=path_arg, required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest valid)")
     p.add_argument("--batch", type=int, default=1, help="batch size the endpoints are lowered for")
-    p.set_defaults(handler=_paths_checked(cmd_export))
+    p.set_defaults(handler=paths_checked(cmd_export))
 
     p = sub.add_parser(
         "verify-export", help="check an artifact set's hashes and outputs against its checkpoint"
@@ -187,7 +171,7 @@ def register(sub) -> None:
     p.add_argument(
         "--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key"
     )
-    p.set_defaults(handler=_paths_checked(cmd_verify_export))
+    p.set_defaults(handler=paths_checked(cmd_verify_export))
 
     p = sub.add_parser(
         "generate", help="stream text from a checkpoint or from verified exported endpoints"
@@ -211,7 +195,7 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
-    p.set_defaults(handler=_paths_checked(cmd_generate))
+    p.set_defaults(handler=paths_checked(cmd_generate))
 
     p = sub.add_parser(
         "serve",
@@ -290,7 +274,7 @@ def register(sub) -> None:
         help="text file or dir of *.txt the prompt drift statistic compares against (default: "
         "the training documents of the artifacts' run dir)",
     )
-    p.set_defaults(handler=_paths_checked(cmd_serve))
+    p.set_defaults(handler=paths_checked(cmd_serve))
 
     p = sub.add_parser(
         "serve-bench", help="capacity table: the real service over loopback, 1/4/16 clients"
@@ -303,7 +287,7 @@ def register(sub) -> None:
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
     _batching_args(p)
-    p.set_defaults(handler=_paths_checked(cmd_serve_bench))
+    p.set_defaults(handler=paths_checked(cmd_serve_bench))
 
 
 def _batching_args(p) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tpulab.cli.inference_cmds import _paths_checked
-from tpulab.cli.train_cmds import checked_path, path_arg
+from tpulab.cli.train_cmds import checked_path, path_arg, paths_checked
 from tpulab.errors import ExitCode
 
 
@@ -112,7 +111,7 @@ def register(sub) -> None:
     b.add_argument("--tag", default="latest", help="the image's ref name in index.json")
     b.add_argument("--key-file", help="HMAC key the verification record must be signed with")
     b.add_argument("--json", action="store_true", help="print the build summary as JSON")
-    b.set_defaults(handler=_paths_checked(cmd_image_build))
+    b.set_defaults(handler=paths_checked(cmd_image_build))
     v = isub.add_parser("verify", help="rehash every blob of an OCI layout against its digest")
     v.add_argument("layout", help="OCI layout dir")
     v.set_defaults(handler=cmd_image_verify)

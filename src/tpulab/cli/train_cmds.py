@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -38,6 +39,21 @@ def checked_path(value: Path | str, flag: str) -> Path:
 
     check_path(str(value), flag)
     return Path(value)
+
+
+def paths_checked(handler):
+    """Every path flag given as "" or too long is one error line before the handler runs
+    (``Path("")`` would silently mean the current directory)."""
+
+    @functools.wraps(handler)
+    def run(args) -> int:
+        for name in ("run_dir", "out", "artifacts", "key_file", "trace_log", "drift_reference"):
+            value = getattr(args, name, None)
+            if value is not None:
+                setattr(args, name, checked_path(value, "--" + name.replace("_", "-")))
+        return handler(args)
+
+    return run
 
 
 def load_run_config(args):
