@@ -21,8 +21,11 @@ with ``ExitCode.STALLED``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
+
+import numpy as np
 
 from tpulab.errors import TpulabError
 from tpulab.train.preemption import Preemption
@@ -150,3 +153,35 @@ class AgreedPreemption(Preemption):
     @requested.setter
     def requested(self, value: bool) -> None:
         self._local = bool(value)
+
+
+def agree_identities(identities: dict[str, str]) -> None:
+    """Every process of the job computed the same identities, or a one-line refusal naming the
+    first that differs, on every process, before any write. Each process builds its own data,
+    base, reference and (DPO) reference log-prob table, and process 0 alone records them: without
+    this check a process training on other bytes would go unnamed."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    def gathered(words: list[str]) -> np.ndarray:  # [processes, len(words), 32]
+        rows = np.stack(
+            [np.frombuffer(hashlib.sha256(w.encode()).digest(), np.uint8) for w in words]
+        )
+        return np.asarray(multihost_utils.process_allgather(rows[None], tiled=True))
+
+    names = sorted(identities)
+    every = gathered(["\n".join(names)])  # the same names first: the next gather's shapes agree
+    if not (every == every[0]).all():
+        p = int(np.flatnonzero((every != every[0]).any(axis=(1, 2)))[0])
+        raise TpulabError(f"process {p} names other identities than process 0 (these: {names})")
+    every = gathered([identities[n] for n in names])
+    differ = (every != every[0]).any(axis=2)  # [processes, names]
+    if differ.any():
+        p, i = (int(x[0]) for x in np.nonzero(differ))
+        raise TpulabError(
+            f"process {p} computed another {names[i]} identity than process 0 (this process: "
+            f"{identities[names[i]][:16]}...): the processes do not train on the same bytes"
+        )

@@ -36,6 +36,7 @@ from tpulab.evidence.provenance import write_environment
 from tpulab.model.transformer import built_param_count
 from tpulab.train import objectives
 from tpulab.train.config import MeshConfig, ObjectiveConfig, RunConfig
+from tpulab.train.distributed import agree_identities
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
@@ -255,6 +256,7 @@ def train(
     objective = objective or objectives.build(config)
     data = objective.data()
     identities = objective.identities()
+    agree_identities({**identities, "corpus": data.identity})
     run_dir = prepare_run_dir(Path(run_dir))
     compile_cache.enable(compile_cache_dir)
     meta = {
