@@ -502,6 +502,22 @@ def test_a_prompt_version_resolves_to_what_the_registry_holds(tmp_path):
         with pytest.raises(TpulabError, match=re.escape(words)) as e:
             resolve(label, text)
         assert "\n" not in str(e.value)
+    # A store that cannot be read is the service's 503, not the client's 422: PromptStoreError,
+    # not TpulabError; a label resolved before stays served from the cache (versions are immutable)
+    import shutil
+
+    from tpulab.ops.prompts import PromptStoreError
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(tmp_path / "mlruns.db", broken / "mlruns.db")
+    on_broken = PromptResolver(open_registry(_uri(broken)), 10.0, clock=lambda: now[0])
+    assert on_broken("speaker/1", "ROMEO.\n")["prompt_version"] == "prompts:/speaker/1"
+    (broken / "mlruns.db").write_bytes(b"not a database " * 512)
+    with pytest.raises(PromptStoreError, match="prompt registry .*mlruns.db") as e:
+        on_broken("speaker/2", "ROMEO:\n")
+    assert not isinstance(e.value, TpulabError) and "\n" not in str(e.value)
+    assert on_broken("speaker/1", "ROMEO.\n")["prompt_version"] == "prompts:/speaker/1"
     assert rendered_from("A {{ x }} B {{ y }} C", "A 1 B 2 B C") and rendered_from("ab", "ab")
     assert not rendered_from("A {{ x }} B {{ y }} C", "A 1 C") and not rendered_from("ab", "abc")
     # Linear: the regex (.*?)Y(.*?)Y(.*?)Q(.*?)X backtracks through ~n^3/6 splits of this text.
