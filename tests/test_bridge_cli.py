@@ -250,7 +250,7 @@ def test_in_process_resume_is_exact_only_with_generator_state(tmp_path, restore_
     out = train(
         BridgeConfig(steps=12, **cfg), "torch", "eager", tmp_path / "res", restore_rng=restore_rng
     )
-    assert out["resumed_from"] == 6
+    assert out.resumed_from == 6
     ref, res = _curve(tmp_path / "ref"), _curve(tmp_path / "res")
     assert sorted(res) == list(range(1, 13))
     assert (ref == res) is restore_rng
@@ -277,7 +277,7 @@ def test_the_bridge_loop_calls_hooks_as_the_trainer_does(tmp_path):
             self.calls.append(("checkpoint", step))
 
         def on_end(self, summary):
-            self.calls.append(("end", summary["final_step"]))
+            self.calls.append(("end", summary.final_step))
 
     cfg = BridgeConfig(steps=4, checkpoint_every=2)
     first, again = Record(), Record()

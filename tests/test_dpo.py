@@ -164,10 +164,12 @@ def test_a_dpo_run_records_its_identities_and_its_reference_ends_bitwise(
     sft = load_model(sft_policy)
     assert ids["base"] == ids["reference"] == sft.checkpoint_digest
     assert set(ids) == {"base", "reference", "dataset", "reference_logprobs"}
-    summary = json.loads((dpo_run / "summary.json").read_text())
+    from tpulab.checkpoint.rundir import RunDir
+
+    summary = RunDir(dpo_run).read_summary()
     cfg = tiny_config(*dpo_sets(sft_policy, sampled_pairs))
     frozen = build(cfg).steps(make_mesh(cfg)).frozen
-    assert summary["frozen_sha256"] == tree_digest(frozen)  # the reference as it was read
+    assert summary.frozen_sha256 == tree_digest(frozen)  # the reference as it was read
     assert tree_digest(frozen["reference"]) == tree_digest(sft.state.params)
     assert tree_digest(restored.state.params) != tree_digest(sft.state.params)  # control: moved
 

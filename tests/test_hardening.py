@@ -63,9 +63,7 @@ def test_a_nan_at_a_save_step_is_never_committed_and_the_named_checkpoint_resume
     )
     summary = train(tiny_config(), run, progress=False)
     assert (
-        summary["resumed_from"] == 20
-        and summary["final_step"] == 40
-        and np.isfinite(summary["final_loss"])
+        summary.resumed_from == 20 and summary.final_step == 40 and np.isfinite(summary.final_loss)
     )
 
 
@@ -112,7 +110,7 @@ def test_an_older_step_without_its_marker_is_corruption_not_an_interrupted_save(
         (run / "checkpoints" / step / MANIFEST).unlink()
     summary = train(tiny_config("train.steps=42"), run, progress=False)
     err = capfd.readouterr().err
-    assert summary["resumed_from"] == 20
+    assert summary.resumed_from == 20
     assert "refusing checkpoint step 30" in err and "not the newest step (corrupt" in err
     assert sorted(p.name.split("-")[0] for p in (run / "rejected_checkpoints").iterdir()) == [
         "30",
@@ -145,7 +143,7 @@ def test_orbax_temporary_dirs_of_killed_saves_are_removed_with_a_warning(
     (tmp / "state").mkdir(parents=True)
     (tmp / "state" / "junk").write_bytes(b"half a save")
     summary = train(tiny_config("train.steps=42"), run, progress=False)
-    assert summary["resumed_from"] == 40 and not tmp.exists()
+    assert summary.resumed_from == 40 and not tmp.exists()
     assert "removed 50.orbax-checkpoint-tmp-1234" in capfd.readouterr().err
 
 
@@ -236,7 +234,7 @@ def test_disk_full_is_one_line_naming_the_last_valid_checkpoint_which_resumes(tm
         subprocess.run(["umount", "-l", str(mnt)], check=False)
     assert load_model(tmp_path / "moved").step == last  # the named checkpoint stayed valid
     summary = train(tiny_config(), tmp_path / "moved", progress=False)
-    assert summary["resumed_from"] == last and summary["final_step"] == 40
+    assert summary.resumed_from == last and summary.final_step == 40
 
 
 @contextlib.contextmanager

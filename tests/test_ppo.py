@@ -236,13 +236,15 @@ def test_the_step_compiles_once_across_round_starts(trained_run, reward_run):
 
 def test_reference_and_reward_model_are_bitwise_unchanged(trained_run, reward_run, ppo_run):
     cfg = ppo_config(trained_run, reward_run)
-    summary = json.loads((ppo_run / "summary.json").read_text())
+    from tpulab.checkpoint.rundir import RunDir
+
+    summary = RunDir(ppo_run).read_summary()
     fresh = {
         "reference": jax.device_get(load_model(trained_run).plain_params()),
         "reward": load_reward_model(cfg).params,
     }
-    assert summary["frozen_sha256"] == tree_digest(fresh)
-    ids = summary["identities"]
+    assert summary.frozen_sha256 == tree_digest(fresh)
+    ids = summary.identities
     meta = read_meta(load_model(ppo_run).checkpoint_dir)
     assert meta["identities"] == ids
     assert set(ids) == {"init", "reference", "reward_model", "dataset"}

@@ -194,9 +194,11 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
         took = time.monotonic() - t0
     assert rc == ExitCode.OK, (tmp_path / "log.txt").read_text()
     assert took < 30
-    summary = json.loads((run / "summary.json").read_text())
+    from tpulab.checkpoint.rundir import RunDir
+
+    summary = RunDir(run).read_summary()
     last = max(curve(read_records(run)))
-    assert summary["preempted"] and summary["latest_checkpoint"] == last == summary["final_step"]
+    assert summary.preempted and summary.latest_checkpoint == last == summary.final_step
     result = run_cli(
         "train",
         "--run-dir",

@@ -222,3 +222,24 @@ def test_written_config_loads_back_as_the_same_config(tmp_path):
     assert load(RunConfig, path) == config
     other = tiny_config("train.steps=8")  # negative control: a different config reads different
     assert load(RunConfig, write_config(tmp_path / "o.yaml", other)) != config
+
+
+def test_a_run_summary_reads_back_what_the_loop_wrote_and_refuses_other_records(tmp_path):
+    """summary.json is one typed record (``RunSummary``) from the loop to the CLI, the tracking
+    writer and the reports; a file that is not one is a one-line refusal, never a KeyError."""
+    from tpulab.checkpoint.rundir import RunSummary
+    from tpulab.errors import TpulabError
+
+    run = RunDir(tmp_path)
+    s = RunSummary(final_step=7, latest_checkpoint=5, final_loss=1.5, identities={"base": "ab"})
+    run.write(R.SUMMARY, s.to_dict())
+    assert run.read_summary() == s and run.read_summary().identities == {"base": "ab"}
+    for bad, words in (
+        ({**s.to_dict(), "final_stp": 7}, "unknown ['final_stp']"),
+        ({"final_step": 7}, "missing ['latest_checkpoint']"),
+        ([7], "a JSON list"),
+    ):
+        run.write(R.SUMMARY, bad)
+        with pytest.raises(TpulabError, match=re.escape(words)) as e:
+            run.read_summary()
+        assert str(run.summary) in str(e.value) and "\n" not in str(e.value)

@@ -177,7 +177,7 @@ def test_sft_trains_from_its_base_and_records_its_identities(trained_run, tmp_pa
     run = tmp_path / "sft"
     summary = train(sft_config(trained_run), run, progress=False)
     base = load_model(trained_run)
-    ids = summary["identities"]
+    ids = summary.identities
     assert ids["base"] == base.checkpoint_digest and len(ids["dataset"]) == 64
     recs = read_records(run)
     first = next(r for r in recs if r.get("step") == 1)

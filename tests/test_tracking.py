@@ -14,6 +14,7 @@ import pytest
 
 from conftest import REPO, TINY, run_cli
 from tpulab.checkpoint.files import MANIFEST
+from tpulab.checkpoint.rundir import RunSummary
 from tpulab.evidence.metrics import read_records
 
 
@@ -170,7 +171,7 @@ def test_redone_steps_are_marked_not_duplicated(tmp_path):
         second.on_metrics(
             s, {"loss": 100.0 + s, "lr": 0.1, "grad_norm": 1.0, "tokens": 8, "wall_s": 0.1}
         )
-    second.on_end({"final_step": 20, "final_loss": 120.0, "latest_checkpoint": None})
+    second.on_end(RunSummary(final_step=20, final_loss=120.0, latest_checkpoint=None))
     assert second.failed is None and second.run_id == first.run_id
     c = _client(first.uri)
     assert sorted(m.step for m in c.get_metric_history(first.run_id, "loss")) == list(range(1, 21))
@@ -272,7 +273,7 @@ def test_only_process_zero_logs(tmp_path):
     other.on_start({"env": {"process_index": 1}, "config": None, "start_step": 0})
     other.on_metrics(1, {"loss": 1.0})
     other.on_checkpoint(1)
-    other.on_end({"final_step": 1})
+    other.on_end(RunSummary(final_step=1, latest_checkpoint=None))
     assert (
         other._worker is None
         and not (tmp_path / "mlruns.db").exists()
@@ -286,7 +287,7 @@ def test_only_process_zero_logs(tmp_path):
     first = MlflowTracker(run)  # control: process 0 with the same calls does log
     first.on_start({"env": {"process_index": 0}, "config": None, "start_step": 0})
     first.on_metrics(1, {"loss": 1.0})
-    first.on_end({"final_step": 1})
+    first.on_end(RunSummary(final_step=1, latest_checkpoint=None))
     assert first.failed is None and (run / "mlflow_run.json").exists()
     from mlflow.tracking import MlflowClient
 
@@ -339,7 +340,7 @@ def test_every_number_of_a_record_reaches_mlflow(tmp_path):
     t.on_eval(4, {"val_loss": 1.5, "val_accuracy": 0.75})
     t.on_metrics(5, {"loss": 0.2})
     t.on_eval(5, 1.25)  # what the loop passes today
-    t.on_end({"final_step": 5})
+    t.on_end(RunSummary(final_step=5, latest_checkpoint=None))
     assert t.failed is None
     c = _client(t.uri)
 
@@ -485,7 +486,7 @@ def test_deleted_store_warning_names_the_cause(tmp_path, capfd):
     db.unlink()
     capfd.readouterr()
     tracker.on_metrics(2, {"loss": 0.5})
-    tracker.on_end({"final_step": 2, "final_loss": 0.5})
+    tracker.on_end(RunSummary(final_step=2, final_loss=0.5, latest_checkpoint=None))
     err = capfd.readouterr().err
     assert tracker.failed == "OperationalError: attempt to write a readonly database", err
     assert err.count("warning: MLflow tracking off") == 1 and "autoflush" not in err
@@ -509,7 +510,7 @@ def _logged_run(d, steps, uri=None, send=None):
         for s in range(1, (send or steps) + 1):
             t.on_metrics(s, {"loss": 1.0 / s, "lr": 0.1})
         t.on_eval(steps, 2.0)
-        t.on_end({"final_step": steps})
+        t.on_end(RunSummary(final_step=steps, latest_checkpoint=None))
         assert t.failed is None
 
 

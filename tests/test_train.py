@@ -95,7 +95,7 @@ def test_corrupt_newest_checkpoint_is_refused_kept_and_the_previous_used(
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     summary = train(tiny_config("train.steps=45"), run, progress=False)
-    assert summary["resumed_from"] == 30
+    assert summary.resumed_from == 30
     assert "refusing checkpoint step 40" in capfd.readouterr().err
     rejected = list((run / "rejected_checkpoints").iterdir())
     assert len(rejected) == 1 and rejected[0].name.startswith("40-")  # kept, not deleted
@@ -122,7 +122,7 @@ def test_resume_refuses_a_changed_config_unless_forced(trained_run, tmp_path, ov
         train(tiny_config(override, "train.steps=42"), run, progress=False)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
     summary = train(tiny_config(override, "train.steps=42"), run, force=True, progress=False)
-    assert summary["resumed_from"] == 40 and summary["final_step"] == 42
+    assert summary.resumed_from == 40 and summary.final_step == 42
 
 
 def test_resume_refuses_a_changed_corpus(trained_run, tmp_path):

@@ -20,6 +20,7 @@ import torch
 from tpulab.bridge import checkpoint as C
 from tpulab.bridge.backends import build_model, make_runner, torch_xla_problem
 from tpulab.bridge.config import DTYPE, BridgeConfig, check_backend_method
+from tpulab.checkpoint.rundir import RunSummary
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import MetricsLog
@@ -46,7 +47,7 @@ def train(
     force: bool = False,
     restore_rng: bool = True,
     hooks: list[Hooks] | tuple[Hooks, ...] = (),
-) -> dict:
+) -> RunSummary:
     """Train ``cfg.steps`` steps in ``run_dir``, resuming from its newest checkpoint; a summary.
 
     ``hooks`` (the proof's hold, trackers) are called as the Transformer trainer calls them, all
@@ -110,7 +111,7 @@ def train(
         "rng_saved": restore_rng,
     }
     start = resumed_from or 0
-    last_ckpt = ckpt
+    last_ckpt, last_saved, loss = ckpt, resumed_from, None
     times = []
     hooks.on_start(
         {
@@ -144,20 +145,20 @@ def train(
                 full = runner.state(with_rng=restore_rng)
                 if restore_rng:
                     full["rng"] = {"torch_cpu": torch.get_rng_state(), "augment": aug.get_state()}
-                last_ckpt = C.save(run_dir, step, full, meta)
+                last_ckpt, last_saved = C.save(run_dir, step, full, meta), step
             hooks.on_metrics(step, record)
             if saved:
                 hooks.on_checkpoint(step)
         log.event("done", step=cfg.steps)
     finally:
         log.close()
-    summary = {
-        "run_dir": str(run_dir),
-        "resumed_from": resumed_from,
-        "steps": cfg.steps,
-        "final_step": cfg.steps,
-        "last_checkpoint": str(last_ckpt) if last_ckpt else None,
-        "step_times_s": times,
-    }
+    summary = RunSummary(
+        final_step=cfg.steps,
+        latest_checkpoint=last_saved,
+        final_loss=loss,
+        resumed_from=resumed_from,
+        start_step=start,
+        step_times_s=times,
+    )
     hooks.on_end(summary)
     return summary

@@ -31,6 +31,7 @@ import yaml
 
 from tpulab.checkpoint.files import MANIFEST, atomic_write_bytes, atomic_write_json
 from tpulab.config import to_dict
+from tpulab.errors import TpulabError
 
 CONFIG = "config.yaml"
 ENV = "env.json"
@@ -68,6 +69,7 @@ __all__ = [
     "VICTIM",
     "WINDOWS_GLOB",
     "RunDir",
+    "RunSummary",
     "read_json",
     "windows_name",
     "write_config",
@@ -104,6 +106,48 @@ def write_config(path: str | os.PathLike, config: Any) -> Path:
     path = Path(path)
     atomic_write_bytes(path, yaml.safe_dump(to_dict(config), sort_keys=False).encode())
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """``summary.json``: how a training run ended. Written by the trainer's loop and the bridge's
+    (process 0), passed to ``Hooks.on_end``, read by the CLI, the tracking writer (in its own
+    process: the message protocol carries ``to_dict()``), reports and capstones. ``None`` where a
+    loop has no such number (the bridge logs no validation loss and names no identities)."""
+
+    final_step: int
+    latest_checkpoint: int | None  # the newest committed step
+    final_loss: float | None = None  # NaN: no step ran in this process lifetime
+    final_val_loss: float | None = None
+    preempted: bool = False
+    resumed_from: int | None = None
+    start_step: int = 0
+    time_to_first_step_s: float | None = None
+    wall_s: float | None = None
+    phases_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    corpus_identity: str | None = None
+    identities: dict[str, str] = dataclasses.field(default_factory=dict)
+    frozen_sha256: str | None = None
+    step_times_s: list[float] | None = None  # the bridge's per-step wall times
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = SUMMARY) -> RunSummary:
+        """The record ``d`` (one line of refusal if it is not a run summary)."""
+        if not isinstance(d, dict):
+            raise TpulabError(f"{where} is not a run summary (a JSON {type(d).__name__})")
+        fields = dataclasses.fields(cls)
+        no_default = dataclasses.MISSING
+        required = {f.name for f in fields if no_default is f.default is f.default_factory}
+        missing, unknown = sorted(required - d.keys()), sorted(d.keys() - {f.name for f in fields})
+        if missing or unknown:
+            raise TpulabError(
+                f"{where} is not a run summary (missing {missing or 'nothing'}, unknown "
+                f"{unknown or 'nothing'})"
+            )
+        return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,3 +253,6 @@ class RunDir:
 
     def write_config(self, config: Any) -> Path:
         return write_config(self.config, config)
+
+    def read_summary(self) -> RunSummary:
+        return RunSummary.from_dict(self.read(SUMMARY), str(self.summary))

@@ -148,13 +148,11 @@ def cmd_train(args) -> int:
             tracker.close(status="FAILED")
         raise
     how = (
-        f"resumed from step {out['resumed_from']}"
-        if out["resumed_from"] is not None
-        else "from scratch"
+        f"resumed from step {out.resumed_from}" if out.resumed_from is not None else "from scratch"
     )
     print(
-        f"trained {args.backend}/{args.method} to step {out['steps']} ({how}); "
-        f"run dir {out['run_dir']}"
+        f"trained {args.backend}/{args.method} to step {out.final_step} ({how}); "
+        f"run dir {args.run_dir}"
     )
     return ExitCode.OK
 

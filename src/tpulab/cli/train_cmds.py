@@ -122,15 +122,11 @@ def cmd_train(args) -> int:
                 status="FAILED"
             )  # no-op after a normal end (the tracker closed itself then)
     preemption.finished()
-    verb = "preempted at" if summary["preempted"] else "trained to"
+    verb = "preempted at" if summary.preempted else "trained to"
     print(
-        f"{verb} step {summary['final_step']}: loss {summary['final_loss']:.4f}"
-        + (
-            f", val loss {summary['final_val_loss']:.4f}"
-            if summary["final_val_loss"] is not None
-            else ""
-        )
-        + f" (checkpoint step {summary['latest_checkpoint']} in {args.run_dir})",
+        f"{verb} step {summary.final_step}: loss {summary.final_loss:.4f}"
+        + (f", val loss {summary.final_val_loss:.4f}" if summary.final_val_loss is not None else "")
+        + f" (checkpoint step {summary.latest_checkpoint} in {args.run_dir})",
         flush=True,
     )
     return ExitCode.OK

@@ -125,8 +125,8 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
         results["train"] = s
         return (
             f"## Training run (for trained weights)\n\n{plan.train_steps} steps at the default "
-            f"size: final loss {s['final_loss']:.4f}, "
-            f"validation loss {s['final_val_loss']:.4f} ({run_dir.name}/)."
+            f"size: final loss {s.final_loss:.4f}, "
+            f"validation loss {s.final_val_loss:.4f} ({run_dir.name}/)."
         )
 
     def bench_stage():

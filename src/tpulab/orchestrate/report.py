@@ -57,12 +57,12 @@ def provenance_section(env: dict) -> str:
 
 def run_section(run_dir: Path) -> str:
     rd = RunDir(run_dir)
-    env, summary, docs = rd.read(rundir.ENV), rd.read(rundir.SUMMARY), rd.read(rundir.DOCUMENTS)
+    env, summary, docs = rd.read(rundir.ENV), rd.read_summary(), rd.read(rundir.DOCUMENTS)
     prec, shapes = env["precision"], env["shapes"]
     tps = steady_tokens_per_s(run_dir, shapes["batch"] * shapes["seq_len"])
     # str(), not RunDir.manifest's int(): a run that saved no checkpoint has None here, and its
     # report says "missing" instead of raising
-    manifest = rd.checkpoints / str(summary["latest_checkpoint"]) / rundir.MANIFEST
+    manifest = rd.checkpoints / str(summary.latest_checkpoint) / rundir.MANIFEST
     from tpulab.checkpoint.files import sha256_file
 
     rows = [
@@ -78,11 +78,11 @@ def run_section(run_dir: Path) -> str:
             f"vocab {shapes['vocab']} (bytes + BOS + PAD)",
         ),
         ("parameters", f"{env['param_count']:,}"),
-        ("steps", summary["final_step"]),
-        ("final train loss", f"{summary['final_loss']:.4f}"),
+        ("steps", summary.final_step),
+        ("final train loss", f"{summary.final_loss:.4f}"),
         (
             "final validation loss",
-            f"{summary['final_val_loss']:.4f} (held-out whole documents)",
+            f"{summary.final_val_loss:.4f} (held-out whole documents)",
         ),
         (
             "steady-state throughput",
@@ -90,7 +90,7 @@ def run_section(run_dir: Path) -> str:
             if tps
             else "n/a",
         ),
-        ("time to first step (incl. compile)", f"{summary['time_to_first_step_s']:.1f} s"),
+        ("time to first step (incl. compile)", f"{summary.time_to_first_step_s:.1f} s"),
         (
             "corpus",
             f"{docs['source']}: {len(docs['train_documents'])} train / "
@@ -99,7 +99,7 @@ def run_section(run_dir: Path) -> str:
         ),
         (
             "final checkpoint",
-            f"step {summary['latest_checkpoint']}, manifest sha256 `{sha256_file(manifest)[:16]}…`"
+            f"step {summary.latest_checkpoint}, manifest sha256 `{sha256_file(manifest)[:16]}…`"
             if manifest.exists()
             else "missing",
         ),
@@ -317,7 +317,7 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
     train_rows = []
     for name, run_dir in runs.items():
         rd = RunDir(run_dir)
-        env, summary = rd.read(rundir.ENV), rd.read(rundir.SUMMARY)
+        env, summary = rd.read(rundir.ENV), rd.read_summary()
         link = rd.read(rundir.MLFLOW_RUN, {})
         sh = env["shapes"]
         tps = steady_tokens_per_s(run_dir, sh["batch"] * sh["seq_len"])
@@ -327,8 +327,8 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
                 f"{env['trained_param_count']:,} of {env['param_count']:,}",
                 f"{env['optimizer_state_bytes'] / 2**20:.2f} MiB",
                 f"{_checkpoint_bytes(run_dir) / 2**20:.2f} MiB",
-                summary["final_step"],
-                f"{summary['final_loss']:.4f}",
+                summary.final_step,
+                f"{summary.final_loss:.4f}",
                 f"{tps:,.0f}" if tps else "n/a",
                 str(link.get("run_id", "-"))[:12],
             )

@@ -22,6 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
+from tpulab.checkpoint.rundir import RunSummary
 from tpulab.tracking.protocol import (
     Finish,
     Message,
@@ -182,11 +183,11 @@ class MlflowTracker(Hooks):
             ready, self._buffer = self._buffer, []
         self._submit(Send(ready))
 
-    def on_end(self, summary: dict) -> None:
+    def on_end(self, summary: RunSummary) -> None:
         if not self._enabled:
             return
         self.flush_all()
-        self._submit(Finish(summary))
+        self._submit(Finish(summary.to_dict()))
         self.close()
 
     def close(self, status: str | None = None) -> None:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.checkpoint.rundir import CONFIG, DOCUMENTS, ENV, GOODPUT, SUMMARY, RunDir
+from tpulab.checkpoint.rundir import CONFIG, DOCUMENTS, ENV, GOODPUT, SUMMARY, RunDir, RunSummary
 from tpulab.errors import ExitCode
 from tpulab.evidence.metrics import read_records
 from tpulab.tracking.lineage import flatten, lineage_tags
@@ -73,7 +73,7 @@ class StoreWriter:
             case Send(points=pts):
                 self.send(pts)
             case Finish(summary=summary):
-                self.finish(summary)
+                self.finish(RunSummary.from_dict(summary, "the trainer's Finish message"))
             case Terminate(status=status):
                 self.terminate(status)
             case _:
@@ -170,7 +170,7 @@ class StoreWriter:
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, summary: RunSummary) -> None:
         from mlflow.entities import Metric, RunTag
 
         c, rid = self.client, self.run_id
@@ -182,31 +182,34 @@ class StoreWriter:
             g = goodput(self.run_dir)
         except Exception:  # noqa: BLE001 - goodput is a bonus, never a reason to lose the run's end
             g = None
-        step = int(summary.get("final_step") or 0)
+        step = summary.final_step
         now = now_ms()
         metrics = [
-            Metric(k, float(summary[k]), now, step)
-            for k in ("final_loss", "final_val_loss")
-            if isinstance(summary.get(k), (int, float)) and math.isfinite(summary[k])
+            Metric(k, float(v), now, step)
+            for k, v in (
+                ("final_loss", summary.final_loss),
+                ("final_val_loss", summary.final_val_loss),
+            )
+            if v is not None and math.isfinite(v)
         ]  # NaN: no step ran
         if g is not None and g["total_s"] > 0:  # trainers whose records carry wall_s
             metrics.append(Metric("goodput", g["goodput"], now, step))
         tags = [
             RunTag("tpulab.final_step", str(step)),
-            RunTag("tpulab.preempted", str(bool(summary.get("preempted")))),
+            RunTag("tpulab.preempted", str(summary.preempted)),
         ]
         c.log_batch(rid, metrics=metrics, tags=tags)
-        manifest = summary.get("latest_checkpoint")
+        manifest = summary.latest_checkpoint
         files = [self.run_dir / n for n in ARTIFACTS]
         if manifest is not None:
             files.append(RunDir(self.run_dir).manifest(manifest))
         for p in files:
             if p.is_file():
                 c.log_artifact(rid, str(p))
-        c.log_dict(rid, summary, SUMMARY)  # the loop writes its file only after on_end
+        c.log_dict(rid, summary.to_dict(), SUMMARY)  # the loop writes its file only after on_end
         if g is not None and g["total_s"] > 0:
             c.log_dict(rid, g, GOODPUT)
-        c.set_terminated(rid, "KILLED" if summary.get("preempted") else "FINISHED")
+        c.set_terminated(rid, "KILLED" if summary.preempted else "FINISHED")
 
     def terminate(self, status: str) -> None:
         if self.run_id is not None:

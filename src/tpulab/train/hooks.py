@@ -10,7 +10,10 @@ the same calls.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tpulab.checkpoint.rundir import RunSummary
 
 
 class Hooks:
@@ -40,8 +43,9 @@ class Hooks:
     def on_checkpoint(self, step: int) -> None:
         """After a checkpoint's completion marker was written (it is now 'latest')."""
 
-    def on_end(self, summary: dict) -> None:
-        """Once, when the loop ends normally (finished or preempted)."""
+    def on_end(self, summary: RunSummary) -> None:
+        """Once, when the loop ends normally (finished or preempted): what ``summary.json`` will
+        hold (the loop writes the file after this call)."""
 
 
 class HookList(Hooks):

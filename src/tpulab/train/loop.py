@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from tpulab import compile_cache
-from tpulab.checkpoint.rundir import DOCUMENTS, SUMMARY, RunDir
+from tpulab.checkpoint.rundir import DOCUMENTS, SUMMARY, RunDir, RunSummary
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -233,9 +233,8 @@ def train(
     hooks: list[Hooks] | tuple[Hooks, ...] = (),
     preemption: Preemption | None = None,
     objective: objectives.Objective | None = None,
-) -> dict:
-    """Train to ``config.train.steps``; returns a summary (final losses, steps, resume, phase
-    times).
+) -> RunSummary:
+    """Train to ``config.train.steps``; returns how the run ended (``summary.json``).
 
     ``objective`` defaults to the one ``config.objective.kind`` names. Nothing on disk changes
     before the resume is accepted: the objective verifies what it reads, the checkpoint dir is
@@ -293,7 +292,6 @@ def train(
     own_preemption = preemption is None
     preempt = preemption or Preemption()
     store = log = ledger = bar = None
-    summary: dict = {}
     try:
         store = CheckpointStore(
             RunDir(run_dir).checkpoints,
@@ -356,7 +354,7 @@ def train(
         total = config.train.steps
         tokens_per_step = config.data.batch_size * config.data.seq_len
         bar = step_bar(total, start, progress if primary else False)
-        summary = {"resumed_from": resume.step if resume else None, "start_step": start}
+        resumed_from = resume.step if resume else None
         hooks.on_start(
             {
                 "run_dir": str(run_dir),
@@ -364,7 +362,7 @@ def train(
                 "start_step": start,
                 "total_steps": total,
                 "process_index": jax.process_index(),  # env is process 0's alone (empty elsewhere)
-                "resumed_from": summary["resumed_from"],
+                "resumed_from": resumed_from,
                 "checkpoint_digest": resume.digest if resume else None,
                 "env": env,
                 "identities": {"data": data.identity, **identities},
@@ -446,7 +444,9 @@ def train(
             )
         store.wait()
         clock.lap("checkpoint")
-        summary.update(
+        summary = RunSummary(
+            resumed_from=resumed_from,
+            start_step=start,
             final_step=step,
             final_loss=last_loss,
             final_val_loss=last_val,
@@ -459,7 +459,7 @@ def train(
             identities=identities,
             frozen_sha256=frozen_digest,
         )
-        log.event("end", step=step, wall_s=round(clock.total(), 4), phases_s=summary["phases_s"])
+        log.event("end", step=step, wall_s=round(clock.total(), 4), phases_s=summary.phases_s)
         hooks.on_end(summary)
     except _NonFinite as e:
         store.wait()  # in-flight saves were checked before they started: let them commit
@@ -489,5 +489,5 @@ def train(
         if own_preemption:
             preempt.restore()
     if primary:
-        RunDir(run_dir).write(SUMMARY, summary)
+        RunDir(run_dir).write(SUMMARY, summary.to_dict())
     return summary
