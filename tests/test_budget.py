@@ -219,12 +219,12 @@ def test_xla_tpu_really_refuses_a_program_and_the_budget_draws_it(tmp_path):
     train step on v5e:1x1 (RESOURCE_EXHAUSTED), as configured and again with model.remat=block; the
     budget records both, recommends the target that holds it (v6e:1x1, 32 GiB) and draws the
     refused bars. Negative control: v6e:1x1 compiled the same program."""
-    from tpulab.perf import aot
     from tpulab.perf import budget as B
 
     cfg = tiny_config(*TOO_BIG_FOR_V5E)
-    with pytest.raises(aot.CompilerOutOfMemory, match="RESOURCE_EXHAUSTED"):
-        aot.compile_train_step(cfg, "v5e:1x1")
+    # budget() records compiler_refused only where aot.compile_train_step raised
+    # aot.CompilerOutOfMemory, so this row is that raise (a separate compile of the same program
+    # here cost ~10 s of XLA:TPU and proved nothing more).
     result = B.budget(cfg, "v5e:1x1,v6e:1x1", serve_batch=1)
     v5e, v6e = result["rows"]
     assert "RESOURCE_EXHAUSTED" in v5e["compiler_refused"] and "compiled_train" not in v5e

@@ -25,10 +25,15 @@ FLOAT64_RTOL = 1e-4
 
 
 def compare(
-    cfg: BridgeConfig, run_dir: str | Path, *, timeout_s: float = 600, env: dict | None = None
+    cfg: BridgeConfig,
+    run_dir: str | Path,
+    *,
+    timeout_s: float = 600,
+    env: dict | None = None,
+    track: bool = True,
 ) -> dict:
     """Train each (backend, method) in run_dir/runs/B-M; write compare.json, compare.md and
-    compare.png."""
+    compare.png. ``track=False``: the children log no MLflow runs."""
     from tpulab.bridge.prove import train_argv
     from tpulab.bridge.report import device_line, start_record
 
@@ -43,7 +48,7 @@ def compare(
             raise TpulabError(f"{d} already holds a run; use a fresh --run-dir")
         d.mkdir(parents=True)
         run_to_completion(
-            train_argv(cfg, backend, method, d),
+            train_argv(cfg, backend, method, d, track=track),
             run_dir / f"{backend}-{method}.log",
             {**os.environ, **(env or {})},
             timeout_s,

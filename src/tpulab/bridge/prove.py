@@ -15,15 +15,23 @@ from tpulab.proofs.driver import prove_resume, tpulab_argv
 
 
 def train_argv(
-    cfg: BridgeConfig, backend: str, method: str, run_dir: Path, *, restore_rng: bool = True
+    cfg: BridgeConfig,
+    backend: str,
+    method: str,
+    run_dir: Path,
+    *,
+    restore_rng: bool = True,
+    track: bool = True,
 ) -> list[str]:
     """argv of a child that trains (or resumes) ``cfg`` in ``run_dir``:
-    `python -m tpulab.cli bridge train ...`."""
+    `python -m tpulab.cli bridge train ...`; ``track=False`` adds --no-track (no MLflow run)."""
     args = ["bridge", "train", "--backend", backend, "--method", method, "--run-dir", str(run_dir)]
     for f in dataclasses.fields(cfg):
         args += [cli_flag(f.name), repr(getattr(cfg, f.name))]
     if not restore_rng:
         args.append("--no-restore-rng")
+    if not track:
+        args.append("--no-track")
     return tpulab_argv(*args)
 
 
@@ -46,9 +54,10 @@ def prove(
     timeout_s: float = 600,
     env: dict | None = None,
     warm_resume_cache: bool = False,
+    track: bool = True,
 ) -> dict:
     """Run the proof into run_dir/proof (verdict.json, overlay.png, report.md); return the
-    verdict."""
+    verdict. ``track=False``: the children log no MLflow runs (the writer costs each ~2 CPU-s)."""
     from tpulab.bridge.backends import torch_xla_problem
     from tpulab.bridge.report import write_proof_report
 
@@ -66,7 +75,7 @@ def prove(
         "" if restore_rng else ", generator state left out (negative control)"
     )
     verdict = prove_resume(
-        lambda d: train_argv(cfg, backend, method, d, restore_rng=restore_rng),
+        lambda d: train_argv(cfg, backend, method, d, restore_rng=restore_rng, track=track),
         proof_dir,
         steps=cfg.steps,
         kill_at=kill_at,

@@ -97,6 +97,7 @@ def register(sub) -> None:
         "--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS
     )
     add_warm_resume_cache_arg(p)
+    _no_track_children_arg(p)
     _config_args(p)
     p.set_defaults(handler=cmd_prove_resume)
 
@@ -107,8 +108,17 @@ def register(sub) -> None:
     p.add_argument(
         "--timeout", type=float, default=600, help="seconds allowed per child process [600]"
     )
+    _no_track_children_arg(p)
     _config_args(p)
     p.set_defaults(handler=cmd_compare)
+
+
+def _no_track_children_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-track",
+        action="store_true",
+        help="the child runs log no MLflow runs (by default each does, as `bridge train`)",
+    )
 
 
 def cmd_train(args) -> int:
@@ -170,6 +180,7 @@ def cmd_prove_resume(args) -> int:
         restore_rng=args.restore_rng,
         timeout_s=args.timeout,
         warm_resume_cache=args.warm_resume_cache,
+        track=not args.no_track,
     )
     from tpulab.proofs.driver import verdict_text
 
@@ -187,6 +198,6 @@ def cmd_compare(args) -> int:
     args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.compare import compare
 
-    result = compare(_config(args), args.run_dir, timeout_s=args.timeout)
+    result = compare(_config(args), args.run_dir, timeout_s=args.timeout, track=not args.no_track)
     print(result["markdown"])
     return ExitCode.OK
