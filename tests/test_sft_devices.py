@@ -1,10 +1,11 @@
 """SFT's loss over one global batch is the same on 1 device, 4 virtual devices and 2 processes.
 
-Three real `tpulab train` runs of the same tiny SFT config from the session's pretrained base: one
-process with 1 CPU device (mesh data=1); one process with 4 virtual CPU devices
-(``--xla_force_host_platform_device_count=4``, mesh data=4); and two processes on JAX's
-distributed runtime over loopback (`tpulab launch --processes 2 -- train --config X`, mesh
-data=2). Each run's first step computes the objective's loss (and its gradient, applied) over the
+Three runs of the same tiny SFT config from the session's pretrained base: in this pytest process
+with its 1 CPU device (mesh data=1; no process boundary is under test there); a `tpulab train`
+process with 4 virtual CPU devices (``--xla_force_host_platform_device_count=4``, mesh data=4);
+and two processes on JAX's distributed runtime over loopback (`tpulab launch --processes 2 --
+train --config X`, mesh data=2). The children run with --no-track (MLflow is not checked
+here). Each run's first step computes the objective's loss (and its gradient, applied) over the
 same first global batch from the same base parameters, so the step-1 numbers are directly
 comparable: the response-byte count (the loss's denominator, summed over the whole global batch)
 must be equal exactly, the loss within ``RTOL``, and so must the objective's eval step over the
@@ -71,22 +72,36 @@ def rel(a: float, b: float) -> float:
 
 
 def test_sft_loss_is_the_same_on_1_device_4_devices_and_2_processes(trained_run, tmp_path):
+    import jax
+
     from tpulab.proofs.driver import run_to_completion
     from tpulab.proofs.scaleout import launch_argv
     from tpulab.proofs.transformer import train_child_argv, write_child_config
+    from tpulab.train.loop import train
 
     layouts = {"1 device": (1, 1, 1), "4 devices": (1, 4, 4), "2 processes": (2, 1, 2)}
     numbers = {}
     for name, (procs, devices, data) in layouts.items():
         tag = name.replace(" ", "-")
-        cfg_path = write_child_config(sft_config(trained_run, data), tmp_path / f"{tag}.yaml")
+        config = sft_config(trained_run, data)
         run = tmp_path / tag
+        if (
+            procs * devices == 1
+        ):  # mesh data=1 must use every device JAX sees here, or train refuses
+            assert len(jax.devices()) == 1
+            train(config, run, progress=False)
+            numbers[name] = step_numbers(run)
+            continue
+        cfg_path = write_child_config(config, tmp_path / f"{tag}.yaml")
         if procs == 1:
-            argv = train_child_argv(cfg_path, run)
+            argv = train_child_argv(cfg_path, run, extra=["--no-track"])
             flags = f"--xla_force_host_platform_device_count={devices}"
             env = set_explicitly(dict(os.environ), {"XLA_FLAGS": flags})
         else:  # `tpulab launch ... -- train --config X`: sets each process's devices itself
-            argv, env = launch_argv(cfg_path, run, processes=procs, devices=devices), None
+            argv = launch_argv(
+                cfg_path, run, processes=procs, devices=devices, extra=("--no-track",)
+            )
+            env = None
         run_to_completion(argv, tmp_path / f"{tag}.log", env or dict(os.environ), 600, name)
         numbers[name] = step_numbers(run)
     ref = numbers["1 device"]

@@ -72,6 +72,11 @@ def launch_argv(
     )
 
 
+def _no(track: bool) -> tuple[str, ...]:
+    """The trainers' extra flags for ``track``: none, or ``--no-track``."""
+    return () if track else ("--no-track",)
+
+
 def _with_mesh(config: RunConfig, data: int, fsdp: int) -> RunConfig:
     import dataclasses
 
@@ -101,9 +106,12 @@ LAYOUTS = (
 )
 
 
-def prove_layouts(config: RunConfig, out_dir: Path, *, timeout_s: float = 600) -> dict:
+def prove_layouts(
+    config: RunConfig, out_dir: Path, *, timeout_s: float = 600, track: bool = True
+) -> dict:
     """Train the same run on three layouts; table of per-step loss agreement against 1x1 and
-    between the two {2,2} layouts (same partitioned program, in-process vs gloo all-reduce)."""
+    between the two {2,2} layouts (same partitioned program, in-process vs gloo all-reduce).
+    ``track=False`` passes ``--no-track`` to every trainer (MLflow costs ~2.2 CPU-s a process)."""
     out_dir = Path(out_dir)
     curves, timings = {}, {}
     for name, procs, devs, data, fsdp in LAYOUTS:
@@ -111,7 +119,7 @@ def prove_layouts(config: RunConfig, out_dir: Path, *, timeout_s: float = 600) -
         cfg_path = write_child_config(_with_mesh(config, data, fsdp), out_dir / f"{tag}.yaml")
         t0 = time.monotonic()
         run_to_completion(
-            launch_argv(cfg_path, out_dir / tag, processes=procs, devices=devs),
+            launch_argv(cfg_path, out_dir / tag, processes=procs, devices=devs, extra=_no(track)),
             out_dir / f"{tag}.log",
             dict(os.environ),
             timeout_s,
@@ -239,12 +247,13 @@ def prove_multiprocess_resume(
     reference_dir: Path | None = None,
     timeout_s: float = 600,
     env: dict | None = None,
+    track: bool = True,
 ) -> dict:
     """Reference job; a job whose process ``victim`` is SIGKILLed (held after ``kill_at``) or
     SIGSTOPped (the others then hang in a collective until their step watchdog fires); a fresh
     launch that resumes. Curves and final whole state compared bitwise with the reference;
     verdict.json and overlay.png. ``env`` is added to every job's environment (the capstone's MLflow
-    store)."""
+    store); ``track=False`` runs every job with ``--no-track``."""
     env = {**os.environ, **(env or {})}
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
@@ -256,7 +265,7 @@ def prove_multiprocess_resume(
     if proof.verdict.exists():
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
     cfg_path = write_child_config(config, proof.config)
-    watchdog = ("--stall-timeout", str(stall_timeout_s))
+    watchdog = ("--stall-timeout", str(stall_timeout_s), *_no(track))
 
     def argv(d, *x):
         return launch_argv(cfg_path, d, processes=processes, devices=devices, extra=(*watchdog, *x))
@@ -341,17 +350,19 @@ def prove_reshard(
     at_step: int,
     timeout_s: float = 600,
     reference_dir: Path | None = None,
+    track: bool = True,
 ) -> dict:
     """The 2 processes x 2 devices {2,2} reference's checkpoint ``at_step`` -> resharded onto 1
     process x 2 devices {1,2} -> trained on to the end; its curve over the uninterrupted 2-process
-    one (not bitwise: the reduction order changes with the layout; judged against LAYOUT_RTOL)."""
+    one (not bitwise: the reduction order changes with the layout; judged against LAYOUT_RTOL).
+    ``track=False`` trains with ``--no-track``."""
     out_dir = Path(out_dir)
     two = _with_mesh(config, 2, 2)
     cfg_path = write_child_config(two, out_dir / "p2d2.yaml")
     if reference_dir is None:
         reference_dir = RunDir(out_dir).reference.root
         run_to_completion(
-            launch_argv(cfg_path, reference_dir, processes=2, devices=2),
+            launch_argv(cfg_path, reference_dir, processes=2, devices=2, extra=_no(track)),
             out_dir / "reference.log",
             dict(os.environ),
             timeout_s,
@@ -403,6 +414,7 @@ def prove_reshard(
             "--no-progress",
             "--steps",
             config.train.steps,
+            *_no(track),
         ),
         out_dir / "continued.log",
         dict(os.environ),
