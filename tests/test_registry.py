@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from conftest import verified_export
 from tpulab.ops import tags as T
 
 NAME = "tiny"
@@ -60,16 +61,10 @@ def fingerprint(store) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def exports(trained_run, tmp_path_factory) -> dict:
-    """Export sets of the run's step-20 and step-40 checkpoints (step 40 is the better model)."""
-    from tpulab.inference.export import export_artifacts
-    from tpulab.train.restore import load_model
-
-    base = tmp_path_factory.mktemp("registry-art")
-    out = {}
-    for step in (20, 40):
-        out[step] = base / f"art{step}"
-        export_artifacts(load_model(trained_run, step), trained_run, out[step])
-    return out
+    """Export sets of the run's step-20 and step-40 checkpoints (step 40 is the better model): the
+    verified sets the serving modules share (read only; register re-verifies them against the
+    checkpoint, so their verification record changes nothing here)."""
+    return {step: verified_export(trained_run, tmp_path_factory, step) for step in (20, 40)}
 
 
 @pytest.fixture(scope="module")

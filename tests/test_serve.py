@@ -38,6 +38,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The CLI caches only compiles over JAX's default 1 s, so a server child skipped the quicker of
+# its 9 (3 policies x 3 buckets) and every later server and in-process engine compiled them again.
+# Readiness is tested with whatever the cache holds; no test here is about a cold compile (the
+# first server of a run, here or in test_serve_registry.py, still compiles cold).
+WARM_CACHE_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+
+
 def start_server(log, *args, port: int, max_batch: int = 4):
     """``tpulab serve ARGS`` in its own process group, traces beside the log."""
     return subprocess.Popen(
@@ -61,7 +71,7 @@ def start_server(log, *args, port: int, max_batch: int = 4):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env=os.environ.copy(),
+        env={**os.environ, **WARM_CACHE_ENV},
     )
 
 
@@ -395,6 +405,7 @@ def test_sigterm_drains_in_flight_bounds_a_trickling_body_and_exits_0(verified_a
             *("--artifacts", str(verified_artifacts), "--drain-timeout", "4"),
             *("--body-timeout", "60"),  # so only the drain bounds the trickle
             port=port,
+            max_batch=1,  # the drain is not about batching: 3 compiles, not 9
         )
         try:
             wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
@@ -557,18 +568,26 @@ class _Gated:
         return self.engine.generate(*args)
 
 
-def test_ready_only_after_verification_and_a_real_inference(verified_artifacts):
+@pytest.fixture(scope="module")
+def loaded_model(verified_artifacts):
+    """One verified, deserialized model for the in-process services below (each wraps its engines
+    in its own stand-ins): one load and one compile per policy instead of three."""
+    from tpulab.inference.serve import artifacts_loader
+
+    return artifacts_loader(verified_artifacts)()
+
+
+def test_ready_only_after_verification_and_a_real_inference(loaded_model):
     """/readyz stays 503 (and /livez 200, /v1/generate 503) while the loader has not returned and
     while the engines' first generation is held; it turns 200 only after every compile-time
     generation and the probe through the batcher have run (3 policies x bucket 1, + 1)."""
-    from tpulab.inference.serve import ServeConfig, Service, artifacts_loader
+    from tpulab.inference.serve import ServeConfig, Service
 
     verified, gate, calls = threading.Event(), threading.Event(), []
-    real = artifacts_loader(verified_artifacts)
 
     def loader():
         assert verified.wait(60)  # stands in for a slow verification
-        m = real()
+        m = loaded_model
         gated = {p: _Gated(e, gate, calls) for p, e in m.engines.items()}
         return dataclasses.replace(m, engines=gated)
 
@@ -599,12 +618,12 @@ def test_ready_only_after_verification_and_a_real_inference(verified_artifacts):
         assert r.json()["probe"]["tokens"] >= 1
 
 
-def test_a_probe_that_disagrees_with_the_direct_call_is_not_ready(verified_artifacts):
+def test_a_probe_that_disagrees_with_the_direct_call_is_not_ready(loaded_model):
     """Negative control of the probe check: an engine that answers the batcher's probe with other
     tokens than the compile-time call leaves the service failed, never ready."""
-    from tpulab.inference.serve import ServeConfig, Service, artifacts_loader
+    from tpulab.inference.serve import ServeConfig, Service
 
-    real = artifacts_loader(verified_artifacts)
+    real = lambda: loaded_model  # noqa: E731
 
     class Liar(_Gated):
         def generate(self, *args):
@@ -623,8 +642,8 @@ def test_a_probe_that_disagrees_with_the_direct_call_is_not_ready(verified_artif
     assert not service.ready.is_set() and "readiness probe" in service.failure, service.failure
 
 
-def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(verified_artifacts):
-    from tpulab.inference.serve import ServeConfig, Service, artifacts_loader
+def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(loaded_model):
+    from tpulab.inference.serve import ServeConfig, Service
 
     class Broken:
         max_len = 32
@@ -642,8 +661,7 @@ def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(ve
             raise RuntimeError("device lost")
 
     now = [0.0]
-    real = artifacts_loader(verified_artifacts)
-    loader = lambda: dataclasses.replace(real(), engines={"fp32": Broken()})  # noqa: E731
+    loader = lambda: dataclasses.replace(loaded_model, engines={"fp32": Broken()})  # noqa: E731
     service = Service(loader, ServeConfig(max_batch=1, ready_timeout_s=30), clock=lambda: now[0])
     service._bring_up()
     assert not service.ready.is_set() and "device lost" in service.failure
