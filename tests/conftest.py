@@ -178,12 +178,18 @@ def verified_export(trained_run: Path, tmp_path_factory, step: int) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_proof(tmp_path_factory) -> Path:
+def tiny_proof(trained_run, tmp_path_factory) -> Path:
     """The run dir of one `tpulab prove-resume --config configs/tiny.yaml` per pytest run (its
-    proof/ and the command's output in proof.out): the proof test and the goodput test read it."""
+    proof/ and the command's output in proof.out): the proof test and the goodput test read it.
+    Its reference is ``trained_run`` (the same config, finished, uninterrupted: ``--reference``);
+    tests/test_resume_proof.py's whole-state control trains its own. No MLflow (``--no-track``):
+    a proof's lineage is tests/test_capstone.py's."""
 
     def build(d: Path) -> None:
-        result = run_cli("prove-resume", "--run-dir", str(d / "run"), "--config", str(TINY))
+        result = run_cli(
+            *("prove-resume", "--run-dir", str(d / "run"), "--config", str(TINY)),
+            *("--reference", str(trained_run), "--no-track"),
+        )
         (d / "proof.out").write_text(f"{result.returncode}\n{result.stdout}{result.stderr}")
         assert result.returncode == 0, result.stderr
 

@@ -117,9 +117,8 @@ def test_goodput_of_a_real_killed_and_resumed_run(tiny_proof, tmp_path):
     )
     assert verdict["steps_redone"] > 0 and g["buckets_s"]["redone_steps"] > 0
     assert 0 < g["goodput"] < 1
-    ref = goodput(
-        tmp_path / "proof" / "reference"
-    )  # control: the uninterrupted run lost nothing to restarts
+    # control: the uninterrupted reference (conftest.trained_run) lost nothing to restarts
+    ref = goodput(verdict["reference_dir"])
     assert ref["restart_s"] == 0.0 and ref["killed_lifetimes"] == 0 and g["restart_s"] > 0
 
     rep = run_cli("report", "--run-dir", str(tmp_path), "--no-track")

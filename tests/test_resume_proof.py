@@ -11,10 +11,11 @@ import time
 import pytest
 
 from conftest import REPO, TINY, run_cli, tiny_config
+from tpulab.cli.main import main
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.driver import Proc, prove_resume
-from tpulab.proofs.transformer import check_reference
+from tpulab.proofs.transformer import check_reference, prove_transformer_resume
 
 pytestmark = pytest.mark.slow
 VERDICT_KEYS = {
@@ -54,19 +55,25 @@ def test_prove_resume_is_bitwise_identical(tiny_proof):
     assert resumed["entries_after"] == resumed["misses"]
     assert caches["processes"]["killed"]["requests"] > 0
     assert resumed["cache_dir"] != caches["processes"]["killed"]["cache_dir"]
+    # --no-track reached both children (tracked by default: the capstone's tracking section fails
+    # on a proof run dir without this file, tests/test_capstone.py)
+    assert not (tmp_path / "proof" / "interrupted" / "mlflow_run.json").exists()
 
 
 @pytest.mark.parametrize("part", ["rng", "data"])
 def test_negative_control_resume_without_part_is_caught(trained_run, tmp_path, part):
     """Resuming without the dropout key or the data position must be reported as NOT identical.
-    The reference is ``trained_run`` (the same tiny config, finished, uninterrupted), reused."""
-    result = run_cli(
-        "prove-resume",
-        *("--run-dir", str(tmp_path), "--config", str(TINY), "--skip-restore", part),
-        *("--reference", str(trained_run)),
-        "--warm-resume-cache",  # the judge is under test here; the cold resume is proven above
+    The reference is ``trained_run`` (the same tiny config, finished, uninterrupted), reused. The
+    driver runs in this process (its killed and resumed trainers are real children); the CLI's
+    exit code for a NOT identical verdict is asserted by the whole-state control below."""
+    prove_transformer_resume(
+        tiny_config(),
+        tmp_path,
+        reference_dir=trained_run,
+        skip_restore=(part,),
+        warm_resume_cache=True,  # the judge is under test here; the cold resume is proven above
+        track=False,
     )
-    assert result.returncode == ExitCode.FAILED, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert verdict["reference_dir"] == str(trained_run)
     assert not (tmp_path / "proof" / "reference").exists()
@@ -90,6 +97,7 @@ def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
         "--skip-restore",
         "rng",
         "--warm-resume-cache",
+        "--no-track",  # MLflow lineage of proofs: tests/test_capstone.py
     )
     assert result.returncode == ExitCode.FAILED, result.stderr
     verdict = json.loads((tmp_path / "proof" / "verdict.json").read_text())
@@ -102,7 +110,9 @@ def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
     assert "rng" in verdict["first_differing_leaf"]
 
 
-def test_only_a_finished_uninterrupted_run_of_the_same_config_is_a_reference(trained_run, tmp_path):
+def test_only_a_finished_uninterrupted_run_of_the_same_config_is_a_reference(
+    trained_run, tmp_path, capsys
+):
     """``--reference`` refusals: one line, exit 2, nothing written; the accepted case is the
     negative controls above."""
     assert check_reference(trained_run, tiny_config()) == trained_run
@@ -129,6 +139,12 @@ def test_only_a_finished_uninterrupted_run_of_the_same_config_is_a_reference(tra
     )
     assert result.returncode == ExitCode.BAD_INPUT and len(result.stderr.strip().splitlines()) == 1
     assert "did not finish" in result.stderr and not out.exists()
+    # --no-track is for the one-process proof's children: refused with --processes, in one line
+    capsys.readouterr()
+    argv = ["prove-resume", "--run-dir", str(out), "--config", str(TINY), "--processes", "2"]
+    assert main([*argv, "--no-track"]) == ExitCode.BAD_INPUT and not out.exists()
+    err = capsys.readouterr().err
+    assert err == "error: --no-track is for a one-process proof; drop it or --processes\n"
 
 
 def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(
@@ -169,6 +185,8 @@ def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(
 
 
 def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
+    """A real SIGTERM to a `tpulab train` process: it saves, exits 0, and the run resumes from
+    that save (the resume runs in this process: the signal is what crosses the boundary)."""
     run = tmp_path / "run"
     argv = [
         sys.executable,
@@ -182,6 +200,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
         "--steps",
         "5000",
         "--no-progress",
+        "--no-track",
     ]
     with Proc(argv, tmp_path / "log.txt", dict(os.environ)) as proc:
         deadline = time.monotonic() + 120
@@ -199,16 +218,9 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     summary = RunDir(run).read_summary()
     last = max(curve(read_records(run)))
     assert summary.preempted and summary.latest_checkpoint == last == summary.final_step
-    result = run_cli(
-        "train",
-        "--run-dir",
-        str(run),
-        "--config",
-        str(TINY),
-        "--steps",
-        str(last + 3),
-        "--no-progress",
-    )
-    assert result.returncode == 0, result.stderr
+    from tpulab.train.loop import train
+
+    resumed = train(tiny_config(f"train.steps={last + 3}"), run, progress=False)
+    assert resumed.resumed_from == last and resumed.final_step == last + 3
     starts = [r for r in read_records(run) if r.get("event") == "start"]
     assert starts[-1]["resumed_from"] == last

@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, TINY, run_cli
 from tpulab.checkpoint.files import MANIFEST
 from tpulab.checkpoint.rundir import RunSummary
+from tpulab.cli.main import main
 from tpulab.evidence.metrics import read_records
 
 
@@ -32,7 +33,7 @@ def _artifacts(client, run_id, path=None):
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_run_is_one_mlflow_run_with_one_curve(tmp_path):
+def test_killed_and_resumed_run_is_one_mlflow_run_with_one_curve(tmp_path, capsys):
     from tpulab.checkpoint.store import manifest_digest
     from tpulab.proofs.driver import Proc, tpulab_argv
 
@@ -141,9 +142,9 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_one_curve(tmp_path):
     } <= set(arts)
     assert mlrun.data.metrics["goodput"] > 0
 
-    listed = run_cli("runs", "--tracking-uri", uri)
-    assert listed.returncode == 0, listed.stderr
-    line = next(ln for ln in listed.stdout.splitlines() if ln.startswith("run "))
+    capsys.readouterr()
+    assert main(["runs", "--tracking-uri", uri]) == 0  # in process: the exit code main returns
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("run "))
     assert (
         "FINISHED" in line and " 20 " in line and env["backend"] in line and first_id[:12] in line
     )
@@ -230,7 +231,7 @@ def test_corrupt_store_warns_once_and_training_goes_on(tmp_path):
     assert not (tmp_path / "run2").exists()  # refused before anything was written
 
 
-def test_no_track_and_unwritable_uri(tmp_path):
+def test_no_track_and_unwritable_uri(tmp_path, capsys):
     out = run_cli(
         "train",
         "--config",
@@ -247,8 +248,9 @@ def test_no_track_and_unwritable_uri(tmp_path):
         not (tmp_path / "mlruns.db").exists()
         and not (tmp_path / "run" / "mlflow_run.json").exists()
     )
-    missing = run_cli("runs", "--tracking-uri", f"sqlite:///{tmp_path / 'nowhere' / 'x.db'}")
-    assert missing.returncode != 0 and missing.stderr.startswith("error: no tracking store")
+    capsys.readouterr()
+    assert main(["runs", "--tracking-uri", f"sqlite:///{tmp_path / 'nowhere' / 'x.db'}"]) != 0
+    assert capsys.readouterr().err.startswith("error: no tracking store")
 
 
 def test_mlflow_is_not_imported_for_help():

@@ -182,6 +182,14 @@ def add_warm_resume_cache_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_children_no_track_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-track",
+        action="store_true",
+        help="no MLflow tracking of the child trainers (default: each tracks, as `tpulab train`)",
+    )
+
+
 def add_reference_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reference",
@@ -235,10 +243,11 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
 def cmd_prove_resume(args) -> int:
     run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
-    if args.processes and args.reference:
+    if args.processes and (args.reference or args.no_track):
         from tpulab.errors import TpulabError
 
-        raise TpulabError("--reference is for a one-process proof; drop it or --processes")
+        flag = "--reference" if args.reference else "--no-track"
+        raise TpulabError(f"{flag} is for a one-process proof; drop it or --processes")
     if args.processes:
         from tpulab.proofs.scaleout import prove_multiprocess_resume
 
@@ -274,6 +283,7 @@ def cmd_prove_resume(args) -> int:
         skip_restore=tuple(args.skip_restore),
         compile_cache=args.compile_cache,
         warm_resume_cache=args.warm_resume_cache,
+        track=not args.no_track,
     )
     print(
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; "
@@ -297,6 +307,7 @@ def cmd_chaos(args) -> int:
         compile_cache=args.compile_cache,
         warm_resume_cache=args.warm_resume_cache,
         reference_dir=args.reference and checked_path(args.reference, "--reference"),
+        track=not args.no_track,
     )
     print(
         f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random "
@@ -450,6 +461,7 @@ def register(sub) -> None:
         "--stall-timeout", type=float, default=10.0, help="with --processes: watchdog timeout (s)"
     )
     add_warm_resume_cache_arg(p)
+    add_children_no_track_arg(p)
     p.set_defaults(handler=cmd_prove_resume)
 
     p = sub.add_parser(
@@ -463,6 +475,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
     add_reference_arg(p)
     add_warm_resume_cache_arg(p)
+    add_children_no_track_arg(p)
     p.set_defaults(handler=cmd_chaos)
 
     p = sub.add_parser(

@@ -67,6 +67,7 @@ def run_chaos(
     warm_resume_cache: bool = False,
     reference_dir: Path | None = None,
     env: dict | None = None,
+    track: bool = True,
 ) -> dict:
     """Write out_dir/chaos/{verdict.json, segments.png}; return the verdict.
 
@@ -74,7 +75,8 @@ def run_chaos(
     lifetime is a resume and gets a fresh, empty compilation cache, unless ``warm_resume_cache``.
     Each process's cache hits and misses are recorded (``proofs.cache``). ``reference_dir``: an
     uninterrupted finished run of this config to reuse instead of training one (read only).
-    ``env`` is added to every child's environment (the capstone's MLflow store)."""
+    ``env`` is added to every child's environment (the capstone's MLflow store); ``track=False``
+    passes ``--no-track`` to every child trainer."""
     if kills < 1:
         raise TpulabError(f"--kills {kills} must be at least 1")
     if reference_dir is not None:
@@ -90,7 +92,7 @@ def run_chaos(
 
     def argv(run_dir: Path, role: str) -> list[str]:
         return [
-            *train_child_argv(config_path, run_dir),
+            *train_child_argv(config_path, run_dir, extra=() if track else ("--no-track",)),
             cache.FLAG,
             str(stats_dir / f"{role}.json"),
         ]

@@ -93,12 +93,14 @@ def prove_transformer_resume(
     compile_cache: Path | None = None,
     warm_resume_cache: bool = False,
     env: dict | None = None,
+    track: bool = True,
 ) -> dict:
     """Write out_dir/proof/{verdict.json, overlay.png}: per-step losses and the final whole state
     compared. ``compile_cache`` is the reference and killed runs' cache (through the environment, so
     the driver can give the resumed process its own fresh one unless ``warm_resume_cache``);
     ``env`` is added to every child's environment (the capstone's MLflow store).
-    ``reference_dir``: an uninterrupted finished run of this config to reuse (read only)."""
+    ``reference_dir``: an uninterrupted finished run of this config to reuse (read only).
+    ``track=False`` passes ``--no-track`` to every child trainer (no MLflow lineage)."""
     steps, save_every = config.train.steps, config.checkpoint.save_every
     kill_at = kill_at or default_kill_step(steps, save_every)
     check_kill_step(kill_at, steps, save_every)
@@ -110,6 +112,7 @@ def prove_transformer_resume(
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
     config_path = write_child_config(config, proof.config)
     extra = [a for part in skip_restore for a in ("--skip-restore", part)]
+    extra += [] if track else ["--no-track"]
     return prove_resume(
         lambda d: train_child_argv(config_path, d, extra=extra),
         proof_dir,
