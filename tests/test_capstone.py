@@ -46,6 +46,12 @@ def test_capstone_writes_report_overlay_and_verdict(tmp_path):
         and chaos["kills"] == 1
         and "Chaos: SIGKILL at random moments" in report
     )
+    # proof and chaos ran together, in the fixed order; the report says so
+    times = next(line for line in report.splitlines() if line.startswith("Stage times: "))
+    assert "train " in times and ", resume proof " in times and " s with chaos " in times, times
+    heads = [h for h in report.splitlines() if h.startswith("## ")]
+    order = ["## Kill/resume proof", "## Chaos: SIGKILL at random moments", "## Independent checks"]
+    assert [h for h in heads if h in order] == order, heads
     # the lifetime after the kill is a resume and compiled from a fresh, empty cache (JAX's events)
     resumed = chaos["compile_cache"]["processes"]["lifetime-1"]
     assert resumed["cold"] is True and resumed["hits"] in (0, None), resumed

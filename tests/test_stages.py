@@ -81,3 +81,63 @@ def test_capstone_gives_its_store_to_children_and_leaves_os_environ_alone(tmp_pa
     assert dict(os.environ) == before
     report = (out / "report.md").read_text()  # written although a stage failed
     assert "Status: **FAIL**" in report and "training run: stopped by the test" in report
+
+
+def test_stages_together_run_at_once_and_report_in_the_given_order():
+    """Both stages must be inside at the same time (a barrier one-at-a-time running would break);
+    the slow one ends last yet keeps its first place, and its failure is recorded as one row."""
+    import threading
+    import time
+
+    stages = Stages("t")
+    both = threading.Barrier(2, timeout=20)
+
+    def slow() -> str:
+        both.wait()
+        time.sleep(0.3)
+        raise TpulabError("slow broke")
+
+    def fast() -> str:
+        both.wait()
+        return "## fast"
+
+    stages.run("first", lambda: "## first")
+    stages.together(("slow", slow), ("fast", fast))
+    assert stages.body() == "## first\n\n## slow\n\n**FAILED**: slow broke\n\n## fast"
+    assert stages.failures == ["slow: slow broke"]
+    assert stages.times().startswith("Stage times: first 0 s, slow 0 s with fast 0 s (wall ")
+    # control: a bug (not a TpulabError) is not a report row; it ends the run as before
+    with pytest.raises(ZeroDivisionError):
+        stages.together(("bug", lambda: str(1 / 0)), ("fine", lambda: "## fine"))
+
+
+def test_ctrl_c_during_stages_together_kills_their_children(tmp_path):
+    """Ctrl-C reaches only the main thread and the children sit in their own sessions: the
+    runner must kill them itself. A 30 s child must be gone within seconds of the SIGINT."""
+    import signal
+    import threading
+    import time
+
+    from tpulab.proofs.driver import Proc
+
+    procs = []
+
+    def child() -> str:
+        with Proc(["sleep", "30"], tmp_path / "sleep.log") as proc:
+            procs.append(proc)
+            proc.p.wait()
+        return "## child"
+
+    def interrupt():
+        while not procs:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the main thread is joining by now
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        Stages("t").together(("child", child), ("idle", lambda: "## idle"))
+    assert time.monotonic() - t0 < 10, "the child ran on after Ctrl-C"
+    assert procs[0].p.returncode == -signal.SIGKILL, "the child was not killed"
+    assert not Proc.live

@@ -10,6 +10,7 @@ the process). How numbers are formatted stays with the callers: they know the un
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -43,6 +44,11 @@ def section(title: str, *blocks: str, level: int = 2) -> str:
     return "\n\n".join([f"{'#' * level} {title}", *blocks])
 
 
+# pyplot's figure registry is global and not thread-safe; the capstone draws from two stage
+# threads at once (``Stages.together``), so one figure is drawn at a time.
+_PYPLOT = threading.RLock()
+
+
 @contextlib.contextmanager
 def figure(path: str | Path, *, dpi: int = 110, **subplots) -> Iterator[tuple]:
     """``with figure(path, figsize=(8, 4)) as (fig, ax):`` draw; on leaving, lay out, save to
@@ -53,11 +59,12 @@ def figure(path: str | Path, *, dpi: int = 110, **subplots) -> Iterator[tuple]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(**subplots)
-    try:
-        yield fig, axes
-        fig.tight_layout()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=dpi)
-    finally:
-        plt.close(fig)
+    with _PYPLOT:
+        fig, axes = plt.subplots(**subplots)
+        try:
+            yield fig, axes
+            fig.tight_layout()
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=dpi)
+        finally:
+            plt.close(fig)

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,14 +49,22 @@ def compare_curves(reference: dict[int, float], other: dict[int, float]) -> dict
 
 
 class Proc:
-    """A child in its own process group, killed with its whole group on exit, whatever happens."""
+    """A child in its own process group, killed with its whole group on exit, whatever happens.
+    Live ones are also in ``Proc.live``, so a caller whose stages run in threads can kill them
+    all from the main thread (``kill_live``): Ctrl-C reaches only that thread, and a child in its
+    own session never sees the terminal's SIGINT."""
+
+    live: set[Proc] = set()
+    _lock = threading.Lock()
 
     def __init__(self, argv: list[str], log_path: Path, env: dict | None = None):
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.p = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        with Proc._lock:
+            self.p = subprocess.Popen(
+                argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            Proc.live.add(self)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.p.poll() is None:
@@ -75,6 +84,21 @@ class Proc:
     def __exit__(self, *exc):
         self.kill()
         self._log.close()
+        with Proc._lock:
+            Proc.live.discard(self)
+
+
+def kill_live() -> None:
+    """SIGKILL every live ``Proc``'s process group (the threads that own them then see their
+    child end and unwind, closing each one)."""
+    with Proc._lock:
+        procs = list(Proc.live)
+    for proc in procs:
+        if proc.p.poll() is None:
+            try:
+                os.killpg(proc.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def run_to_completion(
