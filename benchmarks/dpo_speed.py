@@ -37,6 +37,7 @@ import jax
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.config import load
+from tpulab.evidence.report_kit import table
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps
 from tpulab.process_setup import prepare
 from tpulab.train.config import RunConfig
@@ -155,15 +156,20 @@ def markdown(res: dict, env: dict) -> str:
         f"({res['rounds']} interleaved rounds) after {res['warmup_steps']} warm-up steps; "
         "compile excluded; each is the objective's own jitted, donated step.",
         "",
-        "| step | median (ms) | p10-p90 (ms) | tokens/s | vs SFT |",
-        "|---|---|---|---|---|",
+        table(
+            ["step", "median (ms)", "p10-p90 (ms)", "tokens/s", "vs SFT"],
+            [
+                [
+                    label,
+                    f"{res[key]['median_s'] * 1e3:.1f}",
+                    f"{res[key]['p10_s'] * 1e3:.1f}-{res[key]['p90_s'] * 1e3:.1f}",
+                    f"{res[key]['tokens_per_s']:,.0f}",
+                    f"{res[key]['median_s'] / sft:.2f}x",
+                ]
+                for label, key in rows
+            ],
+        ),
     ]
-    for label, key in rows:
-        r = res[key]
-        lines.append(
-            f"| {label} | {r['median_s'] * 1e3:.1f} | {r['p10_s'] * 1e3:.1f}-"
-            f"{r['p90_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['median_s'] / sft:.2f}x |"
-        )
     met = "meets" if res["target_met"] else "does NOT meet"
     lines += [
         "",
