@@ -343,7 +343,9 @@ def test_dpo_kill_resume_is_bitwise(sft_policy, sampled_pairs, tmp_path):
         "checkpoint.async_save=false",
     )
     args = [a for s in sets for a in ("--set", s)]
-    result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), *args)
+    result = run_cli(
+        "prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--no-track", *args
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert v["identical"] and v["curves_identical"] and v["final_state_identical"]
@@ -365,6 +367,7 @@ def test_dpo_lora_online_chaos_ends_identical(sft_policy, sampled_pairs, tmp_pat
     args = [a for s in sets for a in ("--set", s)]
     result = run_cli(
         "chaos",
+        "--no-track",  # tracking is tests/test_tracking.py's
         "--run-dir",
         str(tmp_path),
         "--config",

@@ -448,6 +448,7 @@ def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(
     position) bitwise against ``ppo_run`` (the same config, uninterrupted)."""
     result = run_cli(
         "prove-resume",
+        "--no-track",  # tracking is tests/test_tracking.py's
         "--run-dir",
         str(tmp_path),
         "--config",
@@ -478,6 +479,7 @@ def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, ppo_run, 
     reference is ``ppo_run``, the same config trained once for this module."""
     result = run_cli(
         "chaos",
+        "--no-track",  # tracking is tests/test_tracking.py's
         *("--run-dir", str(tmp_path), "--config", str(TINY), "--kills", "1", "--seed", "3"),
         *proof_args(trained_run, reward_run),
         *("--reference", str(ppo_run)),

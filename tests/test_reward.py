@@ -222,7 +222,9 @@ def test_reward_kill_resume_is_bitwise(sft_policy, sampled_pairs, tmp_path):
         "checkpoint.async_save=false",  # the kill must find step 4 committed (tests/test_dpo.py)
     )
     args = [a for s in sets for a in ("--set", s)]
-    result = run_cli("prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), *args)
+    result = run_cli(
+        "prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--no-track", *args
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert v["identical"] and v["curves_identical"] and v["final_state_identical"]

@@ -316,6 +316,7 @@ def test_sft_and_lora_kill_resume_is_bitwise(trained_run, tmp_path, rank, reques
     reuse = ("--reference", str(request.getfixturevalue("lora_reference"))) if rank else ()
     result = run_cli(
         "prove-resume",
+        "--no-track",  # tracking is tests/test_tracking.py's
         "--run-dir",
         str(tmp_path),
         "--config",
@@ -333,6 +334,7 @@ def test_sft_and_lora_kill_resume_is_bitwise(trained_run, tmp_path, rank, reques
 def test_lora_chaos_random_kills_end_identical(trained_run, lora_reference, tmp_path):
     result = run_cli(
         "chaos",
+        "--no-track",  # tracking is tests/test_tracking.py's
         "--run-dir",
         str(tmp_path),
         "--config",
