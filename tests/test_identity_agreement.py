@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -51,16 +50,17 @@ print(json.dumps(out))
 
 
 def test_a_process_with_other_bytes_is_refused_on_every_process():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tpulab.orchestrate.launch import free_port
+    from tpulab.train import distributed as D
+
+    port = free_port()
     procs = []
     for pid in (0, 1):
         env = {
             **os.environ,
-            "TPULAB_COORDINATOR": f"127.0.0.1:{port}",
-            "TPULAB_NUM_PROCESSES": "2",
-            "TPULAB_PROCESS_ID": str(pid),
+            D.ENV_COORDINATOR: f"127.0.0.1:{port}",
+            D.ENV_NUM_PROCESSES: "2",
+            D.ENV_PROCESS_ID: str(pid),
             "PYTHONPATH": str(REPO / "src"),
         }
         procs.append(

@@ -89,16 +89,12 @@ class Proc:
 
 
 def kill_live() -> None:
-    """SIGKILL every live ``Proc``'s process group (the threads that own them then see their
-    child end and unwind, closing each one)."""
+    """SIGKILL every live ``Proc``'s process group and reap it (the threads that own them then
+    see their child end and unwind, closing each one)."""
     with Proc._lock:
         procs = list(Proc.live)
     for proc in procs:
-        if proc.p.poll() is None:
-            try:
-                os.killpg(proc.p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        proc.kill()
 
 
 def run_to_completion(
