@@ -23,7 +23,36 @@ from tpulab.bridge.report import device_line, start_record
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.config import to_dict
 from tpulab.evidence.metrics import curve, read_records
+from tpulab.evidence.report_kit import table
 from tpulab.proofs.driver import run_to_completion
+
+
+def render(result: dict) -> str:
+    """The printed report of ``step_time.json``: what was timed, the table, the versions."""
+    rows = result["rows"]
+    v = rows[0]["versions"]
+    return "\n".join(
+        [
+            f"{result['shapes']}, float32, {result['config']['steps']} steps, median after "
+            f"{result['warmup_steps']} warmup steps",
+            table(
+                ["backend", "method", "median step (ms)", "p90 (ms)", "first step (s)", "device"],
+                [
+                    (
+                        r["backend"],
+                        r["method"],
+                        f"{1e3 * r['median_step_s']:.3f}",
+                        f"{1e3 * r['p90_step_s']:.3f}",
+                        f"{r['first_step_s']:.2f}",
+                        r["device"],
+                    )
+                    for r in rows
+                ],
+            ),
+            f"versions: torch {v['torch']}, torchax {v['torchax']}, jax {v['jax']}, "
+            f"jaxlib {v['jaxlib']}",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -71,21 +100,7 @@ def main(argv=None) -> int:
         "shapes": f"x ({cfg.n}, {cfg.d}), MLP {cfg.d}->{cfg.hidden}->1, full batch",
     }
     atomic_write_json(args.out / "step_time.json", result)
-    print(
-        f"{result['shapes']}, float32, {args.steps} steps, median after {args.warmup} warmup steps"
-    )
-    print("| backend | method | median step (ms) | p90 (ms) | first step (s) | device |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['backend']} | {r['method']} | {1e3 * r['median_step_s']:.3f} | "
-            f"{1e3 * r['p90_step_s']:.3f} | {r['first_step_s']:.2f} | {r['device']} |"
-        )
-    v = rows[0]["versions"]
-    print(
-        f"versions: torch {v['torch']}, torchax {v['torchax']}, jax {v['jax']}, "
-        f"jaxlib {v['jaxlib']}; written to {args.out / 'step_time.json'}"
-    )
+    print(f"{render(result)}; written to {args.out / 'step_time.json'}")
     return 0
 
 

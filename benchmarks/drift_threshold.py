@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tpulab.evidence.report_kit import table
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -60,6 +62,31 @@ def sweep(docs: list[bytes], reference, size: int, newlines: bool) -> list[float
     return values
 
 
+def render(result: dict) -> str:
+    """OUT.md from OUT.json: what was measured and one row per (prompts, source, window)."""
+    headers = ["prompts", "source", "window bytes", "windows", "min", "median", "p99", "max"]
+    rows = [
+        (
+            r["prompts"],
+            r["source"],
+            r["window_bytes"],
+            r["windows"],
+            *(f"{r[k]:.4f}" for k in ("min", "median", "p99", "max")),
+            r["over_threshold"],
+        )
+        for r in result["rows"]
+    ]
+    return "\n".join(
+        [
+            f"JSD (bits) of the drift window against the training plays' byte histogram; the "
+            f"service's threshold {result['threshold']} and window {result['window_bytes']} "
+            "bytes; every window position.",
+            "",
+            table([*headers, "over threshold"], rows),
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
@@ -93,31 +120,14 @@ def main() -> None:
                     }
                 )
                 print(rows[-1], flush=True)
-    lines = [
-        f"JSD (bits) of the drift window against the training plays' byte histogram; the service's "
-        f"threshold {THRESHOLD} and window {WINDOW_BYTES} bytes; every window position.",
-        "",
-        "| prompts | source | window bytes | windows | min | median | p99 | max | over threshold |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['prompts']} | {r['source']} | {r['window_bytes']} | {r['windows']} | "
-            f"{r['min']:.4f} | {r['median']:.4f} | {r['p99']:.4f} | {r['max']:.4f} | "
-            f"{r['over_threshold']} |"
-        )
-    table = "\n".join(lines)
-    print(table)
+    result = {"threshold": THRESHOLD, "window_bytes": WINDOW_BYTES, "rows": rows}
+    text = render(result)
+    print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "threshold": THRESHOLD,
-            "window_bytes": WINDOW_BYTES,
-            "rows": rows,
-            "environment": environment(),
-        }
+        result["environment"] = environment()
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(table + "\n")
+        args.out.with_suffix(".md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import argparse
 import numpy as np
 from PIL import Image
 
+from tpulab.evidence.report_kit import table
+
 PURPLE = np.array([148, 103, 189])  # matplotlib's tab:purple, the colour of the difference panel
 LINTHRESH = 1e-8  # plot_overlay's symlog linear threshold
 
@@ -100,9 +102,8 @@ def main() -> None:
     zeros_after = [s for s, v in sorted(values.items()) if s > first and v == 0]
     print(f"{args.png}: {len(values)} steps read; first step above 0: {first}")
     print(f"steps at 0 after it: {zeros_after}")
-    print("| step | abs(run - reference) |\n|---|---|")
-    for s in sorted(values)[: args.first]:
-        print(f"| {s} | {values[s]:.2g} |")
+    shown = sorted(values)[: args.first]
+    print(table(["step", "abs(run - reference)"], [(s, f"{values[s]:.2g}") for s in shown]))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
+from tpulab.evidence.report_kit import table
+
 
 def timed(fn, repeats: int) -> list[float]:
     import jax
@@ -36,6 +38,43 @@ def timed(fn, repeats: int) -> list[float]:
         jax.block_until_ready(fn())
         out.append(time.perf_counter() - t0)
     return out
+
+
+def render(result: dict) -> str:
+    """OUT.md's two tables from OUT.json's ``row`` (the line above them names the live config and
+    host, which OUT.json does not all hold)."""
+    row = result["row"]
+    ms = [f"{1e3 * row[k]:.1f}" for k in ("round_first_step_s", "round_other_step_s")]
+    ms += [f"{1e3 * row[k]:.1f}" for k in ("rollout_s", "scoring_s", "round_s_estimate")]
+    times = table(
+        [
+            "round's first step (rollout + scoring + update) ms",
+            "other step (update) ms",
+            "rollout alone ms",
+            "scoring alone ms",
+            "round ms (1 first + K-1 others)",
+        ],
+        [ms],
+    )
+    speed = table(
+        [
+            "rollout tokens/s (compiled loop, round batch)",
+            "batch 1 compiled loop tok/s",
+            "batch 1 step loop tok/s",
+            "compiled / step",
+            "same tokens",
+        ],
+        [
+            (
+                f"{row['rollout_tokens_per_s']:.0f}",
+                f"{row['batch1_loop_tokens_per_s']:.0f}",
+                f"{row['batch1_step_loop_tokens_per_s']:.0f}",
+                f"{row['batch1_loop_vs_step']:.2f}x",
+                row["batch1_same_tokens"],
+            )
+        ],
+    )
+    return f"{times}\n\n{speed}"
 
 
 def main() -> None:
@@ -153,23 +192,7 @@ def main() -> None:
         f"{p.minibatches} minibatches; median of {args.rounds} rounds / {args.repeats} calls; "
         f"load average before {load_before[0]:.1f} on {os.cpu_count()} host cores"
     )
-    ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
-    text = [
-        head,
-        "",
-        "| round's first step (rollout + scoring + update) ms | other step (update) ms | "
-        "rollout alone ms | scoring alone ms | round ms (1 first + K-1 others) |",
-        "|---|---|---|---|---|",
-        f"| {ms(row['round_first_step_s'])} | {ms(row['round_other_step_s'])} | "
-        f"{ms(row['rollout_s'])} | {ms(row['scoring_s'])} | {ms(row['round_s_estimate'])} |",
-        "",
-        "| rollout tokens/s (compiled loop, round batch) | batch 1 compiled loop tok/s | "
-        "batch 1 step loop tok/s | compiled / step | same tokens |",
-        "|---|---|---|---|---|",
-        f"| {row['rollout_tokens_per_s']:.0f} | {row['batch1_loop_tokens_per_s']:.0f} | "
-        f"{row['batch1_step_loop_tokens_per_s']:.0f} | {row['batch1_loop_vs_step']:.2f}x | "
-        f"{row['batch1_same_tokens']} |",
-    ]
+    text = [head, "", render({"row": row})]
     print("\n".join(text))
     result = {
         "row": row,

@@ -31,6 +31,7 @@ from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.config import identity_diff, load, to_dict
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
+from tpulab.evidence.report_kit import table
 from tpulab.perf.timing import benchmark_environment
 from tpulab.process_setup import prepare
 from tpulab.train.config import RunConfig
@@ -307,11 +308,57 @@ def markdown(res: dict) -> str:
             f"{w[k]['losses']} losses)"
         )
 
-    curve = [
-        f"| {e['rounds']} | {e['val_reward']:.3f} | {e['val_gold_reward']:.3f} | "
-        f"{e['val_kl']:.3f} | {e['val_response_length']:.1f} |"
-        for e in p["curve"]
-    ]
+    curve = table(
+        ["rounds", "mean proxy reward", "mean gold r*", "KL to the reference", "reply bytes"],
+        [
+            (
+                e["rounds"],
+                f"{e['val_reward']:.3f}",
+                f"{e['val_gold_reward']:.3f}",
+                f"{e['val_kl']:.3f}",
+                f"{e['val_response_length']:.1f}",
+            )
+            for e in p["curve"]
+        ],
+    )
+    # the KL labels' "||" is plain text here: table() escapes each "|" once
+    quantities = table(
+        ["quantity", "value"],
+        [
+            ("sampled pairs: train / held-out", f"{c['train']['pairs']} / {c['eval']['pairs']}"),
+            ("gold-optimal accuracy, held-out pairs", f"{r['val_gold_optimal_accuracy']:.3f}"),
+            (f"reward model held-out accuracy (lr {r['lr']:g})", f"{r['val_accuracy']:.3f}"),
+            (
+                "DPO step-1 loss / largest step-1 margin",
+                f"{d['step1_loss']!r} / {d['step1_reward_margin_absmax']!r}",
+            ),
+            (
+                f"DPO held-out pair accuracy (beta {d['beta']:g}, lr {d['lr']:g})",
+                f"{d['val_reward_accuracy']:.3f}",
+            ),
+            ("DPO KL(ref || pi) on held-out pairs, nats per reply", f"{d['val_kl_ref']:.3f}"),
+            (
+                "PPO KL(pi || ref) reached on held-out prompts, nats per reply (k1, sampled)",
+                f"{p['val_kl']:.3f}",
+            ),
+            (
+                f"gold win rate, DPO vs SFT greedy, {w['dpo']['prompts']} held-out prompts",
+                wins("dpo"),
+            ),
+            (
+                f"gold win rate, PPO vs SFT greedy, {w['ppo']['prompts']} held-out prompts",
+                wins("ppo"),
+            ),
+            (
+                "mean r*: DPO / PPO / SFT",
+                f"{g['dpo']['policy']:.3f} / {g['ppo']['policy']:.3f} / {g['ppo']['against']:.3f}",
+            ),
+            (
+                "stop rate: DPO / PPO / SFT",
+                f"{s['dpo']['policy']:.3f} / {s['ppo']['policy']:.3f} / {s['ppo']['against']:.3f}",
+            ),
+        ],
+    )
     reused = [
         f"- {k}: `{v['run_dir']}`, made at commit `{v['git_commit'][:7]}`"
         + (f", {v['seconds']} s" if v.get("seconds") else "")
@@ -329,26 +376,7 @@ def markdown(res: dict) -> str:
             f"steps, lr {p['lr']:g}, {ps['kl_estimator']} KL penalty {ps['kl_coef']:g}) from "
             "the SFT run, the SFT run its reference, scored by the reward model.",
             "",
-            "| quantity | value |",
-            "|---|---|",
-            f"| sampled pairs: train / held-out | {c['train']['pairs']} / {c['eval']['pairs']} |",
-            f"| gold-optimal accuracy, held-out pairs | {r['val_gold_optimal_accuracy']:.3f} |",
-            f"| reward model held-out accuracy (lr {r['lr']:g}) | {r['val_accuracy']:.3f} |",
-            f"| DPO step-1 loss / largest step-1 margin | {d['step1_loss']!r} / "
-            f"{d['step1_reward_margin_absmax']!r} |",
-            f"| DPO held-out pair accuracy (beta {d['beta']:g}, lr {d['lr']:g}) | "
-            f"{d['val_reward_accuracy']:.3f} |",
-            f"| DPO KL(ref \\|\\| pi) on held-out pairs, nats per reply | {d['val_kl_ref']:.3f} |",
-            f"| PPO KL(pi \\|\\| ref) reached on held-out prompts, nats per reply (k1, sampled) | "
-            f"{p['val_kl']:.3f} |",
-            f"| gold win rate, DPO vs SFT greedy, {w['dpo']['prompts']} held-out prompts | "
-            f"{wins('dpo')} |",
-            f"| gold win rate, PPO vs SFT greedy, {w['ppo']['prompts']} held-out prompts | "
-            f"{wins('ppo')} |",
-            f"| mean r*: DPO / PPO / SFT | {g['dpo']['policy']:.3f} / {g['ppo']['policy']:.3f} "
-            f"/ {g['ppo']['against']:.3f} |",
-            f"| stop rate: DPO / PPO / SFT | {s['dpo']['policy']:.3f} / "
-            f"{s['ppo']['policy']:.3f} / {s['ppo']['against']:.3f} |",
+            quantities,
             "",
             f"PPO's over-optimisation curve (Gao et al., arXiv:2210.10760): {p['eval_prompts']} "
             "held-out prompts sampled at temperature "
@@ -356,9 +384,7 @@ def markdown(res: dict) -> str:
             "model's score, gold = r*, KL = the sequence log-ratio log pi/ref of the sampled "
             "reply (k1).",
             "",
-            "| rounds | mean proxy reward | mean gold r* | KL to the reference | reply bytes |",
-            "|---|---|---|---|---|",
-            *curve,
+            curve,
             "",
             "Stage seconds (run here): "
             + ", ".join(f"{k} {v}" for k, v in res["seconds"].items())

@@ -40,6 +40,7 @@ from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json  # noq
 from tpulab.config import load, to_dict  # noqa: E402
 from tpulab.data.corpus import load_corpus  # noqa: E402
 from tpulab.data.pipeline import build_splits, train_dataset  # noqa: E402
+from tpulab.evidence.report_kit import table  # noqa: E402
 from tpulab.perf.aot import collectives  # noqa: E402  (one parser for CPU and TPU HLO)
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps  # noqa: E402
 from tpulab.train.config import MeshConfig, RunConfig  # noqa: E402
@@ -109,25 +110,28 @@ def markdown(rows: list[dict], env: dict, shapes: dict) -> str:
         f"commit {env.get('git_commit')}, {env.get('cpu_count')} cores, "
         f"load {env.get('load_avg_1m_5m_15m')}.",
         "",
-        "| layout | mesh | collectives per step (count, result MiB per device) | "
-        "state MiB / device | argument MiB / device | temp MiB / device | "
-        "step time median (p10-p90) |",
-        "|---|---|---|---|---|---|---|",
     ]
+    cells = []
     for r in rows:
         coll = "; ".join(
             f"{k} x{v['count']} ({v['bytes'] / 2**20:.2f})"
             for k, v in sorted(r["collectives"].items())
         )
-        ma = r["memory_analysis"]
-        st = r["step_time"]
-        lines.append(
-            f"| {r['layout']} | data={r['mesh']['data']} fsdp={r['mesh']['fsdp']} "
-            f"| {coll or 'none'} | {r['state_bytes_per_device'] / 2**20:.2f} "
-            f"| {ma['argument_size_in_bytes'] / 2**20:.2f} | "
-            f"{ma['temp_size_in_bytes'] / 2**20:.2f} | {st['median_s'] * 1e3:.1f} ms "
-            f"({st['p10_s'] * 1e3:.1f}-{st['p90_s'] * 1e3:.1f}) |"
+        ma, st = r["memory_analysis"], r["step_time"]
+        cells.append(
+            (
+                r["layout"],
+                f"data={r['mesh']['data']} fsdp={r['mesh']['fsdp']}",
+                coll or "none",
+                f"{r['state_bytes_per_device'] / 2**20:.2f}",
+                f"{ma['argument_size_in_bytes'] / 2**20:.2f}",
+                f"{ma['temp_size_in_bytes'] / 2**20:.2f}",
+                f"{st['median_s'] * 1e3:.1f} ms ({st['p10_s'] * 1e3:.1f}-{st['p90_s'] * 1e3:.1f})",
+            )
         )
+    headers = ["layout", "mesh", "collectives per step (count, result MiB per device)"]
+    headers += ["state MiB / device", "argument MiB / device", "temp MiB / device"]
+    lines.append(table([*headers, "step time median (p10-p90)"], cells))
     lines += [
         "",
         f"Parameters unsharded: {rows[0]['param_bytes_unsharded'] / 2**20:.2f} MiB (the gradient "
@@ -142,6 +146,11 @@ def markdown(rows: list[dict], env: dict, shapes: dict) -> str:
             f"{', '.join(sorted(notes))}.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def render(result: dict) -> str:
+    """OUT.md from OUT.json."""
+    return markdown(result["rows"], result["environment"], result["shapes"])
 
 
 def main() -> None:

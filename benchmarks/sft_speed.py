@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from tpulab.evidence.report_kit import table
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "default.yaml"
 FIXED = ["model.dropout=0"]  # the deterministic step, as train_throughput.py measures it
@@ -349,13 +351,18 @@ def markdown(result: dict) -> str:
             f"{sp['timed_steps']} synchronized steps each in {sp['rounds']} ABBA rounds after "
             f"{sp['warmup_steps']} warm-up steps, compile excluded.",
             "",
-            "| step | median (ms) | p10-p90 (ms) | tokens/s | compile + first step (s) |",
-            "|---|---|---|---|---|",
-            *(
-                f"| {name} | {1e3 * sp[name]['median_s']:.1f} | {1e3 * sp[name]['p10_s']:.1f}-"
-                f"{1e3 * sp[name]['p90_s']:.1f} | {sp[name]['tokens_per_s']:,.0f} | "
-                f"{sp[name]['compile_and_first_step_s']:.1f} |"
-                for name in ("pretrain", "sft")
+            table(
+                ["step", "median (ms)", "p10-p90 (ms)", "tokens/s", "compile + first step (s)"],
+                [
+                    (
+                        name,
+                        f"{1e3 * sp[name]['median_s']:.1f}",
+                        f"{1e3 * sp[name]['p10_s']:.1f}-{1e3 * sp[name]['p90_s']:.1f}",
+                        f"{sp[name]['tokens_per_s']:,.0f}",
+                        f"{sp[name]['compile_and_first_step_s']:.1f}",
+                    )
+                    for name in ("pretrain", "sft")
+                ],
             ),
             "",
             f"SFT / pretraining tokens/s: **{sp['ratio']:.3f}x** (bound {MET_RATIO}x: "
@@ -374,21 +381,36 @@ def markdown(result: dict) -> str:
             f"alternating order; {lv['steps_per_run']} timed steps each after warm-up); the step "
             "time is the median over every round's steps.",
             "",
-            "| d_model | variant | trained params | median step (s) | round medians (s) | "
-            "optimizer state (MiB) | peak RSS after the imports (MiB) | RSS after the imports "
-            "(MiB) | process peak RSS, getrusage (MiB) | step arguments, XLA (MiB) | step "
-            "temporaries, XLA (MiB) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-            *(
-                f"| {r['d_model']} | {r['variant']} | {r['trained_params']:,} | "
-                f"{r['median_step_s']:.3f} | "
-                f"{', '.join(f'{x:.3f}' for x in r['round_medians_s'])} | "
-                f"{r['optimizer_state_bytes'] / 2**20:.2f} | "
-                f"{r['peak_rss_since_imports_mib']:.0f} | {r['rss_after_imports_mib']:.0f} | "
-                f"{r['maxrss_peak_mib']:.0f} | "
-                f"{r['memory_analysis']['argument_size_in_bytes'] / 2**20:.1f} | "
-                f"{r['memory_analysis']['temp_size_in_bytes'] / 2**20:.1f} |"
-                for r in lv["rows"]
+            table(
+                [
+                    "d_model",
+                    "variant",
+                    "trained params",
+                    "median step (s)",
+                    "round medians (s)",
+                    "optimizer state (MiB)",
+                    "peak RSS after the imports (MiB)",
+                    "RSS after the imports (MiB)",
+                    "process peak RSS, getrusage (MiB)",
+                    "step arguments, XLA (MiB)",
+                    "step temporaries, XLA (MiB)",
+                ],
+                [
+                    (
+                        r["d_model"],
+                        r["variant"],
+                        f"{r['trained_params']:,}",
+                        f"{r['median_step_s']:.3f}",
+                        ", ".join(f"{x:.3f}" for x in r["round_medians_s"]),
+                        f"{r['optimizer_state_bytes'] / 2**20:.2f}",
+                        f"{r['peak_rss_since_imports_mib']:.0f}",
+                        f"{r['rss_after_imports_mib']:.0f}",
+                        f"{r['maxrss_peak_mib']:.0f}",
+                        f"{r['memory_analysis']['argument_size_in_bytes'] / 2**20:.1f}",
+                        f"{r['memory_analysis']['temp_size_in_bytes'] / 2**20:.1f}",
+                    )
+                    for r in lv["rows"]
+                ],
             ),
             "",
             "LoRA step speed-up over full SFT: "
@@ -420,13 +442,22 @@ def markdown(result: dict) -> str:
             f"`tpulab.train.merge.merge_lora` on a rank-8 LoRA run ({a['adapted_matrices']} "
             "adapted matrices), twice in one fresh process.",
             "",
-            "| call | merge (folding every adapter, s) | whole command: load, probe, write (s) | "
-            "max relative logit diff |",
-            "|---|---|---|---|",
-            *(
-                f"| {i} | {c['merge_s']:.3f} | {c['whole_command_s']:.2f} | "
-                f"{c['max_relative_logit_diff']:.2e} |"
-                for i, c in (("first (pays the compiles)", a), ("second", b))
+            table(
+                [
+                    "call",
+                    "merge (folding every adapter, s)",
+                    "whole command: load, probe, write (s)",
+                    "max relative logit diff",
+                ],
+                [
+                    (
+                        i,
+                        f"{c['merge_s']:.3f}",
+                        f"{c['whole_command_s']:.2f}",
+                        f"{c['max_relative_logit_diff']:.2e}",
+                    )
+                    for i, c in (("first (pays the compiles)", a), ("second", b))
+                ],
             ),
             "",
             f"Under 1 s on both calls: **{'met' if mg['met'] else 'NOT met'}**. The merge is "

@@ -46,6 +46,7 @@ from tpulab.config import load, to_dict
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.evidence.metrics import METRICS, read_records, starts
+from tpulab.evidence.report_kit import table
 from tpulab.model.config import ModelConfig
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps
 from tpulab.process_setup import prepare
@@ -372,23 +373,28 @@ def markdown(result: dict) -> str:
         f"({t['rounds']} interleaved rounds) after {t['warmup_steps']} warm-up steps; "
         "compile excluded.",
         "",
-        "| implementation | median step (ms) | p10-p90 (ms) | tokens/s | vs torch eager |",
-        "|---|---|---|---|---|",
     ]
     names = {
         "tpulab": "tpulab (jit, donated)",
         "torch_eager": f"PyTorch eager, {t['torch_threads']['torch_eager']} threads (baseline)",
         "torch_eager_1thread": "PyTorch eager, 1 thread (sensitivity)",
     }
-    for key, name in names.items():
-        if key not in t:
-            continue
-        r = t[key]
-        lines.append(
-            f"| {name} | {1e3 * r['median_s']:.1f} | {1e3 * r['p10_s']:.1f}-{1e3 * r['p90_s']:.1f} "
-            f"| {r['tokens_per_s']:,.0f} "
-            f"| {r['tokens_per_s'] / t['torch_eager']['tokens_per_s']:.2f}x |"
+    lines.append(
+        table(
+            ["implementation", "median step (ms)", "p10-p90 (ms)", "tokens/s", "vs torch eager"],
+            [
+                (
+                    name,
+                    f"{1e3 * t[key]['median_s']:.1f}",
+                    f"{1e3 * t[key]['p10_s']:.1f}-{1e3 * t[key]['p90_s']:.1f}",
+                    f"{t[key]['tokens_per_s']:,.0f}",
+                    f"{t[key]['tokens_per_s'] / t['torch_eager']['tokens_per_s']:.2f}x",
+                )
+                for key, name in names.items()
+                if key in t
+            ],
         )
+    )
     lines += [
         "",
         "Agreement (same init, same batches): first-step loss tpulab "
@@ -409,17 +415,29 @@ def markdown(result: dict) -> str:
             f"{r['resume_to']} by `tpulab train` "
             f"in a fresh process; median of {r['repeats']}):",
             "",
-            "| compilation cache | spawn to first resumed step (s) "
-            "| in-process train() to first step (s) | whole process (s) |",
-            "|---|---|---|---|",
+            table(
+                [
+                    "compilation cache",
+                    "spawn to first resumed step (s)",
+                    "in-process train() to first step (s)",
+                    "whole process (s)",
+                ],
+                [
+                    (
+                        f"{kind} ({'empty dir' if kind == 'cold' else 'filled by an earlier run'})",
+                        *(
+                            f"{r[kind][k]:.2f}"
+                            for k in (
+                                "spawn_to_first_step_s",
+                                "in_process_to_first_step_s",
+                                "process_wall_s",
+                            )
+                        ),
+                    )
+                    for kind in ("cold", "warm")
+                ],
+            ),
         ]
-        for kind in ("cold", "warm"):
-            x = r[kind]
-            lines.append(
-                f"| {kind} ({'empty dir' if kind == 'cold' else 'filled by an earlier run'}) | "
-                f"{x['spawn_to_first_step_s']:.2f} | {x['in_process_to_first_step_s']:.2f} | "
-                f"{x['process_wall_s']:.2f} |"
-            )
     pk = env["packages"]
     lines += [
         "",

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from conftest import verified_export
+from tpulab.errors import TpulabError
 from tpulab.ops import tags as T
 
 NAME = "tiny"
@@ -200,6 +201,18 @@ def test_promotion_refused_on_a_forged_digest_tag(store, tmp_path, tag, words):
     assert fingerprint(store) == before
 
 
+def _verdict(**dirs) -> dict:
+    """A kill/resume verdict.json as the proofs write it (the typed record, flat)."""
+    from tpulab.checkpoint.rundir import ResumeVerdict
+
+    shared = dict(kind="resume", identical=True, curves_identical=True, signal="SIGKILL")
+    shared |= dict(final_state_identical=True, steps=4, steps_compared=4, max_abs_diff=0.0)
+    shared |= dict(first_differing_step=None, missing_steps=[], kill_step=2, resumed_from_step=2)
+    return ResumeVerdict(
+        **{"reference_dir": "", "run_dir": "", "summary": "", **shared, **dirs}
+    ).to_dict()
+
+
 def test_resume_verdict_and_training_run_are_found_only_for_this_run(tmp_path):
     from tpulab.ops.registry import open_registry, resume_verdict, training_run_id
     from tpulab.tracking.store import RUN_FILE
@@ -209,12 +222,16 @@ def test_resume_verdict_and_training_run_are_found_only_for_this_run(tmp_path):
     assert resume_verdict(run) == "absent"
     proof = tmp_path / "out" / "proof"
     proof.mkdir()
-    (proof / "verdict.json").write_text(json.dumps({"identical": True, "reference_dir": str(run)}))
+    (proof / "verdict.json").write_text(json.dumps(_verdict(reference_dir=str(run))))
     tag = json.loads(resume_verdict(run))
     assert tag["identical"] is True and tag["path"] == str(proof / "verdict.json")
     other = tmp_path / "other.json"
-    other.write_text(json.dumps({"identical": True, "run_dir": str(tmp_path / "elsewhere")}))
+    other.write_text(json.dumps(_verdict(run_dir=str(tmp_path / "elsewhere"))))
     with pytest.raises(Exception, match="is about another run"):
+        resume_verdict(run, other)
+    # a verdict written before verdicts were typed (no kind, no summary): refused, in one line
+    other.write_text(json.dumps({"identical": True, "reference_dir": str(run)}))
+    with pytest.raises(TpulabError, match=r"missing \['.*'kind'.*\] \(written before"):
         resume_verdict(run, other)
 
     reg = open_registry(_uri(tmp_path), create=True)

@@ -243,3 +243,61 @@ def test_a_run_summary_reads_back_what_the_loop_wrote_and_refuses_other_records(
         with pytest.raises(TpulabError, match=re.escape(words)) as e:
             run.read_summary()
         assert str(run.summary) in str(e.value) and "\n" not in str(e.value)
+
+
+def _verdict(**over) -> dict:
+    """A flat verdict.json as proofs.driver.prove_resume writes it (judge's fields, the state's,
+    the driver's own)."""
+    return {
+        "kind": "resume",
+        "identical": True,
+        "curves_identical": True,
+        "final_state_identical": True,
+        "signal": "SIGKILL",
+        "steps": 10,
+        "steps_compared": 12,
+        "max_abs_diff": 0.0,
+        "first_differing_step": None,
+        "missing_steps": [],
+        "kill_step": 7,
+        "resumed_from_step": 5,
+        "reference_dir": "/r/reference",
+        "run_dir": "/r/interrupted",
+        "summary": "per-step losses bitwise identical over 12 steps; final state bitwise identical",
+        "steps_redone": 2,
+        "first_differing_leaf": None,
+        "checkpoints_at_kill": ["5"],
+        **over,
+    }
+
+
+def test_a_resume_verdict_reads_back_typed_and_refuses_other_records(tmp_path):
+    """verdict.json is one typed record (``ResumeVerdict``) from the four proof writers to the CLI,
+    reports, chain and registry: the shared fields as attributes, the writer's own in ``details``
+    (flat beside them on disk); a file that is not one is a one-line refusal."""
+    from tpulab.checkpoint.rundir import ResumeVerdict
+    from tpulab.errors import TpulabError
+
+    proof = RunDir(tmp_path).proof
+    proof.root.mkdir()
+    v = ResumeVerdict.from_dict(_verdict())
+    assert proof.write_verdict(v) == proof.verdict
+    back = proof.read_verdict()
+    assert back == v and back.kill_step == 7 and back.details["steps_redone"] == 2
+    assert json.loads(proof.verdict.read_text()) == _verdict()  # flat on disk, nothing lost
+    # a field the chaos writer writes and the one-kill proof does not: read under its kind
+    chaos = {k: x for k, x in _verdict(kind="chaos", kill_log=[]).items() if k != "steps_redone"}
+    chaos.pop("checkpoints_at_kill")
+    assert ResumeVerdict.from_dict(chaos).details == {"kill_log": [], "first_differing_leaf": None}
+    older = {k: x for k, x in _verdict().items() if k not in ("kind", "summary")}
+    for bad, words in (
+        (older, "missing ['kind', 'summary'] (written before verdicts were typed"),
+        (_verdict(kill_log=[]), "a 'resume' verdict with unknown fields ['kill_log']"),
+        (_verdict(kind="lottery"), "unknown kind 'lottery'"),
+        (_verdict(identical="true", kill_step=True), "wrong types: identical='true', kill_step"),
+        ([7], "a JSON list"),
+    ):
+        proof.write(R.VERDICT, bad)
+        with pytest.raises(TpulabError, match=re.escape(words)) as e:
+            proof.read_verdict()
+        assert str(proof.verdict) in str(e.value) and "\n" not in str(e.value)

@@ -68,6 +68,8 @@ __all__ = [
     "VERDICT",
     "VICTIM",
     "WINDOWS_GLOB",
+    "VERDICT_DETAILS",
+    "ResumeVerdict",
     "RunDir",
     "RunSummary",
     "read_json",
@@ -148,6 +150,140 @@ class RunSummary:
                 f"{unknown or 'nothing'})"
             )
         return cls(**d)
+
+
+# Each writer's own fields of verdict.json, beside the shared ones: what a reader may find there.
+_STATE = {  # the whole-state comparison (proofs.state / bridge.checkpoint final_state_verdict)
+    "first_differing_leaf",
+    "leaves_compared",
+    "data_position_files",  # the transformer's Grain position (the bridge has none)
+    "final_state_step",
+    "final_state_compared",
+}
+_ONE_KILL = {  # proofs.driver.judge: one kill, one resume
+    "first_differing_step_before_kill",
+    "first_differing_step_after_resume",
+    "steps_compared_after_resume",
+    "steps_redone",
+}
+VERDICT_DETAILS: dict[str, frozenset[str]] = {
+    # proofs.driver.prove_resume: the transformer's proof (skip_restore) and the bridge's
+    "resume": frozenset(
+        _STATE
+        | _ONE_KILL
+        | {"timings", "compile_cache", "checkpoints_at_kill", "skip_restore"}
+        | {"backend", "method", "config", "restore_rng", "negative_control"}
+    ),
+    # proofs.chaos.run_chaos: kills at random moments, one victim
+    "chaos": frozenset(
+        _STATE
+        | {"first_differing_lifetime", "logged_segments", "resumed_from_steps", "kills"}
+        | {"kills_during_save", "kill_log", "seed", "segments", "timings", "compile_cache"}
+    ),
+    # proofs.scaleout.prove_scaleout: one process of a multi-process job killed or stopped
+    "scaleout": frozenset(
+        _STATE
+        | _ONE_KILL
+        | {"event", "teardown", "expected_exit_code", "processes", "devices_per_process"}
+        | {"stall_timeout_s", "grace_s", "stack_dumped", "timings", "teardown_ok"}
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeVerdict:
+    """``verdict.json``: what a kill/resume proof found, in the fields every proof shares. Written
+    by the transformer's and the bridge's proofs (``proofs.driver.prove_resume``), the chaos test
+    and the scale-out proof; read by the CLI, the reports, the preference chain and the registry.
+    On disk one flat object: these fields beside ``details``, the writer's own (``VERDICT_DETAILS``
+    names them per ``kind``), so older readers of the flat file keep working."""
+
+    kind: str  # a key of VERDICT_DETAILS
+    identical: bool  # curves and, where compared, the final whole state bitwise equal
+    curves_identical: bool
+    final_state_identical: bool | None  # None: the final state was not compared
+    signal: str  # SIGKILL, or SIGSTOP (a stalled scale-out process)
+    steps: int
+    steps_compared: int
+    max_abs_diff: float
+    first_differing_step: int | None
+    missing_steps: list[int]
+    kill_step: int | None  # the last step logged before the kill; None: chaos (its kill_log)
+    resumed_from_step: int | None  # the checkpoint the resume started from; None: chaos
+    reference_dir: str  # the uninterrupted run
+    run_dir: str  # the interrupted one (chaos: the victim)
+    summary: str  # one sentence: what was compared and how it came out
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        # a writer that builds a malformed record fails here, before anything reaches the disk
+        if self.kind not in VERDICT_DETAILS:
+            raise TpulabError(
+                f"a verdict of unknown kind {self.kind!r} (one of {sorted(VERDICT_DETAILS)})"
+            )
+        wrong = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if not _is(getattr(self, f.name), _VERDICT_TYPES[f.name])
+        ]
+        if wrong:
+            raise TpulabError(f"a {self.kind!r} verdict with wrong types: {', '.join(wrong)}")
+        unknown = sorted(set(self.details) - VERDICT_DETAILS[self.kind])
+        if unknown:
+            raise TpulabError(f"a {self.kind!r} verdict with unknown fields {unknown}")
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "details"}
+        return {**self.details, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = VERDICT) -> ResumeVerdict:
+        """The flat record ``d`` (one line of refusal if it is not a resume verdict: a field
+        missing, one no writer of its kind writes, or a shared one of the wrong type). Files
+        written before the record existed have no ``kind`` and ``summary`` and are refused, not
+        guessed at: their summary is proof-layer text this layer cannot recompute, and each
+        reader reads a verdict its own run just wrote (an older one: rerun the proof, minutes)."""
+        if not isinstance(d, dict):
+            raise TpulabError(f"{where} is not a resume verdict (a JSON {type(d).__name__})")
+        shared = {f.name for f in dataclasses.fields(cls)} - {"details"}
+        missing = sorted(shared - d.keys())
+        if missing:
+            older = " (written before verdicts were typed: rerun the proof)" * ("kind" in missing)
+            raise TpulabError(f"{where} is not a resume verdict: missing {missing}{older}")
+        rest = {k: v for k, v in d.items() if k not in shared}
+        try:
+            return cls(**{k: d[k] for k in shared}, details=rest)
+        except TpulabError as e:
+            raise TpulabError(f"{where}: {e}") from None
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    # bool is an int in Python: a count or a step that is True/False is a wrong type here
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, list):
+        return list in types and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    return isinstance(value, types)
+
+
+_VERDICT_TYPES: dict[str, tuple[type, ...]] = {
+    "kind": (str,),
+    "identical": (bool,),
+    "curves_identical": (bool,),
+    "final_state_identical": (bool, type(None)),
+    "signal": (str,),
+    "steps": (int,),
+    "steps_compared": (int,),
+    "max_abs_diff": (float, int),
+    "first_differing_step": (int, type(None)),
+    "missing_steps": (list,),
+    "kill_step": (int, type(None)),
+    "resumed_from_step": (int, type(None)),
+    "reference_dir": (str,),
+    "run_dir": (str,),
+    "summary": (str,),
+    "details": (dict,),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,3 +392,10 @@ class RunDir:
 
     def read_summary(self) -> RunSummary:
         return RunSummary.from_dict(self.read(SUMMARY), str(self.summary))
+
+    def read_verdict(self) -> ResumeVerdict:
+        """This proof dir's ``verdict.json`` (a missing one: ``FileNotFoundError``)."""
+        return ResumeVerdict.from_dict(self.read(VERDICT), str(self.verdict))
+
+    def write_verdict(self, verdict: ResumeVerdict) -> Path:
+        return self.write(VERDICT, verdict.to_dict())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tpulab.checkpoint.rundir import RunDir
+from tpulab.checkpoint.rundir import ResumeVerdict, RunDir
 from tpulab.cli.train_cmds import add_warm_resume_cache_arg, checked_path, path_arg
 from tpulab.errors import ExitCode
 
@@ -171,7 +171,7 @@ def cmd_prove_resume(args) -> int:
     args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.prove import prove
 
-    verdict = prove(
+    v = prove(
         _config(args),
         args.backend,
         args.method,
@@ -182,16 +182,14 @@ def cmd_prove_resume(args) -> int:
         warm_resume_cache=args.warm_resume_cache,
         track=not args.no_track,
     )
-    from tpulab.proofs.driver import verdict_text
-
+    v = ResumeVerdict.from_dict(v)
     print(
-        f"{args.backend}/{args.method}: "
-        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: "
-        f"{verdict_text(verdict)}; killed after step {verdict['kill_step']}, resumed from "
-        f"{verdict['resumed_from_step']}; see {RunDir(args.run_dir).proof}"
+        f"{args.backend}/{args.method}: {'IDENTICAL' if v.identical else 'NOT IDENTICAL'}: "
+        f"{v.summary}; killed after step {v.kill_step}, resumed from "
+        f"{v.resumed_from_step}; see {RunDir(args.run_dir).proof}"
     )
     # as `tpulab prove-resume`: FAILED whenever not identical
-    return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
+    return ExitCode.OK if v.identical else ExitCode.FAILED
 
 
 def cmd_compare(args) -> int:

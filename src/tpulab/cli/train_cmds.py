@@ -7,7 +7,7 @@ import functools
 import json
 from pathlib import Path
 
-from tpulab.checkpoint.rundir import RunDir
+from tpulab.checkpoint.rundir import ResumeVerdict, RunDir
 from tpulab.errors import ExitCode
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "default.yaml"
@@ -251,31 +251,33 @@ def cmd_prove_resume(args) -> int:
     if args.processes:
         from tpulab.proofs.scaleout import prove_multiprocess_resume
 
-        v = prove_multiprocess_resume(
-            config,
-            Path(args.run_dir),
-            processes=args.processes,
-            devices=args.devices_per_process,
-            mode="stall" if args.stall else "kill",
-            kill_at=args.kill_at,
-            stall_timeout_s=args.stall_timeout,
+        v = ResumeVerdict.from_dict(
+            prove_multiprocess_resume(
+                config,
+                Path(args.run_dir),
+                processes=args.processes,
+                devices=args.devices_per_process,
+                mode="stall" if args.stall else "kill",
+                kill_at=args.kill_at,
+                stall_timeout_s=args.stall_timeout,
+            )
         )
-        ok = v["identical"] and v["teardown_ok"]
+        event = v.details["event"]
+        ok = v.identical and v.details["teardown_ok"]
         print(
-            f"{'IDENTICAL' if v['identical'] else 'NOT IDENTICAL'}: process "
-            f"{v['event']['victim_process']} of {args.processes} got {v['signal']} after step "
-            f"{v['event']['last_logged_step']}; the job ended in {v['event']['job_end_s']:.1f}s "
-            f"with exit {v['event']['launcher_exit_code']} (expected "
-            f"{v['expected_exit_code']}); resumed from step {v['resumed_from_step']}; curves "
-            f"{'bitwise identical' if v['curves_identical'] else 'differ'}, final state "
-            f"{'bitwise identical' if v['final_state_identical'] else 'differs'} -> "
+            f"{'IDENTICAL' if v.identical else 'NOT IDENTICAL'}: process "
+            f"{event['victim_process']} of {args.processes} got {v.signal} after step "
+            f"{event['last_logged_step']}; the job ended in {event['job_end_s']:.1f}s "
+            f"with exit {event['launcher_exit_code']} (expected "
+            f"{v.details['expected_exit_code']}); resumed from step {v.resumed_from_step}; curves "
+            f"{'bitwise identical' if v.curves_identical else 'differ'}, final state "
+            f"{'bitwise identical' if v.final_state_identical else 'differs'} -> "
             f"{Path(args.run_dir) / ('proof-' + ('stall' if args.stall else 'kill'))}"
         )
         return ExitCode.OK if ok else ExitCode.FAILED
-    from tpulab.proofs.driver import verdict_text
     from tpulab.proofs.transformer import prove_transformer_resume
 
-    verdict = prove_transformer_resume(
+    v = prove_transformer_resume(
         config,
         run_dir,
         kill_at=args.kill_at,
@@ -285,13 +287,13 @@ def cmd_prove_resume(args) -> int:
         warm_resume_cache=args.warm_resume_cache,
         track=not args.no_track,
     )
+    v = ResumeVerdict.from_dict(v)
     print(
-        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict_text(verdict)}; "
-        f"killed (SIGKILL) after step {verdict['kill_step']}, resumed from step "
-        f"{verdict['resumed_from_step']} -> "
+        f"{'IDENTICAL' if v.identical else 'NOT IDENTICAL'}: {v.summary}; killed ({v.signal}) "
+        f"after step {v.kill_step}, resumed from step {v.resumed_from_step} -> "
         f"{RunDir(run_dir).proof}"
     )
-    return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
+    return ExitCode.OK if v.identical else ExitCode.FAILED
 
 
 def cmd_chaos(args) -> int:
@@ -299,7 +301,7 @@ def cmd_chaos(args) -> int:
     config = load_run_config(args)
     from tpulab.proofs.chaos import run_chaos
 
-    verdict = run_chaos(
+    v = run_chaos(
         config,
         run_dir,
         kills=args.kills,
@@ -309,12 +311,14 @@ def cmd_chaos(args) -> int:
         reference_dir=args.reference and checked_path(args.reference, "--reference"),
         track=not args.no_track,
     )
+    v = ResumeVerdict.from_dict(v)
+    d = v.details
     print(
-        f"{'IDENTICAL' if verdict['identical'] else 'NOT IDENTICAL'}: {verdict['kills']} random "
-        f"SIGKILLs ({verdict['kills_during_save']} while a save was in flight), "
-        f"{verdict['segments']} process lifetimes; {verdict['summary']} -> {RunDir(run_dir).chaos}"
+        f"{'IDENTICAL' if v.identical else 'NOT IDENTICAL'}: {d['kills']} random "
+        f"SIGKILLs ({d['kills_during_save']} while a save was in flight), "
+        f"{d['segments']} process lifetimes; {v.summary} -> {RunDir(run_dir).chaos}"
     )
-    return ExitCode.OK if verdict["identical"] else ExitCode.FAILED
+    return ExitCode.OK if v.identical else ExitCode.FAILED
 
 
 def cmd_sft_eval(args) -> int:

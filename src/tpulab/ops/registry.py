@@ -36,7 +36,7 @@ import urllib.parse
 from pathlib import Path
 
 from tpulab.checkpoint.files import sha256_file
-from tpulab.checkpoint.rundir import VERDICT, RunDir, read_json
+from tpulab.checkpoint.rundir import VERDICT, ResumeVerdict, RunDir, read_json
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.ops import behaviour, ledger
 from tpulab.ops import tags as T
@@ -316,18 +316,18 @@ def resume_verdict(run_dir: Path, path: str | Path | None = None) -> str:
     if path is None and not candidate.is_file():
         return "absent"
     try:
-        verdict = read_json(candidate)
-        about = {Path(verdict[k]).resolve() for k in ("reference_dir", "run_dir") if verdict.get(k)}
-        identical = verdict["identical"]
-    except (OSError, ValueError, KeyError, TypeError):
+        record = read_json(candidate)
+    except (OSError, ValueError):
         raise TpulabError(f"resume verdict {candidate} is not a readable {VERDICT}") from None
+    verdict = ResumeVerdict.from_dict(record, f"resume verdict {candidate}")
+    about = {Path(p).resolve() for p in (verdict.reference_dir, verdict.run_dir) if p}
     if run_dir not in about:
         if path is None:
             return "absent"
         raise TpulabError(f"resume verdict {candidate} is about another run, not {run_dir}")
     return json.dumps(
         {
-            "identical": identical is True,
+            "identical": verdict.identical,
             "verdict_sha256": sha256_file(candidate),
             "path": str(candidate.resolve()),
         },

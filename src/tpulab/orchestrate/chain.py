@@ -33,7 +33,7 @@ from tpulab.evidence.metrics import read_records
 from tpulab.evidence.report_kit import table
 from tpulab.orchestrate import report
 from tpulab.orchestrate.stages import check_out
-from tpulab.proofs.driver import run_to_completion, verdict_text
+from tpulab.proofs.driver import run_to_completion
 from tpulab.proofs.transformer import prove_transformer_resume, train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
 from tpulab.train.restore import checkpoint_dir
@@ -155,7 +155,7 @@ def run_chain(
             1800,
             f"{name} run",
         )
-    proof = timed(
+    timed(
         "dpo resume proof",
         prove_transformer_resume,
         configs["dpo"],
@@ -184,8 +184,9 @@ def run_chain(
     section = chain_section(out, runs, pairs, wins, identities, seconds, rel)
     atomic_write_bytes(out / "chain.md", section.encode())
     problems = changed(identities)
-    if not proof["identical"]:
-        problems.append(f"the DPO resume is not identical: {verdict_text(proof)}")
+    resume = RunDir(out / "dpo-resume").proof.read_verdict()
+    if not resume.identical:
+        problems.append(f"the DPO resume is not identical: {resume.summary}")
     if problems:
         raise TpulabError(f"preference chain: {'; '.join(problems)} (see {out})")
     return section
@@ -301,7 +302,7 @@ def chain_section(
     dpo_first = next(r for r in read_records(runs["dpo"]) if r.get("step") == 1 and "loss" in r)
     ppo_evals = _evals(runs["ppo"])
     proof = RunDir(out / "dpo-resume").proof
-    v = rundir.read_json(proof.verdict)
+    v = proof.read_verdict()
     curves = []
     for name, title in (("reward", "reward model"), ("dpo", "DPO"), ("ppo", "PPO")):
         text = report.curves_section(
@@ -412,10 +413,10 @@ def chain_section(
             "",
             identity_table,
             "",
-            f"Resume: DPO killed with {v['signal']} after step {v['kill_step']}, resumed from "
-            f"step {v['resumed_from_step']} in a fresh process, against the chain's DPO run: "
-            f"**{'bitwise identical' if v['identical'] else 'NOT identical'}** "
-            f"({verdict_text(v)}).",
+            f"Resume: DPO killed with {v.signal} after step {v.kill_step}, resumed from "
+            f"step {v.resumed_from_step} in a fresh process, against the chain's DPO run: "
+            f"**{'bitwise identical' if v.identical else 'NOT identical'}** "
+            f"({v.summary}).",
             "",
             f"![DPO resume]({rel}/dpo-resume/{rundir.PROOF}/overlay.png)",
             "",

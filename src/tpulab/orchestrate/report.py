@@ -20,7 +20,6 @@ from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.evidence.provenance import describe_hardware
 from tpulab.proofs.checks import table_markdown
-from tpulab.proofs.driver import verdict_text
 
 
 def steady_tokens_per_s(run_dir: Path, tokens_per_step: int, skip: int = 5) -> float | None:
@@ -108,24 +107,24 @@ def run_section(run_dir: Path) -> str:
 
 
 def proof_section(proof_dir: Path, rel: str) -> str:
-    v = RunDir(proof_dir).read(rundir.VERDICT)
+    v = RunDir(proof_dir).read_verdict()
     verdict = (
         "**bitwise identical**"
-        if v["identical"]
-        else f"**NOT identical** (first differing step {v['first_differing_step']})"
+        if v.identical
+        else f"**NOT identical** (first differing step {v.first_differing_step})"
     )
     return "\n".join(
         [
             "## Kill/resume proof",
             "",
-            f"A second run with the same config was killed with **{v['signal']}** right after "
-            f"step {v['kill_step']} (a real process; no handler ran). A fresh process resumed from "
-            f"the newest valid checkpoint, step {v['resumed_from_step']}, redid "
-            f"{v['steps_redone']} steps and trained to step {v['steps']}.",
+            f"A second run with the same config was killed with **{v.signal}** right after "
+            f"step {v.kill_step} (a real process; no handler ran). A fresh process resumed from "
+            f"the newest valid checkpoint, step {v.resumed_from_step}, redid "
+            f"{v.details['steps_redone']} steps and trained to step {v.steps}.",
             "",
-            f"Verdict: {verdict} against the uninterrupted run: {verdict_text(v)}; "
-            f"max |diff| = {v['max_abs_diff']:g}. Checkpoint dir at the kill: "
-            f"{', '.join(v.get('checkpoints_at_kill', [])) or 'n/a'}.",
+            f"Verdict: {verdict} against the uninterrupted run: {v.summary}; "
+            f"max |diff| = {v.max_abs_diff:g}. Checkpoint dir at the kill: "
+            f"{', '.join(v.details.get('checkpoints_at_kill', [])) or 'n/a'}.",
             "",
             f"![overlay]({rel}/overlay.png)",
             "",
@@ -135,18 +134,19 @@ def proof_section(proof_dir: Path, rel: str) -> str:
 
 
 def chaos_section(chaos_dir: Path, rel: str) -> str:
-    v = RunDir(chaos_dir).read(rundir.VERDICT)
+    v = RunDir(chaos_dir).read_verdict()
+    d = v.details
     return "\n".join(
         [
             "## Chaos: SIGKILL at random moments",
             "",
-            f"The run was SIGKILLed **{v['kills']}** times at random wall-clock moments "
-            f"(seed {v['seed']}; no hold, no withheld marker), {v['kills_during_save']} of them "
+            f"The run was SIGKILLed **{d['kills']}** times at random wall-clock moments "
+            f"(seed {d['seed']}; no hold, no withheld marker), {d['kills_during_save']} of them "
             "while a checkpoint save was in flight, and resumed each time in a fresh process "
-            f"({v['segments']} process lifetimes; resumed from steps "
-            f"{', '.join(str(s) for s in v['resumed_from_steps'])}).",
+            f"({d['segments']} process lifetimes; resumed from steps "
+            f"{', '.join(str(s) for s in d['resumed_from_steps'])}).",
             "",
-            f"Verdict: **{'identical' if v['identical'] else 'NOT identical'}**: {v['summary']}.",
+            f"Verdict: **{'identical' if v.identical else 'NOT identical'}**: {v.summary}.",
             "",
             f"![chaos]({rel}/segments.png)",
             "",
@@ -253,9 +253,8 @@ def build_report(d: str | Path) -> str:
 def chaos_goodput(chaos_dir: Path) -> str:
     from tpulab.evidence.goodput import chaos_kill_tail
 
-    v = RunDir(chaos_dir).read(rundir.VERDICT)
     victim = RunDir(chaos_dir).victim.root
-    tail = chaos_kill_tail(victim, v.get("kill_log", []))
+    tail = chaos_kill_tail(victim, RunDir(chaos_dir).read_verdict().details.get("kill_log", []))
     return goodput_section(
         victim, "Goodput of the chaos victim (all lifetimes, kills included)", tail
     )

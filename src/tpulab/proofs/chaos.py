@@ -21,13 +21,19 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import MANIFEST
-from tpulab.checkpoint.rundir import VERDICT, RunDir
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.checkpoint.store import TMP_MARK, scan
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import curve, read_records, starts
 from tpulab.evidence.report_kit import figure
 from tpulab.proofs import cache
-from tpulab.proofs.driver import Proc, compare_curves, diff_panel, run_to_completion
+from tpulab.proofs.driver import (
+    Proc,
+    compare_curves,
+    diff_panel,
+    run_to_completion,
+    typed_verdict,
+)
 from tpulab.proofs.state import final_state_verdict
 from tpulab.proofs.transformer import check_reference, train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
@@ -182,7 +188,10 @@ def run_chaos(
         segments=len(kill_log) + 1,
         signal="SIGKILL",
         steps=steps,
+        kill_step=None,  # kills at random moments: each is in kill_log
+        resumed_from_step=None,  # each lifetime's: resumed_from_steps
         reference_dir=str(reference),
+        run_dir=str(victim),
         timings={"reference_s": round(t_ref, 2), "victim_s": round(t_victim, 2)},
         compile_cache={
             "resumed_cache": "warm (one shared cache)"
@@ -192,7 +201,9 @@ def run_chaos(
         },
         summary=_summary(verdict),
     )
-    chaos.write(VERDICT, verdict)
+    record = typed_verdict("chaos", verdict)
+    chaos.write_verdict(record)
+    verdict = record.to_dict()  # the flat dict on disk, for the plot and the callers
     plot_segments(reference, victim, verdict, chaos_dir / "segments.png")
     return verdict
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tpulab.checkpoint.rundir import VERDICT, RunDir
+from tpulab.checkpoint.rundir import ResumeVerdict, RunDir
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.evidence.report_kit import figure
@@ -253,9 +253,22 @@ def prove_resume(
         checkpoints_at_kill=at_kill,
         **(extra or {}),
     )
-    proof.write(VERDICT, verdict)
+    record = typed_verdict("resume", verdict)
+    proof.write_verdict(record)
+    verdict = record.to_dict()  # the flat dict on disk, for the plot and the callers
     plot_proof(reference_dir, run_dir, verdict, proof_dir / "overlay.png", title=title)
     return verdict
+
+
+def typed_verdict(kind: str, verdict: dict) -> ResumeVerdict:
+    """``verdict`` (judge's fields and the writer's own) as the typed record, with its kind and
+    its one-sentence summary; a field no writer of ``kind`` writes is an error here, before the
+    file is written. The final state not compared: ``final_state_identical`` None."""
+    summary = verdict.get("summary") or verdict_text(verdict)
+    return ResumeVerdict.from_dict(
+        {"final_state_identical": None, **verdict, "kind": kind, "summary": summary},
+        f"the {kind} proof's verdict",
+    )
 
 
 def judge(reference_dir: Path, run_dir: Path, *, steps: int, kill_step: int) -> dict:
@@ -325,7 +338,7 @@ def verdict_text(verdict: dict) -> str:
         + (f": {where}" if (where := where_curves_differ(verdict)) else "")
         + ")"
     )
-    if "final_state_identical" not in verdict:
+    if verdict.get("final_state_identical") is None:
         return curves + " (final state not compared)"
     state = (
         "final state bitwise identical"

@@ -33,6 +33,7 @@ from tpulab.proofs.driver import (
     plot_proof,
     run_to_completion,
     tpulab_argv,
+    typed_verdict,
 )
 from tpulab.proofs.state import final_state_verdict
 from tpulab.proofs.transformer import check_kill_step, default_kill_step, write_child_config
@@ -335,7 +336,9 @@ def prove_multiprocess_resume(
         and not event["survivors_after"]
         and (mode == "kill" or stack_dumped)
     )
-    proof.write(VERDICT, verdict)
+    record = typed_verdict("scaleout", verdict)
+    proof.write_verdict(record)
+    verdict = record.to_dict()  # the flat dict on disk, for the plot and the callers
     what = f"{processes}-process job, process {victim} " + (
         "SIGKILLed" if mode == "kill" else f"SIGSTOPped (watchdog {stall_timeout_s:g}s)"
     )
