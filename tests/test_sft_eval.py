@@ -14,13 +14,12 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import run_cli, tiny_config
+from conftest import tiny_config
 from tpulab.data import dialogue as D
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.posttrain import evaluate, evaluate_sft, log_to_run
 from tpulab.train.loop import train
-from tpulab.train.merge import merge_lora
 
 QA = [
     ("A.\nGo.\n\nB.\n", "Ay."),
@@ -54,22 +53,10 @@ def qa_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qa_run(trained_run, qa_data, tmp_path_factory):
-    """Full SFT on the exchanges, tracked in an MLflow store beside it."""
-    from tpulab.tracking.hook import MlflowTracker
-    from tpulab.tracking.store import sqlite_uri
-
-    root = tmp_path_factory.mktemp("qa-run")
-    run = root / "run"
-    tracker = MlflowTracker(run, sqlite_uri(root / "mlruns.db"))
-    try:
-        train(
-            qa_config(trained_run, qa_data, 60, "optim.lr=1e-2"),
-            run,
-            hooks=[tracker],
-            progress=False,
-        )
-    finally:
-        tracker.close()
+    """Full SFT on the exchanges, untracked (the evaluation's MLflow logging is checked on the
+    capstone stage's tracked runs, ``posttrain_out``)."""
+    run = tmp_path_factory.mktemp("qa-run") / "run"
+    train(qa_config(trained_run, qa_data, 60, "optim.lr=1e-2"), run, progress=False)
     return run
 
 
@@ -116,9 +103,28 @@ def test_prompts_leave_the_room_by_cutting_the_cue_from_the_left():
     assert skipped == 1 and [p.pair for p in chosen] == [short]
 
 
+@pytest.fixture(scope="module")
+def posttrain_out(trained_run, tmp_path_factory):
+    """The capstone's post-training stage at the CI size, run once for this module: SFT and
+    LoRA r8 children from the pretrained run, each tracked in an MLflow store beside them,
+    merge-lora, both evaluations. Returns (out dir, store URI, section); read only."""
+    from tpulab.orchestrate.capstone import posttrain_stage
+    from tpulab.tracking.store import sqlite_uri
+
+    out = tmp_path_factory.mktemp("posttrain-stage")
+    uri = sqlite_uri(out / "mlruns.db")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        section = posttrain_stage(tiny_config(), trained_run, out)
+    return out, uri, section
+
+
+@pytest.mark.slow
 def test_a_merged_lora_model_is_measured_and_generates_what_the_adapters_do(
-    trained_run, qa_data, tmp_path
+    posttrain_out, tmp_path
 ):
+    """On the stage's LoRA run and its merge (the stage's own evaluate_sft record, eval_lora.json:
+    the LoRA run with ``merged=``, without the base)."""
     import jax
 
     from tpulab.model import lora
@@ -126,25 +132,27 @@ def test_a_merged_lora_model_is_measured_and_generates_what_the_adapters_do(
     from tpulab.train.restore import load_model
     from tpulab.train.step import tree_digest
 
-    run, merged = tmp_path / "lora", tmp_path / "merged"
-    train(qa_config(trained_run, qa_data, 12, "objective.lora.rank=4"), run, progress=False)
+    d = posttrain_out[0] / "posttrain"
+    run, merged = d / "lora", d / "lora-merged"
     # merge-lora's jitted fold is bitwise the eager W + (alpha / r) A B (control: not the base's)
     adapted = load_model(run)
     eager = jax.device_get(lora.merged_params(adapted.model))
     assert tree_digest(folded(adapted.model)) == tree_digest(eager)
     assert tree_digest(eager) != tree_digest(adapted.base.state.params)
-    merge_lora(run, merged)
-    r = evaluate_sft(run, merged=merged, with_base=False)
+    r = json.loads((d / "eval_lora.json").read_text())
     assert set(r["models"]) == {"sft", "merged"}
     m = r["merged"]
-    assert m["generations"] == 4 and m["identical_generations"] == 4
+    assert m["run_dir"] == str(merged) and m["generations"] == r["stop"]["prompts"] > 0
+    assert m["identical_generations"] == m["generations"]
     a, b = r["models"]["sft"]["response_loss"], r["models"]["merged"]["response_loss"]
     assert abs(a - b) <= 1e-5 * a
     # negative control: a merged model that names another source checkpoint is refused
-    record = json.loads((merged / "merge.json").read_text())
-    (merged / "merge.json").write_text(json.dumps({**record, "source_checkpoint_digest": "0" * 64}))
+    other = tmp_path / "merged"
+    shutil.copytree(merged, other)
+    record = json.loads((other / "merge.json").read_text())
+    (other / "merge.json").write_text(json.dumps({**record, "source_checkpoint_digest": "0" * 64}))
     with pytest.raises(TpulabError, match="was merged from checkpoint 000000000000"):
-        evaluate_sft(run, merged=merged)
+        evaluate_sft(run, merged=other)
 
 
 def test_a_moved_base_or_a_pretraining_run_is_refused(trained_run, qa_data, tmp_path):
@@ -160,40 +168,47 @@ def test_a_moved_base_or_a_pretraining_run_is_refused(trained_run, qa_data, tmp_
         evaluate_sft(run)
 
 
-def test_the_evaluation_is_logged_to_the_runs_mlflow_run(qa_run, qa_eval, tmp_path, capsys):
+@pytest.mark.slow
+def test_the_evaluation_is_logged_to_the_runs_mlflow_run(posttrain_out, tmp_path, capsys):
+    """On the capstone stage's tracked SFT run, which the stage's ``log_to_run`` (its return value
+    checked: False fails the stage) gave the evaluation it wrote to eval_sft.json."""
     from tpulab.tracking.store import open_store, read_run_link
 
-    path = tmp_path / "eval.json"
-    path.write_text(json.dumps(qa_eval))
-    assert log_to_run(qa_run, qa_eval, [path])
-    link = read_run_link(qa_run)
+    d = posttrain_out[0] / "posttrain"
+    run, record = d / "sft", json.loads((d / "eval_sft.json").read_text())
+    link = read_run_link(run)
     client, _ = open_store(link["tracking_uri"])
-    for key, value in evaluate.metrics_of(qa_eval).items():
+    step = record["checkpoint"]["step"]
+    assert step == json.loads((run / "summary.json").read_text())["final_step"]
+    for key, value in evaluate.metrics_of(record).items():
         history = client.get_metric_history(link["run_id"], key)
-        assert [(h.step, h.value) for h in history] == [(60, value)], key
-    assert "eval.sft.stop_rate" in evaluate.metrics_of(qa_eval)
+        assert [(h.step, h.value) for h in history] == [(step, value)], key
+    assert "eval.sft.stop_rate" in evaluate.metrics_of(record)
     assert [a.path for a in client.list_artifacts(link["run_id"], "posttrain")] == [
-        "posttrain/eval.json"
+        "posttrain/eval_sft.json"
     ]
     # negative control: a run dir with no MLflow run is one warning line, not a silent success
     lone = tmp_path / "lone"
     lone.mkdir()
-    assert not log_to_run(lone, qa_eval)
+    assert not log_to_run(lone, record)
     assert "has no MLflow run" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_sft_eval_cli_writes_the_record_and_refuses_bad_input_in_one_line(
-    qa_run, trained_run, tmp_path
+    qa_run, trained_run, tmp_path, capsys
 ):
+    """`tpulab sft-eval` through the CLI's own ``main`` in this process (a TpulabError's exit
+    code and its one line in a real process are tests/test_cli_errors.py's)."""
+    from tpulab.cli.main import main
+
     out = tmp_path / "e.json"
-    ok = run_cli("sft-eval", "--run-dir", str(qa_run), "--out", str(out), "--prompts", "2")
-    assert ok.returncode == 0, ok.stderr
-    assert "held-out response loss" in ok.stdout and "over 2 prompts" in ok.stdout
+    assert main(["sft-eval", "--run-dir", str(qa_run), "--out", str(out), "--prompts", "2"]) == 0
+    ok = capsys.readouterr().out
+    assert "held-out response loss" in ok and "over 2 prompts" in ok
     assert json.loads(out.read_text())["stop"]["prompts"] == 2
-    bad = run_cli("sft-eval", "--run-dir", str(trained_run), "--out", str(tmp_path / "x.json"))
-    assert bad.returncode != 0 and not (tmp_path / "x.json").exists()
-    lines = bad.stderr.strip().splitlines()
+    code = main(["sft-eval", "--run-dir", str(trained_run), "--out", str(tmp_path / "x.json")])
+    assert code != 0 and not (tmp_path / "x.json").exists()
+    lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("error:") and "not sft" in lines[-1]
 
 
@@ -207,18 +222,14 @@ def test_the_capstone_has_a_skip_posttrain_flag():
 
 
 @pytest.mark.slow
-def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
-    trained_run, tmp_path, monkeypatch
-):
+def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(posttrain_out):
     """The stage at the CI size: SFT and LoRA children from the pretrained run, each tracked;
     the evaluation in both MLflow runs; the section with its evidence."""
-    from tpulab.orchestrate.capstone import posttrain_stage, tracking_section
-    from tpulab.tracking.store import open_store, read_run_link, sqlite_uri
+    from tpulab.orchestrate.capstone import tracking_section
+    from tpulab.tracking.store import open_store, read_run_link
 
-    uri = sqlite_uri(tmp_path / "mlruns.db")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    section = posttrain_stage(tiny_config(), trained_run, tmp_path)
-    d = tmp_path / "posttrain"
+    out, uri, section = posttrain_out
+    d = out / "posttrain"
     assert section.startswith("## Post-training") and (d / "posttrain.md").read_text() == section
     assert "| full SFT | " in section and "| LoRA r8 | " in section and "LoRA r8 merged" in section
     assert (d / "curves.png").stat().st_size > 10_000
@@ -234,7 +245,7 @@ def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
         got = client.get_run(link["run_id"]).data.metrics
         assert got["eval.sft.response_loss"] == record["models"]["sft"]["response_loss"]
     # the capstone's own audit finds both runs complete in the store
-    text, failures = tracking_section(tmp_path, uri)
+    text, failures = tracking_section(out, uri)
     assert failures == [] and "**2 of 2** runs complete" in text
 
 
@@ -243,13 +254,14 @@ def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
     1800
 )  # 5 child processes and 3 in-process generations: 600 s ran out at load 24
 def test_the_preference_chain_section_is_what_its_runs_recorded(
-    sft_policy, trained_run, tmp_path, monkeypatch
+    preference_chain, trained_run, tmp_path
 ):
-    """The capstone's preference-chain stage from an SFT run at the tiny size: the section's
-    identity rows are the digests the checkpoints recorded and recompute from their sources, its
-    verdict is the proof's verdict file, its gold-vs-proxy rows are PPO's evaluations in
-    metrics.jsonl, every run is in the MLflow store; control: a changed SFT checkpoint shows as
-    changed in every row that names it. A run that is not SFT is refused in one line."""
+    """The capstone's preference-chain stage from an SFT run at the tiny size (``preference_chain``,
+    shared with tests/test_dpo.py's DPO proof): the section's identity rows are the digests the
+    checkpoints recorded and recompute from their sources, its verdict is the proof's verdict
+    file, its gold-vs-proxy rows are PPO's evaluations in metrics.jsonl, every run is in the MLflow
+    store; control: a changed SFT checkpoint shows as changed in every row that names it. A run
+    that is not SFT is refused in one line."""
     from tpulab.checkpoint.files import MANIFEST, manifest_digest
     from tpulab.checkpoint.rundir import RunDir
     from tpulab.checkpoint.store import read_meta
@@ -257,7 +269,6 @@ def test_the_preference_chain_section_is_what_its_runs_recorded(
     from tpulab.orchestrate.chain import (
         DEMO,
         chain_configs,
-        chain_stage,
         changed,
         identity_rows,
         run_chain,
@@ -270,13 +281,9 @@ def test_the_preference_chain_section_is_what_its_runs_recorded(
     with pytest.raises(TpulabError, match="is a pretrain run, not sft"):
         run_chain(trained_run, tmp_path / "not-from-sft")
     assert not (tmp_path / "not-from-sft").exists()
-    # a copy: the control below changes its checkpoint, and the session's policy is shared
-    sft = tmp_path / "sft"
-    shutil.copytree(sft_policy, sft)
-    uri = sqlite_uri(tmp_path / "mlruns.db")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    out = tmp_path
-    section = chain_stage(sft, out)
+    out, sft = preference_chain, preference_chain / "sft"
+    uri = sqlite_uri(out / "mlruns.db")
+    section = (out / "section.md").read_text()
     c = out / "posttrain" / "chain"
     assert (c / "chain.md").read_text() == section and section.startswith("## Preference chain")
     record = json.loads((c / "chain.json").read_text())
@@ -302,16 +309,19 @@ def test_the_preference_chain_section_is_what_its_runs_recorded(
         assert f"](posttrain/chain/{name}-curves.png)" in section
     w = record["win_rate"]["dpo"]
     assert f"| DPO vs SFT | {w['prompts']} | {w['win_rate']:.3f} |" in section
-    # control: one byte more in the SFT run's newest manifest is another checkpoint
-    manifest = checkpoint_dir(sft) / MANIFEST
+    # control: one byte more in the newest manifest of (a copy of) the SFT run is another
+    # checkpoint; the rows recorded by the chain's runs are read from the chain's own dirs
+    moved = tmp_path / "sft"
+    shutil.copytree(sft, moved)
+    manifest = checkpoint_dir(moved) / MANIFEST
     manifest.write_bytes(manifest.read_bytes() + b"\n")
-    runs = {"sft": sft, "pairs": c / "pairs", **{k: c / k for k in ("reward", "dpo", "ppo")}}
+    runs = {"sft": moved, "pairs": c / "pairs", **{k: c / k for k in ("reward", "dpo", "ppo")}}
     runs["dpo_resumed"] = c / "dpo-resume" / "proof" / "interrupted"
-    sft_config = load(RunConfig, RunDir(sft).config)
-    configs = chain_configs(sft_config, sft, runs["pairs"], runs["reward"], DEMO)
+    sft_config = load(RunConfig, RunDir(moved).config)
+    configs = chain_configs(sft_config, moved, runs["pairs"], runs["reward"], DEMO)
     after = identity_rows(runs, configs)
-    moved = {(r["run"], r["name"]) for r in after if not r["unchanged"]}
-    assert moved == {
+    moved_rows = {(r["run"], r["name"]) for r in after if not r["unchanged"]}
+    assert moved_rows == {
         ("reward", "base"),
         ("dpo", "base"),
         ("dpo", "reference"),
