@@ -20,6 +20,7 @@ from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.posttrain import evaluate, evaluate_sft, log_to_run
 from tpulab.train.loop import train
+from tpulab.train.merge import merge_lora
 
 QA = [
     ("A.\nGo.\n\nB.\n", "Ay."),
@@ -53,10 +54,22 @@ def qa_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qa_run(trained_run, qa_data, tmp_path_factory):
-    """Full SFT on the exchanges, untracked (the evaluation's MLflow logging is checked on the
-    capstone stage's tracked runs, ``posttrain_out``)."""
-    run = tmp_path_factory.mktemp("qa-run") / "run"
-    train(qa_config(trained_run, qa_data, 60, "optim.lr=1e-2"), run, progress=False)
+    """Full SFT on the exchanges, tracked in an MLflow store beside it."""
+    from tpulab.tracking.hook import MlflowTracker
+    from tpulab.tracking.store import sqlite_uri
+
+    root = tmp_path_factory.mktemp("qa-run")
+    run = root / "run"
+    tracker = MlflowTracker(run, sqlite_uri(root / "mlruns.db"))
+    try:
+        train(
+            qa_config(trained_run, qa_data, 60, "optim.lr=1e-2"),
+            run,
+            hooks=[tracker],
+            progress=False,
+        )
+    finally:
+        tracker.close()
     return run
 
 
@@ -103,28 +116,9 @@ def test_prompts_leave_the_room_by_cutting_the_cue_from_the_left():
     assert skipped == 1 and [p.pair for p in chosen] == [short]
 
 
-@pytest.fixture(scope="module")
-def posttrain_out(trained_run, tmp_path_factory):
-    """The capstone's post-training stage at the CI size, run once for this module: SFT and
-    LoRA r8 children from the pretrained run, each tracked in an MLflow store beside them,
-    merge-lora, both evaluations. Returns (out dir, store URI, section); read only."""
-    from tpulab.orchestrate.capstone import posttrain_stage
-    from tpulab.tracking.store import sqlite_uri
-
-    out = tmp_path_factory.mktemp("posttrain-stage")
-    uri = sqlite_uri(out / "mlruns.db")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
-        section = posttrain_stage(tiny_config(), trained_run, out)
-    return out, uri, section
-
-
-@pytest.mark.slow
 def test_a_merged_lora_model_is_measured_and_generates_what_the_adapters_do(
-    posttrain_out, tmp_path
+    trained_run, qa_data, tmp_path
 ):
-    """On the stage's LoRA run and its merge (the stage's own evaluate_sft record, eval_lora.json:
-    the LoRA run with ``merged=``, without the base)."""
     import jax
 
     from tpulab.model import lora
@@ -132,27 +126,25 @@ def test_a_merged_lora_model_is_measured_and_generates_what_the_adapters_do(
     from tpulab.train.restore import load_model
     from tpulab.train.step import tree_digest
 
-    d = posttrain_out[0] / "posttrain"
-    run, merged = d / "lora", d / "lora-merged"
+    run, merged = tmp_path / "lora", tmp_path / "merged"
+    train(qa_config(trained_run, qa_data, 12, "objective.lora.rank=4"), run, progress=False)
     # merge-lora's jitted fold is bitwise the eager W + (alpha / r) A B (control: not the base's)
     adapted = load_model(run)
     eager = jax.device_get(lora.merged_params(adapted.model))
     assert tree_digest(folded(adapted.model)) == tree_digest(eager)
     assert tree_digest(eager) != tree_digest(adapted.base.state.params)
-    r = json.loads((d / "eval_lora.json").read_text())
+    merge_lora(run, merged)
+    r = evaluate_sft(run, merged=merged, with_base=False)
     assert set(r["models"]) == {"sft", "merged"}
     m = r["merged"]
-    assert m["run_dir"] == str(merged) and m["generations"] == r["stop"]["prompts"] > 0
-    assert m["identical_generations"] == m["generations"]
+    assert m["generations"] == 4 and m["identical_generations"] == 4
     a, b = r["models"]["sft"]["response_loss"], r["models"]["merged"]["response_loss"]
     assert abs(a - b) <= 1e-5 * a
     # negative control: a merged model that names another source checkpoint is refused
-    other = tmp_path / "merged"
-    shutil.copytree(merged, other)
-    record = json.loads((other / "merge.json").read_text())
-    (other / "merge.json").write_text(json.dumps({**record, "source_checkpoint_digest": "0" * 64}))
+    record = json.loads((merged / "merge.json").read_text())
+    (merged / "merge.json").write_text(json.dumps({**record, "source_checkpoint_digest": "0" * 64}))
     with pytest.raises(TpulabError, match="was merged from checkpoint 000000000000"):
-        evaluate_sft(run, merged=other)
+        evaluate_sft(run, merged=merged)
 
 
 def test_a_moved_base_or_a_pretraining_run_is_refused(trained_run, qa_data, tmp_path):
@@ -168,29 +160,25 @@ def test_a_moved_base_or_a_pretraining_run_is_refused(trained_run, qa_data, tmp_
         evaluate_sft(run)
 
 
-@pytest.mark.slow
-def test_the_evaluation_is_logged_to_the_runs_mlflow_run(posttrain_out, tmp_path, capsys):
-    """On the capstone stage's tracked SFT run, which the stage's ``log_to_run`` (its return value
-    checked: False fails the stage) gave the evaluation it wrote to eval_sft.json."""
+def test_the_evaluation_is_logged_to_the_runs_mlflow_run(qa_run, qa_eval, tmp_path, capsys):
     from tpulab.tracking.store import open_store, read_run_link
 
-    d = posttrain_out[0] / "posttrain"
-    run, record = d / "sft", json.loads((d / "eval_sft.json").read_text())
-    link = read_run_link(run)
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(qa_eval))
+    assert log_to_run(qa_run, qa_eval, [path])
+    link = read_run_link(qa_run)
     client, _ = open_store(link["tracking_uri"])
-    step = record["checkpoint"]["step"]
-    assert step == json.loads((run / "summary.json").read_text())["final_step"]
-    for key, value in evaluate.metrics_of(record).items():
+    for key, value in evaluate.metrics_of(qa_eval).items():
         history = client.get_metric_history(link["run_id"], key)
-        assert [(h.step, h.value) for h in history] == [(step, value)], key
-    assert "eval.sft.stop_rate" in evaluate.metrics_of(record)
+        assert [(h.step, h.value) for h in history] == [(60, value)], key
+    assert "eval.sft.stop_rate" in evaluate.metrics_of(qa_eval)
     assert [a.path for a in client.list_artifacts(link["run_id"], "posttrain")] == [
-        "posttrain/eval_sft.json"
+        "posttrain/eval.json"
     ]
     # negative control: a run dir with no MLflow run is one warning line, not a silent success
     lone = tmp_path / "lone"
     lone.mkdir()
-    assert not log_to_run(lone, record)
+    assert not log_to_run(lone, qa_eval)
     assert "has no MLflow run" in capsys.readouterr().err
 
 
@@ -222,14 +210,18 @@ def test_the_capstone_has_a_skip_posttrain_flag():
 
 
 @pytest.mark.slow
-def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(posttrain_out):
+def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
+    trained_run, tmp_path, monkeypatch
+):
     """The stage at the CI size: SFT and LoRA children from the pretrained run, each tracked;
     the evaluation in both MLflow runs; the section with its evidence."""
-    from tpulab.orchestrate.capstone import tracking_section
-    from tpulab.tracking.store import open_store, read_run_link
+    from tpulab.orchestrate.capstone import posttrain_stage, tracking_section
+    from tpulab.tracking.store import open_store, read_run_link, sqlite_uri
 
-    out, uri, section = posttrain_out
-    d = out / "posttrain"
+    uri = sqlite_uri(tmp_path / "mlruns.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    section = posttrain_stage(tiny_config(), trained_run, tmp_path)
+    d = tmp_path / "posttrain"
     assert section.startswith("## Post-training") and (d / "posttrain.md").read_text() == section
     assert "| full SFT | " in section and "| LoRA r8 | " in section and "LoRA r8 merged" in section
     assert (d / "curves.png").stat().st_size > 10_000
@@ -245,7 +237,7 @@ def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(posttra
         got = client.get_run(link["run_id"]).data.metrics
         assert got["eval.sft.response_loss"] == record["models"]["sft"]["response_loss"]
     # the capstone's own audit finds both runs complete in the store
-    text, failures = tracking_section(out, uri)
+    text, failures = tracking_section(tmp_path, uri)
     assert failures == [] and "**2 of 2** runs complete" in text
 
 
