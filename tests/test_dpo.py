@@ -332,6 +332,7 @@ def test_the_gold_win_rate_counts_wins_by_r_star_and_a_policy_ties_itself(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # it may be the one to build the chain: the chain test's limit
 def test_dpo_kill_resume_is_bitwise(preference_chain):
     """The kill/resume proof on DPO: the preference chain's (``preference_chain``, shared with
     tests/test_sft_eval.py; `prove-resume`'s driver, whose CLI is tests/test_sft.py's and the
