@@ -194,3 +194,23 @@ def tiny_proof(trained_run, tmp_path_factory) -> Path:
         assert result.returncode == 0, result.stderr
 
     return built_once(tmp_path_factory, "tiny-proof", build) / "run"
+
+
+@pytest.fixture(scope="session")
+def preference_chain(sft_policy, tmp_path_factory) -> Path:
+    """The capstone's preference-chain stage (``orchestrate.chain.chain_stage``: pairs, reward
+    model, DPO, PPO and the DPO kill/resume proof, five `tpulab train` children) from a copy of
+    ``sft_policy`` (``sft/``), tracked in ``mlruns.db`` beside it, once per pytest run: the chain
+    section's test (tests/test_sft_eval.py) and the DPO proof's (tests/test_dpo.py) read it.
+    Returns the out dir (the chain in ``posttrain/chain``); read only."""
+    from tpulab.orchestrate.chain import chain_stage
+    from tpulab.tracking.store import sqlite_uri
+
+    def build(d: Path) -> None:
+        # a copy: the chain test's control changes a copy of it, and the session's policy is shared
+        shutil.copytree(sft_policy, d / "sft")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MLFLOW_TRACKING_URI", sqlite_uri(d / "mlruns.db"))
+            (d / "section.md").write_text(chain_stage(d / "sft", d))
+
+    return built_once(tmp_path_factory, "preference-chain", build)

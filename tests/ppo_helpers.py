@@ -1,4 +1,5 @@
-"""A reward-model run dir for the PPO tests, written through the checkpoint store.
+"""A reward-model run dir for the PPO tests, and a language model of another shape or tokenizer
+for the refusals of the PPO and DPO tests, written through the checkpoint store.
 
 The reward objective (``objective.kind: reward``) is built elsewhere; until it lands these tests
 write its checkpoint layout themselves, as ``tpulab.train.objectives.ppo.load_reward_model``
@@ -22,7 +23,7 @@ from tpulab.config import to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.train.objectives.ppo_state import value_graph
 from tpulab.train.restore import load_model
-from tpulab.train.step import TrainState, optimizer
+from tpulab.train.step import TrainState, make_mesh, make_steps, optimizer
 
 
 def write_reward_model(
@@ -52,6 +53,22 @@ def write_reward_model(
     store = CheckpointStore(out / "checkpoints", keep=2, async_save=False)
     try:
         store.save(1, state, None, meta)
+        store.wait()
+    finally:
+        store.close()
+    return out
+
+
+def write_lm(base: Path, out: Path, *, tokenizer=TOKENIZER, **model) -> Path:
+    """A language-model checkpoint like ``base``'s (or a fresh, untrained one of another shape)
+    through the store, with the given tokenizer definition in its metadata."""
+    restored = load_model(base)
+    cfg = tiny_config(*(f"model.{k}={v}" for k, v in model.items()))
+    state = restored.state if not model else make_steps(cfg, make_mesh()).init()
+    meta = {"config": to_dict(cfg), "tokenizer": tokenizer, "identities": {}}
+    store = CheckpointStore(out / "checkpoints", keep=2, async_save=False)
+    try:
+        store.save(40, state, None, meta)
         store.wait()
     finally:
         store.close()

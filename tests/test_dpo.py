@@ -280,9 +280,11 @@ def test_a_missing_corrupt_or_foreign_reference_is_one_line(sft_policy, sampled_
 
 
 def test_a_reference_of_another_shape_is_refused(sft_policy, sampled_pairs, tmp_path):
-    other = tmp_path / "other"
-    sets = ("model.d_model=64", "train.steps=2", "checkpoint.save_every=2")
-    train(tiny_config(*sets), other, progress=False)
+    from ppo_helpers import write_lm
+
+    # an untrained d_model=64 model written through the checkpoint store (training it changed
+    # nothing the refusal reads: the checkpoint's config and arrays)
+    other = write_lm(sft_policy, tmp_path / "other", d_model=64)
     with pytest.raises(TpulabError, match="objective.reference .*another shape.*d_model"):
         build(tiny_config(*dpo_sets(sft_policy, sampled_pairs), f"objective.reference={other}"))
 
@@ -330,56 +332,59 @@ def test_the_gold_win_rate_counts_wins_by_r_star_and_a_policy_ties_itself(
 
 
 @pytest.mark.slow
-def test_dpo_kill_resume_is_bitwise(sft_policy, sampled_pairs, tmp_path):
-    """`tpulab prove-resume` on DPO: per-step metrics and the whole final state bitwise."""
-    # synchronous saves: the kill after step 7 must find step 4 committed. With async saves, at
-    # load average ~20 on 2 cores, step 4's save was still an orbax tmp dir when step 7 was
-    # logged, and the resumed process started from scratch (the driver refuses that, rightly).
-    sets = dpo_sets(
-        sft_policy,
-        sampled_pairs,
-        "train.steps=12",
-        "train.eval_every=6",
-        "checkpoint.async_save=false",
-    )
-    args = [a for s in sets for a in ("--set", s)]
-    result = run_cli(
-        "prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--no-track", *args
-    )
-    assert result.returncode == 0, result.stderr + result.stdout
-    v = json.loads((tmp_path / "proof" / "verdict.json").read_text())
+@pytest.mark.timeout(1800)  # it may be the one to build the chain: the chain test's limit
+def test_dpo_kill_resume_is_bitwise(preference_chain):
+    """The kill/resume proof on DPO: the preference chain's (``preference_chain``, shared with
+    tests/test_sft_eval.py; `prove-resume`'s driver, whose CLI is tests/test_sft.py's and the
+    pretraining proof's), 16 steps with synchronous saves every 4, killed (SIGKILL) after step 9
+    and resumed from 8 in a fresh process against the chain's uninterrupted DPO run: per-step
+    metrics and the whole final state bitwise. Its resumed process shares the warm compile cache:
+    the cold resume is tests/test_sft.py's full-SFT proof."""
+    c = preference_chain / "posttrain" / "chain"
+    v = json.loads((c / "dpo-resume" / "proof" / "verdict.json").read_text())
     assert v["identical"] and v["curves_identical"] and v["final_state_identical"]
-    assert v["steps_compared"] == 12
+    assert v["steps_compared"] == 16 and v["kill_step"] == 9 and v["resumed_from_step"] == 8
+    assert v["reference_dir"] == str(c / "dpo") and v["signal"] == "SIGKILL"
+    assert v["final_state_compared"].startswith("step, parameters, optimizer state")
+    summary = json.loads((c / "dpo" / "summary.json").read_text())
+    assert load_model(c / "dpo").config.objective.kind == "dpo" and summary["final_step"] == 16
+
+
+LORA_ONLINE = (
+    "objective.lora.rank=4",
+    "objective.dpo.reference_logprobs=online",
+    "train.steps=12",
+    "checkpoint.save_every=3",
+)
+
+
+@pytest.fixture(scope="module")
+def lora_online_reference(sft_policy, sampled_pairs, tmp_path_factory):
+    """The chaos run's uninterrupted reference (the same config), trained once in-process."""
+    run = tmp_path_factory.mktemp("dpo-lora-online") / "run"
+    train(tiny_config(*dpo_sets(sft_policy, sampled_pairs, *LORA_ONLINE)), run, progress=False)
+    return run
 
 
 @pytest.mark.slow
-def test_dpo_lora_online_chaos_ends_identical(sft_policy, sampled_pairs, tmp_path):
-    """A short `tpulab chaos` (one random SIGKILL: the proof above covers the fixed kill point)
-    on LoRA DPO with the reference online."""
-    sets = dpo_sets(
-        sft_policy,
-        sampled_pairs,
-        "objective.lora.rank=4",
-        "objective.dpo.reference_logprobs=online",
-        "train.steps=12",
-        "checkpoint.save_every=3",
+def test_dpo_lora_online_chaos_ends_identical(
+    sft_policy, sampled_pairs, lora_online_reference, tmp_path
+):
+    """A short chaos run (`tpulab chaos`'s driver, called here; one random SIGKILL: the proof
+    above covers the fixed kill point) on LoRA DPO with the reference online, against
+    ``lora_online_reference``."""
+    from tpulab.proofs.chaos import run_chaos
+
+    run_chaos(
+        tiny_config(*dpo_sets(sft_policy, sampled_pairs, *LORA_ONLINE)),
+        tmp_path,
+        kills=1,
+        seed=1,
+        reference_dir=lora_online_reference,
+        warm_resume_cache=True,  # the cold resume is tests/test_sft.py's full-SFT proof
+        track=False,  # tracking is tests/test_tracking.py's
     )
-    args = [a for s in sets for a in ("--set", s)]
-    result = run_cli(
-        "chaos",
-        "--no-track",  # tracking is tests/test_tracking.py's
-        "--run-dir",
-        str(tmp_path),
-        "--config",
-        str(TINY),
-        "--kills",
-        "1",
-        "--seed",
-        "1",
-        *args,
-        "--warm-resume-cache",  # the prove-resume test above resumes cold
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
+    assert v["reference_dir"] == str(lora_online_reference)
+    assert not (tmp_path / "chaos" / "reference").exists()
     assert v["identical"] and v["final_state_identical"] and v["kills"] == 1

@@ -112,9 +112,9 @@ def test_dpo_on_two_processes_uses_the_one_reference_table(sft_policy, sampled_p
         )
 
     run = tmp_path / "two"
-    argv = launch_argv(
-        write_child_config(cfg(2), tmp_path / "two.yaml"), run, processes=2, devices=1
-    )
+    path = write_child_config(cfg(2), tmp_path / "two.yaml")
+    # MLflow is not what this checks (process 0's lineage is tests/test_tracking.py's)
+    argv = launch_argv(path, run, processes=2, devices=1, extra=("--no-track",))
     run_to_completion(argv, tmp_path / "two.log", dict(os.environ), 600, "2-process DPO")
     one = tmp_path / "one"
     train(cfg(1), one, progress=False)

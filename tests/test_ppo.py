@@ -19,15 +19,13 @@ import numpy as np
 import pytest
 
 from conftest import TINY, run_cli, tiny_config
-from ppo_helpers import ppo_config, ppo_sets, write_reward_model
+from ppo_helpers import ppo_config, ppo_sets, write_lm, write_reward_model
 from tpulab.checkpoint.files import MANIFEST
-from tpulab.checkpoint.store import CheckpointStore, read_meta
+from tpulab.checkpoint.store import read_meta
 from tpulab.compile_cache import count_compiles
-from tpulab.config import to_dict
 from tpulab.data import dialogue
 from tpulab.data.preference import gold_reward
 from tpulab.data.tokenizer import BOS, PAD
-from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import ConfigError, TpulabError
 from tpulab.evidence.ledger import read_ledger
 from tpulab.evidence.metrics import read_records
@@ -37,7 +35,7 @@ from tpulab.train.objectives import build
 from tpulab.train.objectives.ppo import _gold_host, load_reward_model
 from tpulab.train.objectives.ppo_state import RoundState, abstract_state
 from tpulab.train.restore import load_model
-from tpulab.train.step import make_mesh, make_steps, tree_digest, words_digest
+from tpulab.train.step import make_mesh, tree_digest, words_digest
 
 
 @pytest.fixture(scope="session")
@@ -316,22 +314,6 @@ def test_a_resume_with_a_changed_identity_is_refused_and_changes_nothing(
 # --- bad input -----------------------------------------------------------------------------------
 
 
-def write_lm(base: Path, out: Path, *, tokenizer=TOKENIZER, **model) -> Path:
-    """A language-model checkpoint like ``base``'s (or a fresh one of another shape) through the
-    store, with the given tokenizer definition in its metadata."""
-    restored = load_model(base)
-    cfg = tiny_config(*(f"model.{k}={v}" for k, v in model.items()))
-    state = restored.state if not model else make_steps(cfg, make_mesh()).init()
-    meta = {"config": to_dict(cfg), "tokenizer": tokenizer, "identities": {}}
-    store = CheckpointStore(out / "checkpoints", keep=2, async_save=False)
-    try:
-        store.save(40, state, None, meta)
-        store.wait()
-    finally:
-        store.close()
-    return out
-
-
 def test_bad_reference_or_reward_model_is_one_line(trained_run, reward_run, tmp_path):
     def refused(match, **paths):
         init, rm = paths.get("init", trained_run), paths.get("rm", reward_run)
@@ -418,10 +400,6 @@ def test_bad_input_from_the_cli_is_one_line_and_writes_nothing(trained_run, rewa
 # --- kill/resume proofs --------------------------------------------------------------------------
 
 
-def proof_args(trained_run: Path, reward_run: Path) -> list[str]:
-    return [a for s in ppo_sets(trained_run, reward_run) for a in ("--set", s)]
-
-
 def test_a_ppo_verdict_names_the_round_it_compares(trained_run, ppo_run):
     """The verdict's list of what it compared is read from the state compared: a PPO run's names
     its round's every field (rollouts, old log-probs, advantages, keys, position); control: a
@@ -438,55 +416,48 @@ def test_a_ppo_verdict_names_the_round_it_compares(trained_run, ppo_run):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 3 processes each compile PPO's step: 600 s ran out at load 18
+@pytest.mark.timeout(1200)  # 3 processes each compiled PPO's step cold: 600 s ran out at load 18
 def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(
     trained_run, reward_run, ppo_run, tmp_path
 ):
-    """Killed right after step 7 (round 2, position 2: after its rollouts, during its epochs),
-    resumed from step 6 (round 2, position 1) with a cold compile cache: per-step losses and the
-    whole final state (policy, value head, Adam, the round's buffers, keys and position, data
-    position) bitwise against ``ppo_run`` (the same config, uninterrupted)."""
-    result = run_cli(
-        "prove-resume",
-        "--no-track",  # tracking is tests/test_tracking.py's
-        "--run-dir",
-        str(tmp_path),
-        "--config",
-        str(TINY),
-        "--kill-at",
-        "7",
-        *proof_args(trained_run, reward_run),
-        *("--reference", str(ppo_run)),
-        timeout=1200,
+    """The kill/resume proof (`tpulab prove-resume`'s driver, called here: its CLI is
+    tests/test_sft.py's and the pretraining proof's), killed right after step 7 (round 2,
+    position 2: after its rollouts, during its epochs), resumed from step 6 (round 2, position
+    1): per-step losses and the whole final state (policy, value head, Adam, the round's
+    buffers, keys and position, data position) bitwise against ``ppo_run`` (the same config,
+    uninterrupted). The resumed process shares the warm compile cache (``ppo_run`` filled it):
+    the cold resume is tests/test_sft.py's full-SFT proof."""
+    from tpulab.proofs.transformer import prove_transformer_resume
+
+    cfg = ppo_config(trained_run, reward_run)
+    prove_transformer_resume(
+        cfg, tmp_path, reference_dir=ppo_run, kill_at=7, warm_resume_cache=True, track=False
     )
-    assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert v["identical"] and v["curves_identical"] and v["final_state_identical"]
     assert v["kill_step"] == 7 and v["resumed_from_step"] == 6 and v["steps_compared"] == 12
+    assert v["reference_dir"] == str(ppo_run) and not (tmp_path / "proof" / "reference").exists()
     # the whole-state verdict covered every leaf of PPOState, the round's buffers and keys included
-    cfg = ppo_config(trained_run, reward_run)
     assert v["leaves_compared"] == len(jax.tree.leaves(abstract_state(cfg, make_mesh())))
     resumed = read_meta(load_model(tmp_path / "proof" / "interrupted").checkpoint_dir)
-    assert (
-        resumed["identities"]["reward_model"]
-        == load_reward_model(ppo_config(trained_run, reward_run)).digest
-    )
+    assert resumed["identities"]["reward_model"] == load_reward_model(cfg).digest
 
 
 @pytest.mark.slow
 def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, ppo_run, tmp_path):
-    """One random kill (the fixed-point proof above covers the rest; 2 cost ~60 s more); the
-    reference is ``ppo_run``, the same config trained once for this module."""
-    result = run_cli(
-        "chaos",
-        "--no-track",  # tracking is tests/test_tracking.py's
-        *("--run-dir", str(tmp_path), "--config", str(TINY), "--kills", "1", "--seed", "3"),
-        *proof_args(trained_run, reward_run),
-        *("--reference", str(ppo_run)),
-        "--warm-resume-cache",  # the prove-resume test above resumes cold
-        timeout=1500,
+    """`tpulab chaos`'s driver, called here: one random kill (the fixed-point proof above covers
+    the rest; 2 cost ~60 s more); the reference is ``ppo_run``, the same config trained once."""
+    from tpulab.proofs.chaos import run_chaos
+
+    run_chaos(
+        ppo_config(trained_run, reward_run),
+        tmp_path,
+        kills=1,
+        seed=3,
+        reference_dir=ppo_run,
+        warm_resume_cache=True,  # the cold resume is tests/test_sft.py's full-SFT proof
+        track=False,  # tracking is tests/test_tracking.py's
     )
-    assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
     assert v["reference_dir"] == str(ppo_run) and not (tmp_path / "chaos" / "reference").exists()
     assert v["identical"] and v["final_state_identical"] and v["kills"] == 1

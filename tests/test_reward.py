@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import TINY, run_cli, tiny_config
+from conftest import tiny_config
 from tpulab.data import preference as P
 from tpulab.errors import ConfigError, TpulabError
 from tpulab.evidence.metrics import read_records
@@ -38,10 +38,15 @@ def reward_sets(sft, pairs, *extra: str) -> list[str]:
     ]
 
 
+# synchronous saves: the proof's kill after step 5 must find step 4 committed (tests/test_dpo.py)
+SYNC = "checkpoint.async_save=false"
+
+
 @pytest.fixture(scope="module")
 def reward_run(sft_policy, sampled_pairs, tmp_path_factory):
+    """8 steps, in-process; also the uninterrupted reference of the kill/resume proof."""
     run = tmp_path_factory.mktemp("reward") / "run"
-    train(tiny_config(*reward_sets(sft_policy, sampled_pairs)), run, progress=False)
+    train(tiny_config(*reward_sets(sft_policy, sampled_pairs, SYNC)), run, progress=False)
     return run
 
 
@@ -210,22 +215,21 @@ def test_reward_config_errors_are_one_line(sft_policy):
 
 
 @pytest.mark.slow
-def test_reward_kill_resume_is_bitwise(sft_policy, sampled_pairs, tmp_path):
-    """`tpulab prove-resume` on the reward model: per-step metrics and the whole final state
-    (body, head, Adam moments, step, key, data position) bitwise after a SIGKILL."""
-    sets = reward_sets(
-        sft_policy,
-        sampled_pairs,
-        "train.steps=12",
-        "checkpoint.save_every=4",
-        "train.eval_every=6",
-        "checkpoint.async_save=false",  # the kill must find step 4 committed (tests/test_dpo.py)
+def test_reward_kill_resume_is_bitwise(sft_policy, sampled_pairs, reward_run, tmp_path):
+    """The kill/resume proof (`tpulab prove-resume`'s driver, called here: its CLI is
+    tests/test_sft.py's and the pretraining proof's) on the reward model, killed after step 5 of
+    8 (resumed from 4, the saves of steps 4 and 8 on either side, an evaluation in each segment):
+    per-step metrics and the whole final state (body, head, Adam moments, step, key, data
+    position) bitwise against ``reward_run`` (the same config, uninterrupted, in-process). The
+    resumed process shares the warm compile cache: the cold resume is tests/test_sft.py's
+    full-SFT proof."""
+    from tpulab.proofs.transformer import prove_transformer_resume
+
+    cfg = tiny_config(*reward_sets(sft_policy, sampled_pairs, SYNC))
+    prove_transformer_resume(
+        cfg, tmp_path, reference_dir=reward_run, warm_resume_cache=True, track=False
     )
-    args = [a for s in sets for a in ("--set", s)]
-    result = run_cli(
-        "prove-resume", "--run-dir", str(tmp_path), "--config", str(TINY), "--no-track", *args
-    )
-    assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert v["identical"] and v["curves_identical"] and v["final_state_identical"]
-    assert v["steps_compared"] == 12
+    assert v["steps_compared"] == 8 and v["kill_step"] == 5 and v["resumed_from_step"] == 4
+    assert v["reference_dir"] == str(reward_run) and not (tmp_path / "proof" / "reference").exists()

@@ -299,63 +299,75 @@ def test_merge_writes_a_plain_model_within_the_bound_and_resuming_it_is_refused(
 
 
 @pytest.fixture(scope="module")
-def lora_reference(trained_run, tmp_path_factory) -> Path:
-    """The uninterrupted LoRA run of the proof and the chaos run below, trained once in-process."""
-    run = tmp_path_factory.mktemp("lora-ref") / "run"
-    sets = (*sft_sets(trained_run), "objective.lora.rank=4", *LONGER)
-    train(tiny_config(*sets), run, progress=False)
-    return run
+def references(trained_run, tmp_path_factory) -> dict[int, Path]:
+    """The uninterrupted SFT (rank 0) and LoRA (rank 4) runs of the proofs and the chaos run
+    below, each trained once in-process (the proofs need no reference child)."""
+    runs = {}
+    for rank in (0, 4):
+        run = tmp_path_factory.mktemp(f"sft-ref-{rank}") / "run"
+        sets = (*sft_sets(trained_run), f"objective.lora.rank={rank}", *LONGER)
+        train(tiny_config(*sets), run, progress=False)
+        runs[rank] = run
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 4])
-def test_sft_and_lora_kill_resume_is_bitwise(trained_run, tmp_path, rank, request):
-    """`tpulab prove-resume` on SFT (rank 0, training its own reference) and LoRA (reusing
-    ``lora_reference``): per-step losses and the whole final state (adapters or weights, Adam
-    moments, step, dropout key, data position) bitwise."""
-    reuse = ("--reference", str(request.getfixturevalue("lora_reference"))) if rank else ()
-    result = run_cli(
-        "prove-resume",
-        "--no-track",  # tracking is tests/test_tracking.py's
-        "--run-dir",
-        str(tmp_path),
-        "--config",
-        str(TINY),
-        *sft_args(trained_run, f"objective.lora.rank={rank}", *LONGER),
-        *reuse,
-    )
-    assert result.returncode == 0, result.stderr + result.stdout
+def test_sft_and_lora_kill_resume_is_bitwise(trained_run, references, tmp_path, rank):
+    """The kill/resume proof on SFT (rank 0: `tpulab prove-resume`, a real CLI process) and LoRA
+    (rank 4: the same driver called here), each against its in-process ``references`` run:
+    per-step losses and the whole final state (adapters or weights, Adam moments, step, dropout
+    key, data position) bitwise. Rank 0's resumed process compiles on a fresh, empty cache (the
+    post-training proofs' one cold resume, asserted from JAX's cache events); every other
+    post-training proof resumes on the shared warm cache."""
+    from tpulab.proofs.transformer import prove_transformer_resume
+
+    sets = (*sft_sets(trained_run), f"objective.lora.rank={rank}", *LONGER)
+    if rank:
+        prove_transformer_resume(
+            tiny_config(*sets),
+            tmp_path,
+            reference_dir=references[rank],
+            warm_resume_cache=True,
+            track=False,  # tracking is tests/test_tracking.py's
+        )
+    else:
+        result = run_cli(
+            *("prove-resume", "--no-track", "--run-dir", str(tmp_path), "--config", str(TINY)),
+            *(a for s in sets for a in ("--set", s)),
+            *("--reference", str(references[rank])),
+        )
+        assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "proof" / "verdict.json").read_text())
     assert v["identical"] and v["curves_identical"] and v["final_state_identical"]
     assert v["steps_compared"] == 16 and v["kill_step"] == 9 and v["resumed_from_step"] in (4, 8)
+    assert v["reference_dir"] == str(references[rank])
+    resumed = v["compile_cache"]["processes"]["resumed"]
+    assert resumed["cold"] is (not rank), resumed
+    if not rank:  # it looked its programs up in a cache dir that held none
+        assert resumed.get("cold_confirmed") is True, resumed
 
 
 @pytest.mark.slow
-def test_lora_chaos_random_kills_end_identical(trained_run, lora_reference, tmp_path):
-    result = run_cli(
-        "chaos",
-        "--no-track",  # tracking is tests/test_tracking.py's
-        "--run-dir",
-        str(tmp_path),
-        "--config",
-        str(TINY),
-        "--kills",
-        "1",  # one random kill: the fixed-point proof above covers the rest (2 cost ~60 s more)
-        "--seed",
-        "1",
-        *sft_args(trained_run, "objective.lora.rank=4", *LONGER),
-        *("--reference", str(lora_reference)),
-        "--warm-resume-cache",  # the prove-resume test above resumes cold
-        timeout=900,
+def test_lora_chaos_random_kills_end_identical(trained_run, references, tmp_path):
+    """`tpulab chaos`'s driver, called here, on LoRA: one random SIGKILL (the fixed-point proof
+    above covers the rest; 2 cost ~60 s more), against ``references[4]``."""
+    from tpulab.proofs.chaos import run_chaos
+
+    cfg = sft_config(trained_run, "objective.lora.rank=4", *LONGER)
+    run_chaos(
+        cfg,
+        tmp_path,
+        kills=1,
+        seed=1,
+        reference_dir=references[4],
+        warm_resume_cache=True,  # the rank-0 proof above resumes cold
+        track=False,  # tracking is tests/test_tracking.py's
     )
-    assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
+    assert v["reference_dir"] == str(references[4])
     assert v["identical"] and v["final_state_identical"] and v["kills"] == 1
 
 
 # Room to kill between checkpoints: the kill lands at step 9, after the saves of steps 4 and 8.
 LONGER = ("train.steps=16", "checkpoint.save_every=4", "train.eval_every=8")
-
-
-def sft_args(base: Path, *extra: str) -> list[str]:
-    return [a for s in (*sft_sets(base), *extra) for a in ("--set", s)]

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import run_cli, tiny_config
+from conftest import tiny_config
 from tpulab.data import dialogue as D
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
@@ -182,18 +182,21 @@ def test_the_evaluation_is_logged_to_the_runs_mlflow_run(qa_run, qa_eval, tmp_pa
     assert "has no MLflow run" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_sft_eval_cli_writes_the_record_and_refuses_bad_input_in_one_line(
-    qa_run, trained_run, tmp_path
+    qa_run, trained_run, tmp_path, capsys
 ):
+    """`tpulab sft-eval` through the CLI's own ``main`` in this process (a TpulabError's exit
+    code and its one line in a real process are tests/test_cli_errors.py's)."""
+    from tpulab.cli.main import main
+
     out = tmp_path / "e.json"
-    ok = run_cli("sft-eval", "--run-dir", str(qa_run), "--out", str(out), "--prompts", "2")
-    assert ok.returncode == 0, ok.stderr
-    assert "held-out response loss" in ok.stdout and "over 2 prompts" in ok.stdout
+    assert main(["sft-eval", "--run-dir", str(qa_run), "--out", str(out), "--prompts", "2"]) == 0
+    ok = capsys.readouterr().out
+    assert "held-out response loss" in ok and "over 2 prompts" in ok
     assert json.loads(out.read_text())["stop"]["prompts"] == 2
-    bad = run_cli("sft-eval", "--run-dir", str(trained_run), "--out", str(tmp_path / "x.json"))
-    assert bad.returncode != 0 and not (tmp_path / "x.json").exists()
-    lines = bad.stderr.strip().splitlines()
+    code = main(["sft-eval", "--run-dir", str(trained_run), "--out", str(tmp_path / "x.json")])
+    assert code != 0 and not (tmp_path / "x.json").exists()
+    lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("error:") and "not sft" in lines[-1]
 
 
@@ -243,13 +246,14 @@ def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
     1800
 )  # 5 child processes and 3 in-process generations: 600 s ran out at load 24
 def test_the_preference_chain_section_is_what_its_runs_recorded(
-    sft_policy, trained_run, tmp_path, monkeypatch
+    preference_chain, trained_run, tmp_path
 ):
-    """The capstone's preference-chain stage from an SFT run at the tiny size: the section's
-    identity rows are the digests the checkpoints recorded and recompute from their sources, its
-    verdict is the proof's verdict file, its gold-vs-proxy rows are PPO's evaluations in
-    metrics.jsonl, every run is in the MLflow store; control: a changed SFT checkpoint shows as
-    changed in every row that names it. A run that is not SFT is refused in one line."""
+    """The capstone's preference-chain stage from an SFT run at the tiny size (``preference_chain``,
+    shared with tests/test_dpo.py's DPO proof): the section's identity rows are the digests the
+    checkpoints recorded and recompute from their sources, its verdict is the proof's verdict
+    file, its gold-vs-proxy rows are PPO's evaluations in metrics.jsonl, every run is in the MLflow
+    store; control: a changed SFT checkpoint shows as changed in every row that names it. A run
+    that is not SFT is refused in one line."""
     from tpulab.checkpoint.files import MANIFEST, manifest_digest
     from tpulab.checkpoint.rundir import RunDir
     from tpulab.checkpoint.store import read_meta
@@ -257,7 +261,6 @@ def test_the_preference_chain_section_is_what_its_runs_recorded(
     from tpulab.orchestrate.chain import (
         DEMO,
         chain_configs,
-        chain_stage,
         changed,
         identity_rows,
         run_chain,
@@ -270,13 +273,9 @@ def test_the_preference_chain_section_is_what_its_runs_recorded(
     with pytest.raises(TpulabError, match="is a pretrain run, not sft"):
         run_chain(trained_run, tmp_path / "not-from-sft")
     assert not (tmp_path / "not-from-sft").exists()
-    # a copy: the control below changes its checkpoint, and the session's policy is shared
-    sft = tmp_path / "sft"
-    shutil.copytree(sft_policy, sft)
-    uri = sqlite_uri(tmp_path / "mlruns.db")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    out = tmp_path
-    section = chain_stage(sft, out)
+    out, sft = preference_chain, preference_chain / "sft"
+    uri = sqlite_uri(out / "mlruns.db")
+    section = (out / "section.md").read_text()
     c = out / "posttrain" / "chain"
     assert (c / "chain.md").read_text() == section and section.startswith("## Preference chain")
     record = json.loads((c / "chain.json").read_text())
@@ -302,16 +301,19 @@ def test_the_preference_chain_section_is_what_its_runs_recorded(
         assert f"](posttrain/chain/{name}-curves.png)" in section
     w = record["win_rate"]["dpo"]
     assert f"| DPO vs SFT | {w['prompts']} | {w['win_rate']:.3f} |" in section
-    # control: one byte more in the SFT run's newest manifest is another checkpoint
-    manifest = checkpoint_dir(sft) / MANIFEST
+    # control: one byte more in the newest manifest of (a copy of) the SFT run is another
+    # checkpoint; the rows recorded by the chain's runs are read from the chain's own dirs
+    moved = tmp_path / "sft"
+    shutil.copytree(sft, moved)
+    manifest = checkpoint_dir(moved) / MANIFEST
     manifest.write_bytes(manifest.read_bytes() + b"\n")
-    runs = {"sft": sft, "pairs": c / "pairs", **{k: c / k for k in ("reward", "dpo", "ppo")}}
+    runs = {"sft": moved, "pairs": c / "pairs", **{k: c / k for k in ("reward", "dpo", "ppo")}}
     runs["dpo_resumed"] = c / "dpo-resume" / "proof" / "interrupted"
-    sft_config = load(RunConfig, RunDir(sft).config)
-    configs = chain_configs(sft_config, sft, runs["pairs"], runs["reward"], DEMO)
+    sft_config = load(RunConfig, RunDir(moved).config)
+    configs = chain_configs(sft_config, moved, runs["pairs"], runs["reward"], DEMO)
     after = identity_rows(runs, configs)
-    moved = {(r["run"], r["name"]) for r in after if not r["unchanged"]}
-    assert moved == {
+    moved_rows = {(r["run"], r["name"]) for r in after if not r["unchanged"]}
+    assert moved_rows == {
         ("reward", "base"),
         ("dpo", "base"),
         ("dpo", "reference"),
