@@ -214,3 +214,64 @@ def preference_chain(sft_policy, tmp_path_factory) -> Path:
             (d / "section.md").write_text(chain_stage(d / "sft", d))
 
     return built_once(tmp_path_factory, "preference-chain", build)
+
+
+# --- One registry flow for tests/test_registry.py and tests/test_serve_registry.py ---------------
+
+
+def registry_cli(uri: str, *args: str) -> tuple[int, str, str]:
+    """``tpulab registry ARGS --tracking-uri URI`` in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from tpulab.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["registry", *args, "--tracking-uri", uri])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="session")
+def registry_flow(trained_run, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A registry store once per pytest run (``store/``: the sqlite MLflow store and the ledger):
+    model ``tiny``, v1 = ``trained_run``'s step-20 verified export, v2 = step 40's, champion
+    promoted to v1 then to v2, all through the CLI's ``main`` in process (each command verifies
+    against the checkpoint and runs the behaviour suite: ~10 s apiece here); with each command's
+    stdout. Read only: a test that writes copies ``store/``."""
+    import json
+
+    exports = {step: verified_export(trained_run, tmp_path_factory, step) for step in (20, 40)}
+
+    def build(d: Path) -> None:
+        uri, outputs = f"sqlite:///{d / 'store'}/mlruns.db", []
+        (d / "store").mkdir()
+        register = ("register", "--name", "tiny", "--artifacts")
+        for args in (
+            (*register, str(exports[20]), "--reason", "first cut"),
+            (*register, str(exports[40])),
+            ("promote", "tiny", "1", "--to", "champion", "--reason", "first champion"),
+            ("promote", "tiny", "2"),
+        ):
+            rc, out, err = registry_cli(uri, *args)
+            assert rc == 0, err
+            outputs.append(out)
+        (d / "outputs.json").write_text(json.dumps(outputs))
+
+    d = built_once(tmp_path_factory, "registry-flow", build)
+    return d / "store", json.loads((d / "outputs.json").read_text())
+
+
+def copy_registry_store(src: Path, dst: Path) -> Path:
+    """A private copy of a registry store (the sqlite file, the ledger), its experiments' artifact
+    location moved into the copy (MLflow keeps it absolute), so that what a test logs there (a
+    promotion's behaviour.json) lands in the copy, never in the shared original."""
+    import sqlite3
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    db = sqlite3.connect(dst / "mlruns.db")
+    with db:
+        location = (dst / "mlartifacts").absolute().as_uri()
+        db.execute("UPDATE experiments SET artifact_location = ?", (location,))
+    db.close()
+    return dst

@@ -10,16 +10,23 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import verified_export
 from tpulab.errors import TpulabError
 
 
 @pytest.fixture(scope="module")
 def artifacts(trained_run, tmp_path_factory):
-    from tpulab.inference.export import export_artifacts
-    from tpulab.train.restore import load_model
+    """The run's step-40 (latest) export, never verified: the suite's shared export
+    (``conftest.verified_export``, exported once per pytest run) copied without the one file
+    verification adds (``verification.json``), so the same files ``export_artifacts`` wrote."""
+    from tpulab.inference.artifact_format import VERIFICATION
 
     out = tmp_path_factory.mktemp("art") / "art"
-    export_artifacts(load_model(trained_run), trained_run, out)
+    shared = verified_export(trained_run, tmp_path_factory, 40)
+    shutil.copytree(shared, out, ignore=shutil.ignore_patterns(VERIFICATION))
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in shared.iterdir() if p.name != VERIFICATION
+    )
     return out
 
 
@@ -171,14 +178,14 @@ def test_manifest_without_current_platform_is_rejected(art_copy, capsys):
     _rejects(art_copy, capsys, "not for this platform (cpu)")
 
 
-def test_weights_from_another_checkpoint_are_rejected(art_copy, trained_run, tmp_path, capsys):
+def test_weights_from_another_checkpoint_are_rejected(
+    art_copy, trained_run, tmp_path_factory, capsys
+):
     from tpulab.checkpoint.files import sha256_file
-    from tpulab.inference.export import export_artifacts
-    from tpulab.train.restore import load_model
 
-    other = tmp_path / "other"
-    export_artifacts(load_model(trained_run, step=30), trained_run, other)
-    # Swap in step 30's weights and make the hashes agree: only the checkpoint pairing can catch it.
+    # Another checkpoint's weights: step 20's, from the suite's shared step-20 export (read only).
+    other = verified_export(trained_run, tmp_path_factory, 20)
+    # Swap in step 20's weights and make the hashes agree: only the checkpoint pairing can catch it.
     shutil.copy(other / "weights.npz", art_copy / "weights.npz")
     m = _manifest(art_copy)
     m["weights"]["sha256"] = sha256_file(art_copy / "weights.npz")

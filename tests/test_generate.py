@@ -263,11 +263,15 @@ def test_generate_cli_bad_input_is_one_line(trained_run, capsys, args, reason):
 
 
 @pytest.mark.slow
-def test_generate_cli_streams_deterministically(trained_run):
+def test_generate_cli_streams_deterministically(trained_run, capsys):
+    """The same seeded command gives the same stream in a fresh process as in this one (``main``:
+    run first, so the child loads its compiles from the shared cache); a prompt too long for the
+    model is one line; a prompt that is not UTF-8 on a real command line (bytes argv) too."""
     import subprocess
     import sys
 
     from conftest import REPO, run_cli
+    from tpulab.cli.main import main
 
     args = (
         "generate",
@@ -286,11 +290,14 @@ def test_generate_cli_streams_deterministically(trained_run):
         "--cache",
         "int8",
     )
-    a, b = run_cli(*args), run_cli(*args)
+    assert main(list(args)) == 0
+    here = capsys.readouterr().out
+    a = run_cli(*args)
     assert a.returncode == 0, a.stderr
-    assert a.stdout == b.stdout and a.stdout.startswith("ROMEO:")
-    bad = run_cli("generate", "--run-dir", str(trained_run), "--prompt", "x" * 40)
-    assert bad.returncode != 0 and bad.stderr.strip().startswith("error: prompt (40 bytes")
+    assert a.stdout == here and a.stdout.startswith("ROMEO:")
+    rc = main(["generate", "--run-dir", str(trained_run), "--prompt", "x" * 40])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.strip().startswith("error: prompt (40 bytes") and err.count("\n") == 1
     # A prompt that is not UTF-8 on the real command line (bytes argv).
     raw = subprocess.run(
         [

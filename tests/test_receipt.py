@@ -152,6 +152,11 @@ def test_receipt_joins_a_multi_process_job(tmp_path):
         timeout=120,
     )
     assert p.returncode == ExitCode.WRONG_TARGET and "expected 4 devices, JAX reports 2" in p.stderr
+    # the process-level mapping of a refused target: exit 6 and one line, no traceback (the
+    # other refusals here run the CLI's main in process)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: target qualification failed (cpu")
+    assert "Traceback" not in p.stderr
     alone = json.loads((tmp_path / "alone" / "receipt.json").read_text())
     assert (
         alone["runtime"]["process_count"] == 1
@@ -251,13 +256,16 @@ def test_matmul_checker_negative_controls():
     assert not check_matmul(bad, a, b)[1]
 
 
-def test_expect_tpu_fails_on_cpu_with_one_line(tmp_path):
-    p = run_cli(
-        "receipt", "--out", str(tmp_path), "--expect", "tpu:v5e", "--matmul-size", "64", timeout=120
-    )
-    assert p.returncode == ExitCode.WRONG_TARGET
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in p.stderr
+def test_expect_tpu_fails_on_cpu_with_one_line(tmp_path, capsys):
+    """The CLI's main in this process (exit 6 as its own process: the 'alone' control of
+    test_receipt_joins_a_multi_process_job)."""
+    from tpulab.cli.main import main
+
+    rc = main(["receipt", "--out", str(tmp_path), "--expect", "tpu:v5e", "--matmul-size", "64"])
+    err = capsys.readouterr().err
+    assert rc == ExitCode.WRONG_TARGET
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
     assert lines[0].startswith(
         "error: target qualification failed (tpu:v5e): expected backend tpu, JAX reports "
         "backend cpu"
@@ -267,14 +275,15 @@ def test_expect_tpu_fails_on_cpu_with_one_line(tmp_path):
     assert r["qualification"]["passed"] is False and r["runtime"]["backend"] == "cpu"
 
 
-def test_expect_device_count_and_bad_target(tmp_path):
+def test_expect_device_count_and_bad_target(tmp_path, capsys):
+    from tpulab.cli.main import main
+
     receipt_dir = tmp_path / "r"
     with pytest.raises(Exception, match="expected 64 devices"):
         run_receipt(receipt_dir, Target.parse("cpu", 64), matmul_size=64)
-    p = run_cli("receipt", "--out", str(tmp_path / "bad"), "--expect", "tpu:v9", timeout=60)
-    assert p.returncode == ExitCode.BAD_INPUT and p.stderr.startswith(
-        "error: unknown TPU generation 'v9'"
-    )
+    rc = main(["receipt", "--out", str(tmp_path / "bad"), "--expect", "tpu:v9"])
+    err = capsys.readouterr().err
+    assert rc == ExitCode.BAD_INPUT and err.startswith("error: unknown TPU generation 'v9'")
     assert not (tmp_path / "bad").exists()  # bad input: nothing written
 
 

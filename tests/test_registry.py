@@ -5,10 +5,8 @@ a non-zero exit, and leaves the store and the ledger byte for byte as they were.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
-import io
 import json
 import re
 import shutil
@@ -17,21 +15,12 @@ import time
 
 import pytest
 
-from conftest import verified_export
+from conftest import copy_registry_store, verified_export
+from conftest import registry_cli as registry
 from tpulab.errors import TpulabError
 from tpulab.ops import tags as T
 
 NAME = "tiny"
-
-
-def registry(uri: str, *args: str) -> tuple[int, str, str]:
-    """``tpulab registry ARGS --tracking-uri URI`` in this process: (exit code, stdout, stderr)."""
-    from tpulab.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["registry", *args, "--tracking-uri", uri])
-    return rc, out.getvalue(), err.getvalue()
 
 
 def refused(result, *words) -> str:
@@ -69,29 +58,18 @@ def exports(trained_run, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def flow(exports, tmp_path_factory):
-    """A store where step 20 is v1, step 40 is v2, champion went v1 then v2; with each output."""
-    store = tmp_path_factory.mktemp("registry-store")
-    uri, outputs = _uri(store), []
-    for args in (
-        ("register", "--artifacts", str(exports[20]), "--name", NAME, "--reason", "first cut"),
-        ("register", "--artifacts", str(exports[40]), "--name", NAME),
-        ("promote", NAME, "1", "--to", "champion", "--reason", "first champion"),
-        ("promote", NAME, "2"),
-    ):
-        rc, out, err = registry(uri, *args)
-        assert rc == 0, err
-        outputs.append(out)
-    return store, outputs
+def flow(registry_flow):
+    """A store where step 20 is v1, step 40 is v2, champion went v1 then v2; with each output
+    (``conftest.registry_flow``: made once per pytest run, shared with test_serve_registry.py;
+    read only)."""
+    return registry_flow
 
 
 @pytest.fixture
 def store(flow, tmp_path):
     """A private copy of the flow's store and ledger (the artifacts stay shared: tests never
     touch them)."""
-    dst = tmp_path / "store"
-    shutil.copytree(flow[0], dst)
-    return dst
+    return copy_registry_store(flow[0], tmp_path / "store")
 
 
 def _tampered_copy(art, tmp_path):

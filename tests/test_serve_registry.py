@@ -166,15 +166,19 @@ def test_serve_refuses_a_retired_version_before_listening(store, art40, tmp_path
     assert rc == 2 and out == "error: tiny version 1 (@champion) is retired; it is not served", out
 
 
-def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20, tmp_path):
-    """champion v1 (step 20) -> v2 (step 40) by ``tpulab registry promote`` (the CLI's ``main`` in
-    this process) -> v1 by ``tpulab registry rollback`` (the real CLI in its own process), while a
-    server follows the alias:
-    it hot-swaps on each move, two clients see no error and each sees 1, then 2, then 1 again,
+def test_promotion_and_rollback_are_picked_up_by_a_running_service(
+    registry_flow, art40, art20, tmp_path
+):
+    """A server follows champion on a copy of the suite's registry flow (v1 = step 20, v2 = step
+    40, champion promoted v1 then v2 by ``tpulab registry``: ``conftest.registry_flow``), while
+    ``tpulab registry rollback`` moves it back to v1 and ``tpulab registry promote`` forward to v2
+    again (the CLI's ``main``, in this process; the registry CLI as its own process, exit codes and
+    output, is test_registry.py's ``test_the_cli_process_prints_one_line_and_no_mlflow_chatter``):
+    it hot-swaps on each move, two clients see no error and each sees 2, then 1, then 2 again,
     /v1/model reports the old digest after the rollback; a forged and a retired version moved
-    onto the alias outside tpulab are refused while 1 serves on. The same server resolves a
+    onto the alias outside tpulab are refused while 2 serves on. The same server resolves a
     request's ``prompt_version`` against the prompt registry of its store."""
-    from conftest import run_cli
+    from conftest import copy_registry_store
     from test_registry import registry
     from test_serve import _traces
     from tpulab.checkpoint.files import sha256_file
@@ -182,19 +186,16 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20,
     from tpulab.ops.prompts import prompt_sha256
     from tpulab.tracking.store import sqlite_uri
 
+    copy_registry_store(registry_flow[0], tmp_path)  # the store and its ledger
     uri = sqlite_uri(tmp_path / "mlruns.db")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     digest = {"1": sha256_file(art20 / "manifest.json"), "2": sha256_file(art40 / "manifest.json")}
+    assert client.get_registered_model("tiny").aliases == {"champion": 2}
     template = "{{ speaker }}:"
-    for args in (
-        ("register", "--artifacts", str(art20), "--name", "tiny"),
-        ("promote", "tiny", "1", "--reason", "first champion"),
-        ("prompt", "speaker", "--template", template),
-    ):
-        rc, _, err = registry(uri, *args)
-        assert rc == 0, err
+    rc, _, err = registry(uri, "prompt", "speaker", "--template", template)
+    assert rc == 0, err
     client.set_prompt_alias("speaker", "prod", 1)
     port, log_path = free_port(), tmp_path / "rollback.log"
     base = f"http://127.0.0.1:{port}"
@@ -207,10 +208,6 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20,
             max_batch=1,  # one bucket: 3 compiles per version, not 9
         )
         try:
-            # v2 is registered while the server verifies and compiles v1 (the flow is unchanged:
-            # a version may be registered at any time; only promote moves the alias).
-            rc, _, err = registry(uri, "register", "--artifacts", str(art40), "--name", "tiny")
-            assert rc == 0, err
             wait_ready(proc, base, log_path)
             seen, stop = [[] for _ in range(2)], threading.Event()
 
@@ -232,15 +229,10 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20,
                     assert time.monotonic() < deadline and proc.poll() is None, version
                     time.sleep(0.05)
 
-            def cli_and_wait(version, *args, own_process=True):
-                """The registry command (its own interpreter, or this one: the same ``main``
-                without another ~60 s of start-up and re-verification at load 10), then wait."""
+            def cli_and_wait(version, *args):
+                """The registry command (the CLI's ``main`` here), then wait for the server."""
                 t0 = time.monotonic()
-                if own_process:
-                    done = run_cli("registry", *args, "--tracking-uri", uri, timeout=300)
-                    rc, stdout, stderr = done.returncode, done.stdout, done.stderr
-                else:
-                    rc, stdout, stderr = registry(uri, *args)
+                rc, stdout, stderr = registry(uri, *args)
                 assert rc == 0, stderr
                 cli_s = time.monotonic() - t0
                 while identity()["identity"]["version"] != version:
@@ -253,7 +245,7 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20,
                 body = {"prompt": prompt, "max_new": 2, "prompt_version": label}
                 return httpx.post(f"{base}/v1/generate", json=body, timeout=60)
 
-            assert identity()["identity"]["version"] == "1"
+            assert identity()["identity"]["version"] == "2"
             prompted = {
                 "alias": ask("ROMEO:", "prompts:/speaker@prod"),
                 "version": ask("JULIET:", "speaker/1"),
@@ -263,18 +255,17 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20,
             }
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 clients = [pool.submit(client_loop, out) for out in seen]
-                every_client_saw("1")
-                promoted, promote_cli_s, promote_s = cli_and_wait(
-                    "2", "promote", "tiny", "2", own_process=False
-                )
+                every_client_saw("2")
                 rolled, rollback_cli_s, rollback_s = cli_and_wait(
                     "1", "rollback", "tiny", "--reason", "v2 misbehaves"
                 )
+                after_rollback = identity()
+                promoted, promote_cli_s, promote_s = cli_and_wait("2", "promote", "tiny", "2")
                 stop.set()
                 [f.result() for f in clients]
             after = identity()
             # A forged digest tag and a retired version, moved onto the alias outside tpulab (the
-            # MLflow client): refused by the server, version 1 keeps serving.
+            # MLflow client): refused by the server, version 2 keeps serving.
             forged = _register(client, "tiny", art40, **{T.EXPORT_MANIFEST: digest["1"]})
             client.set_registered_model_alias("tiny", "champion", forged)
             deadline = time.monotonic() + 120
@@ -293,33 +284,36 @@ def test_promotion_and_rollback_are_picked_up_by_a_running_service(art40, art20,
         finally:
             reap(proc)
     print(
-        f"CLI start -> /v1/model reports it: promotion {promote_s:.2f} s (CLI {promote_cli_s:.2f}"
-        f" s), rollback {rollback_s:.2f} s (CLI {rollback_cli_s:.2f} s), poll 0.5 s"
+        f"CLI start -> /v1/model reports it: rollback {rollback_s:.2f} s (CLI {rollback_cli_s:.2f}"
+        f" s), promotion {promote_s:.2f} s (CLI {promote_cli_s:.2f} s), poll 0.5 s"
     )
-    assert "champion: v1 -> v2" in promoted and "champion: v2 -> v1" in rolled
+    assert "champion: v2 -> v1" in rolled and "champion: v1 -> v2" in promoted
     ledger = [json.loads(x) for x in (tmp_path / "registry_ledger.jsonl").read_text().splitlines()]
     assert [(e["action"], e["version"]) for e in ledger] == [
         ("register", "1"),
-        ("promote", "1"),
         ("register", "2"),
+        ("promote", "1"),
         ("promote", "2"),
         ("rollback", "1"),
+        ("promote", "2"),
     ]
-    assert after["manifest_sha256"] == digest["1"] and after["registry"]["version"] == "1"
+    assert after_rollback["manifest_sha256"] == digest["1"]
+    assert after_rollback["registry"]["version"] == "1"
+    assert after["manifest_sha256"] == digest["2"] and after["registry"]["version"] == "2"
     assert [(s["from"]["version"], s["to"]["version"]) for s in after["swaps"]] == [
-        ("1", "2"),
         ("2", "1"),
+        ("1", "2"),
     ]
     for out in seen:
         assert out and all(code == 200 for _, code, _ in out), out[-3:]
         versions = [b["model"]["version"] for _, _, b in out]
         assert all(b["model"]["manifest_sha256"] == digest[b["model"]["version"]] for *_, b in out)
         changes = [v for i, v in enumerate(versions) if i == 0 or v != versions[i - 1]]
-        assert changes == ["1", "2", "1"], changes  # each client: old, then new, then old again
+        assert changes == ["2", "1", "2"], changes  # each client: new, then old, then new again
     assert "but the verified artifacts" in refused_forged["watch"]["refused"]["why"]
-    assert refused_forged["identity"]["version"] == "1"
+    assert refused_forged["identity"]["version"] == "2"
     assert "is retired" in refused_retired["watch"]["refused"]["why"]
-    assert still["model"]["version"] == "1" and still["manifest_sha256"] == digest["1"]
+    assert still["model"]["version"] == "2" and still["manifest_sha256"] == digest["2"]
     assert "Traceback" not in log_path.read_text()
 
     # prompt_version: the version the registry holds (an alias resolved to its number), the
