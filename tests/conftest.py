@@ -275,3 +275,28 @@ def copy_registry_store(src: Path, dst: Path) -> Path:
         db.execute("UPDATE experiments SET artifact_location = ?", (location,))
     db.close()
     return dst
+
+
+# --- The CLI in this process, for argument validation and one-line errors ------------------------
+
+
+def run_main(capture, *args) -> subprocess.CompletedProcess:
+    """``tpulab ARGS`` in this process (``tpulab.cli.main.main``, what ``python -m tpulab.cli``
+    runs): its exit code and what it printed, read through ``capture`` (the test's ``capfd``, so
+    lines from helper processes count too). For argument validation and one-line errors, where no
+    process boundary is under test: each saves a child's ~3 CPU-s of imports. argparse's usage
+    errors exit 2 as in a process; the SIGTERM handler ``train`` installs is put back."""
+    import signal
+
+    from tpulab.cli.main import main
+
+    capture.readouterr()
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:  # argparse: --help and usage errors
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out, err = capture.readouterr()
+    return subprocess.CompletedProcess(["tpulab", *map(str, args)], code, out, err)

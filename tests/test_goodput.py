@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_main
 from tpulab.evidence.goodput import BUCKETS, account, goodput, markdown
 from tpulab.evidence.metrics import read_records
 
@@ -91,7 +91,7 @@ def test_buckets_that_miss_time_leave_it_unaccounted():
 
 
 @pytest.mark.slow
-def test_goodput_of_a_real_killed_and_resumed_run(tiny_proof, tmp_path):
+def test_goodput_of_a_real_killed_and_resumed_run(tiny_proof, tmp_path, capfd):
     """The proof of conftest.tiny_proof (a real SIGKILL and resume), copied: report writes into
     the run dir."""
     shutil.copytree(tiny_proof, tmp_path, dirs_exist_ok=True)
@@ -121,7 +121,7 @@ def test_goodput_of_a_real_killed_and_resumed_run(tiny_proof, tmp_path):
     ref = goodput(verdict["reference_dir"])
     assert ref["restart_s"] == 0.0 and ref["killed_lifetimes"] == 0 and g["restart_s"] > 0
 
-    rep = run_cli("report", "--run-dir", str(tmp_path), "--no-track")
+    rep = run_main(capfd, "report", "--run-dir", tmp_path, "--no-track")  # in this process
     assert rep.returncode == 0, rep.stderr
     md = (tmp_path / "report.md").read_text()
     assert (

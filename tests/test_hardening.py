@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import TINY, run_cli, tiny_config
+from conftest import TINY, run_cli, run_main, tiny_config
 from hooked_train import NanAt
 from tpulab.checkpoint.files import MANIFEST
 from tpulab.errors import ExitCode, TpulabError
@@ -118,13 +118,13 @@ def test_an_older_step_without_its_marker_is_corruption_not_an_interrupted_save(
     ]
 
 
-def test_no_marker_anywhere_refuses_instead_of_starting_over(trained_run, tmp_path):
+def test_no_marker_anywhere_refuses_instead_of_starting_over(trained_run, tmp_path, capfd):
     run = _copy(trained_run, tmp_path)
     for step_dir in (run / "checkpoints").iterdir():
         (step_dir / MANIFEST).unlink()
     before = tree_digest(run)
-    result = run_cli(
-        "train", "--run-dir", str(run), "--config", str(TINY), "--steps", "42", "--no-progress"
+    result = run_main(
+        capfd, "train", "--run-dir", run, "--config", TINY, "--steps", "42", "--no-progress"
     )
     assert (
         result.returncode == 2
@@ -147,10 +147,10 @@ def test_orbax_temporary_dirs_of_killed_saves_are_removed_with_a_warning(
     assert "removed 50.orbax-checkpoint-tmp-1234" in capfd.readouterr().err
 
 
-def test_prove_resume_refuses_a_kill_before_the_first_checkpoint_up_front(tmp_path):
+def test_prove_resume_refuses_a_kill_before_the_first_checkpoint_up_front(tmp_path, capfd):
     t0 = time.monotonic()
-    result = run_cli(
-        "prove-resume", "--run-dir", str(tmp_path / "p"), "--config", str(TINY), "--kill-at", "7"
+    result = run_main(
+        capfd, "prove-resume", "--run-dir", tmp_path / "p", "--config", TINY, "--kill-at", "7"
     )
     assert result.returncode == 2 and time.monotonic() - t0 < 30
     assert "comes before the first checkpoint (step 10" in result.stderr
@@ -372,7 +372,8 @@ def test_only_closed_loop_echoes_of_a_failed_save_are_dropped(monkeypatch):
 
 def test_a_sigterm_during_shutdown_of_a_finished_run_still_exits_0(tmp_path):
     """SIGTERMs are sent every few ms from the moment the run logs its end until the process is
-    gone."""
+    gone. Tracked (the default), so the shutdown includes the MLflow helper's last writes; 10 steps
+    (a save at 10): the shutdown, not the training, is under test."""
     run = tmp_path / "run"
     argv = [
         sys.executable,
@@ -383,6 +384,8 @@ def test_a_sigterm_during_shutdown_of_a_finished_run_still_exits_0(tmp_path):
         str(run),
         "--config",
         str(TINY),
+        "--steps",
+        "10",
         "--no-progress",
     ]
     sent = 0
@@ -400,19 +403,21 @@ def test_a_sigterm_during_shutdown_of_a_finished_run_still_exits_0(tmp_path):
             time.sleep(0.003)
         rc = proc.p.wait(timeout=60)
     assert rc == 0 and sent > 0, (rc, sent, (tmp_path / "log.txt").read_text())
-    assert json.loads((run / "summary.json").read_text())["final_step"] == 40
+    assert json.loads((run / "summary.json").read_text())["final_step"] == 10
 
 
 @pytest.mark.slow
-def test_chaos_five_random_kills_end_identical(trained_run, tmp_path):
+def test_chaos_five_random_kills_end_identical(trained_run, tmp_path, capfd):
     """Five random SIGKILLs of configs/tiny.yaml (40 steps, saves every 10), each resumed in a
-    fresh process; the reference is ``trained_run`` (that config, finished, uninterrupted)."""
-    result = run_cli(
+    fresh process; the reference is ``trained_run`` (that config, finished, uninterrupted). The
+    CLI runs in this process (``run_main``); its six lifetimes are real children."""
+    result = run_main(
+        capfd,
         "chaos",
         "--run-dir",
-        str(tmp_path),
+        tmp_path,
         "--config",
-        str(TINY),
+        TINY,
         "--kills",
         "5",
         "--seed",
@@ -424,7 +429,6 @@ def test_chaos_five_random_kills_end_identical(trained_run, tmp_path):
         # (33-58 s each against 9-11 s warm at load 10-17, docs/transformer.md)
         "--warm-resume-cache",
         "--no-track",  # the chaos lifetimes' MLflow lineage: the capstone's tracking section
-        timeout=600,
     )
     assert result.returncode == 0, result.stderr + result.stdout
     v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())

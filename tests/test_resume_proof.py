@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, run_cli, tiny_config
-from tpulab.cli.main import main
+from conftest import REPO, TINY, run_main, tiny_config
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.driver import Proc, prove_resume
@@ -81,17 +80,20 @@ def test_negative_control_resume_without_part_is_caught(trained_run, tmp_path, p
     assert verdict["first_differing_step"] == verdict["resumed_from_step"] + 1
 
 
-def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
+def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path, capfd):
     """Negative control for the whole-state verdict: with dropout off, a resume that drops the
     dropout key logs exactly the reference losses (the key is never used), so the curves match; only
     the final-state comparison sees the different key, and the verdict must say NOT identical,
-    naming the rng leaf."""
-    result = run_cli(
+    naming the rng leaf. The only proof here that trains its own reference (no ``--reference``).
+    The CLI runs in this process (``run_main``: its exit code is main's; its three trainers are
+    real children)."""
+    result = run_main(
+        capfd,
         "prove-resume",
         "--run-dir",
-        str(tmp_path),
+        tmp_path,
         "--config",
-        str(TINY),
+        TINY,
         "--set",
         "model.dropout=0.0",
         "--skip-restore",
@@ -111,7 +113,7 @@ def test_whole_state_verdict_catches_what_the_curves_cannot(tmp_path):
 
 
 def test_only_a_finished_uninterrupted_run_of_the_same_config_is_a_reference(
-    trained_run, tmp_path, capsys
+    trained_run, tmp_path, capfd
 ):
     """``--reference`` refusals: one line, exit 2, nothing written; the accepted case is the
     negative controls above."""
@@ -134,17 +136,17 @@ def test_only_a_finished_uninterrupted_run_of_the_same_config_is_a_reference(
     with pytest.raises(TpulabError, match="was resumed"):
         check_reference(resumed, tiny_config())
     out = tmp_path / "proof-run"
-    result = run_cli(
-        "prove-resume", "--run-dir", str(out), "--config", str(TINY), "--reference", str(short)
+    # the CLI in this process (run_main): a refusal before any child starts
+    result = run_main(
+        capfd, "prove-resume", "--run-dir", out, "--config", TINY, "--reference", short
     )
     assert result.returncode == ExitCode.BAD_INPUT and len(result.stderr.strip().splitlines()) == 1
     assert "did not finish" in result.stderr and not out.exists()
     # --no-track is for the one-process proof's children: refused with --processes, in one line
-    capsys.readouterr()
-    argv = ["prove-resume", "--run-dir", str(out), "--config", str(TINY), "--processes", "2"]
-    assert main([*argv, "--no-track"]) == ExitCode.BAD_INPUT and not out.exists()
-    err = capsys.readouterr().err
-    assert err == "error: --no-track is for a one-process proof; drop it or --processes\n"
+    argv = ["prove-resume", "--run-dir", out, "--config", TINY, "--processes", "2"]
+    result = run_main(capfd, *argv, "--no-track")
+    assert result.returncode == ExitCode.BAD_INPUT and not out.exists()
+    assert result.stderr == "error: --no-track is for a one-process proof; drop it or --processes\n"
 
 
 def test_kill_during_an_unfinished_save_never_uses_the_half_written_checkpoint(

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, run_cli
+from conftest import REPO, TINY, run_cli, run_main
 from tpulab.checkpoint.files import MANIFEST
 from tpulab.checkpoint.rundir import RunSummary
 from tpulab.cli.main import main
@@ -33,7 +33,7 @@ def _artifacts(client, run_id, path=None):
 
 
 @pytest.mark.slow
-def test_killed_and_resumed_run_is_one_mlflow_run_with_one_curve(tmp_path, capsys):
+def test_killed_and_resumed_run_is_one_mlflow_run_with_one_curve(tmp_path, capfd):
     from tpulab.checkpoint.store import manifest_digest
     from tpulab.proofs.driver import Proc, tpulab_argv
 
@@ -67,12 +67,15 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_one_curve(tmp_path, capsy
         proc.kill(signal.SIGKILL)
     assert proc.p.returncode == -signal.SIGKILL
     first_id = json.loads((run / "mlflow_run.json").read_text())["run_id"]
-    resumed = run_cli(
+    # the resume runs in this process (run_main): the kill is what crosses the process boundary,
+    # and the store holds nothing of the killed process but what it committed
+    resumed = run_main(
+        capfd,
         "train",
         "--config",
-        str(TINY),
+        TINY,
         "--run-dir",
-        str(run),
+        run,
         "--no-progress",
         "--steps",
         "20",
@@ -142,9 +145,9 @@ def test_killed_and_resumed_run_is_one_mlflow_run_with_one_curve(tmp_path, capsy
     } <= set(arts)
     assert mlrun.data.metrics["goodput"] > 0
 
-    capsys.readouterr()
+    capfd.readouterr()
     assert main(["runs", "--tracking-uri", uri]) == 0  # in process: the exit code main returns
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("run "))
+    line = next(ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("run "))
     assert (
         "FINISHED" in line and " 20 " in line and env["backend"] in line and first_id[:12] in line
     )
@@ -190,17 +193,21 @@ def test_redone_steps_are_marked_not_duplicated(tmp_path):
     assert c.get_metric_history(third.run_id, "loss") == []
 
 
-def test_corrupt_store_warns_once_and_training_goes_on(tmp_path):
+def test_corrupt_store_warns_once_and_training_goes_on(tmp_path, capfd):
+    """The tracked run trains in this process (``run_main``; MLflow itself runs in the tracker's
+    helper process either way, its stderr read here); the refusal is a real process's, since
+    --require-tracking opens the store in the trainer's own process."""
     db = tmp_path / "mlruns.db"
     db.write_bytes(b"this is not a sqlite database" * 100)
     before = db.read_bytes()
     run = tmp_path / "run"
-    out = run_cli(
+    out = run_main(
+        capfd,
         "train",
         "--config",
-        str(TINY),
+        TINY,
         "--run-dir",
-        str(run),
+        run,
         "--no-progress",
         "--steps",
         "10",
@@ -231,13 +238,15 @@ def test_corrupt_store_warns_once_and_training_goes_on(tmp_path):
     assert not (tmp_path / "run2").exists()  # refused before anything was written
 
 
-def test_no_track_and_unwritable_uri(tmp_path, capsys):
-    out = run_cli(
+def test_no_track_and_unwritable_uri(tmp_path, capfd):
+    """``--no-track`` in this process (``run_main``): nothing here is a process boundary."""
+    out = run_main(
+        capfd,
         "train",
         "--config",
-        str(TINY),
+        TINY,
         "--run-dir",
-        str(tmp_path / "run"),
+        tmp_path / "run",
         "--no-progress",
         "--steps",
         "5",
@@ -248,9 +257,9 @@ def test_no_track_and_unwritable_uri(tmp_path, capsys):
         not (tmp_path / "mlruns.db").exists()
         and not (tmp_path / "run" / "mlflow_run.json").exists()
     )
-    capsys.readouterr()
+    capfd.readouterr()
     assert main(["runs", "--tracking-uri", f"sqlite:///{tmp_path / 'nowhere' / 'x.db'}"]) != 0
-    assert capsys.readouterr().err.startswith("error: no tracking store")
+    assert capfd.readouterr().err.startswith("error: no tracking store")
 
 
 def test_mlflow_is_not_imported_for_help():

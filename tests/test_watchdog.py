@@ -64,11 +64,19 @@ def test_injected_hang_is_caught_dumped_and_exits(tmp_path):
     ).exists()  # a supervisor can resume from here
 
 
-@pytest.mark.slow
 def test_same_run_without_hang_is_left_alone(tmp_path):
+    """Control: the run above without its hang, the same watchdog hook, in this process (the
+    hook's exit on a stall is the hung run's to show: here a stall would only be recorded)."""
+    from conftest import tiny_config
+    from tpulab.train.loop import train
+    from tpulab.train.watchdog import StallWatchdog
+
     run = tmp_path / "run"
-    out = _hooked(run, "--stall-timeout", "60", "--stall-exit")
-    assert out.returncode == 0, out.stderr
+    dog = StallWatchdog(run, timeout_s=60)
+    summary = train(
+        tiny_config("train.steps=8", "checkpoint.save_every=4"), run, progress=False, hooks=[dog]
+    )
+    assert summary.final_step == 8 and dog.stalls == []
     assert not [r for r in read_records(run) if r.get("event") == "stall"] and not list(
         run.glob("stall-*.txt")
     )
@@ -163,23 +171,23 @@ def test_derived_timeout_leaves_the_start_up_interval_out():
     assert dog.check() and fired[0]["timeout_s"] == 20 and fired[0]["last_step"] == 4
 
 
-def test_bad_stall_bounds_are_one_line_errors(tmp_path):
-    from conftest import run_cli
+def test_bad_stall_bounds_are_one_line_errors(tmp_path, capfd):
+    from conftest import run_main
     from tpulab.errors import TpulabError
 
     for kw in ({"startup_s": 0}, {"timeout_s": -1.0}):
         with pytest.raises(TpulabError, match="must be positive seconds"):
             Watchdog(lambda _: None, **kw)
-    p = run_cli(
+    p = run_main(
+        capfd,
         "train",
         "--config",
-        str(TINY),
+        TINY,
         "--run-dir",
-        str(tmp_path / "r"),
+        tmp_path / "r",
         "--no-track",
         "--stall-startup-timeout",
         "0",
-        timeout=120,
     )
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "error: stall start-up timeout must be positive seconds, got 0"
