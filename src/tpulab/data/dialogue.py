@@ -36,7 +36,7 @@ import numpy as np
 
 from tpulab.data.config import DataConfig
 from tpulab.data.corpus import Corpus, Document
-from tpulab.data.pipeline import split_documents
+from tpulab.data.pipeline import READ_OPTIONS, split_documents
 from tpulab.data.tokenizer import BOS, PAD
 from tpulab.errors import TpulabError
 
@@ -317,7 +317,7 @@ def train_dataset(
     ds = ds.batch(local, drop_remainder=True)
     if process_count > 1:
         ds = ds[process_index::process_count]
-    return ds.map(batch_fn).to_iter_dataset()
+    return ds.map(batch_fn).to_iter_dataset(READ_OPTIONS)
 
 
 def eval_batches(rows: np.ndarray, batch_size: int, max_batches: int) -> list[dict]:

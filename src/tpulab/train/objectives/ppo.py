@@ -60,6 +60,7 @@ from tpulab.config import from_dict, to_dict
 from tpulab.data import dialogue
 from tpulab.data.config import DataConfig
 from tpulab.data.contract import load_checked
+from tpulab.data.pipeline import READ_OPTIONS
 from tpulab.data.preference import gold_reward
 from tpulab.data.tokenizer import BOS, PAD
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -174,7 +175,7 @@ def prompt_dataset(
     if count > 1:
         batches = batches[index::count]
     steps = grain.MapDataset.range(len(batches)).map(lambda i: batches[i // per_round])
-    return steps.map(prompt_batch).to_iter_dataset()
+    return steps.map(prompt_batch).to_iter_dataset(READ_OPTIONS)
 
 
 def eval_prompt_batches(rows: np.ndarray, batch_size: int, max_batches: int) -> list[dict]:
