@@ -38,6 +38,18 @@ class DossierPlan:
     hypothesis_steps: int = 30
 
 
+# `make demo`'s plan (the capstone's dossier stage): 30 training steps (the profile and precision
+# stages need trained weights, not good ones), two batch sizes (the fewest that still compare) and
+# two of the three targets, both 4 chips, so the slice is still chosen on HBM (69 s for all three
+# at 4e4b079); the hypothesis keeps 30 steps (>= 23: 3 warm-up plus 20 timed per side).
+DEMO_PLAN = DossierPlan(
+    train_steps=30,
+    batch_sweep="data.batch_size=8,16",
+    targets="v5e:2x2,v6e:2x2",
+    hypothesis_steps=30,
+)
+
+
 def recommend_precision(rows: list[dict], context: int, serve_batch: int = 8) -> dict:
     """Cheapest training and serving policies whose error stays within the stated bounds.
 
