@@ -397,7 +397,10 @@ def run_capstone(
         return (
             "## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU "
             "targets, precision policy and one tested hypothesis, each with its evidence: "
-            "[dossier/dossier.md](dossier/dossier.md) ([html](dossier/dossier.html))."
+            "[dossier/dossier.md](dossier/dossier.md) ([html](dossier/dossier.html)). It ran "
+            "beside the stages named with it in the stage times above, so its step times are a "
+            "loaded host's: the batch is decided only beyond the sweep's noise, and the "
+            "hypothesis alternates its two sides step by step."
         )
 
     def tracking_stage() -> str:
