@@ -1,7 +1,7 @@
 """`tpulab capstone`: the main job. Train, prove the resume, run the checks, add the later stages,
 report.
 
-Stages run in a fixed order, after training two or three at a time where they read only the
+Stages run in a fixed order, after training two at a time where they read only the
 trained run (``Stages.together``), and each leaves its evidence under ``out``; report.md is written
 even when a stage fails (the failure is in it), and the command then exits non-zero. The last stage
 checks that every tracked training run the stages started is in the MLflow store with its metrics.
@@ -397,10 +397,7 @@ def run_capstone(
         return (
             "## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU "
             "targets, precision policy and one tested hypothesis, each with its evidence: "
-            "[dossier/dossier.md](dossier/dossier.md) ([html](dossier/dossier.html)). It ran "
-            "beside the stages named with it in the stage times above, so its step times are a "
-            "loaded host's: the batch is decided only beyond the sweep's noise, and the "
-            "hypothesis alternates its two sides step by step."
+            "[dossier/dossier.md](dossier/dossier.md) ([html](dossier/dossier.html))."
         )
 
     def tracking_stage() -> str:
@@ -412,10 +409,10 @@ def run_capstone(
         return text
 
     # After train, stages that read only the trained run go two at a time (each mostly waits on
-    # its own children; one at a time the demo used 1.4 of 2 cores), the last three at a time:
-    # the report keeps this order. The dossier goes beside the chain and the bridge, whose
-    # numbers are no timings; its own are a loaded host's (its decisions rest on same-host
-    # ratios: the sweep's, the hypothesis's alternating steps).
+    # its own children; one at a time the demo used 1.4 of 2 cores): the report keeps this
+    # order. The dossier runs alone, in this (main) thread: it trains in-process, and the loop's
+    # SIGTERM handler can only be installed from the main thread (in a worker thread it raised
+    # ValueError at 4c0564e).
     together = stages.together
     stage("receipt", receipt_stage)
     stage("train", train_stage)
@@ -429,6 +426,8 @@ def run_capstone(
         if not options.skip_scaleout:
             checks.append(("multi-process resume", scaleout_stage))
         together(*checks)
+        if not options.skip_dossier:
+            stage("dossier", dossier_stage)
         later = []
         if not options.skip_inference:
             from tpulab.inference import capstone_stage as inference_stage
@@ -455,8 +454,6 @@ def run_capstone(
         from tpulab.bridge import capstone_stage as bridge_stage
 
         last.append(("bridge", lambda: bridge_stage(out, tracked)))
-    if trained and not options.skip_dossier:
-        last.append(("dossier", dossier_stage))
     if last:
         together(*last)
     stage("tracking", tracking_stage)
