@@ -2,10 +2,12 @@
 post-training stages have their own tests)."""
 
 import json
+import re
 
 import pytest
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_cli, tiny_config
+from tpulab.errors import TpulabError
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +54,22 @@ def test_capstone_writes_report_overlay_and_verdict(tmp_path):
     heads = [h for h in report.splitlines() if h.startswith("## ")]
     order = ["## Kill/resume proof", "## Chaos: SIGKILL at random moments", "## Independent checks"]
     assert [h for h in heads if h in order] == order, heads
-    # the lifetime after the kill is a resume and compiled from a fresh, empty cache (JAX's events)
-    resumed = chaos["compile_cache"]["processes"]["lifetime-1"]
+    assert re.search(
+        r"^CPU seconds: receipt \d+ s, train \d+ s, resume proof \+ chaos ", report, re.M
+    )
+    # the proof's resumed process compiled from a fresh, empty cache (JAX's events); chaos's
+    # lifetimes share one (control: it loaded what the reference compiled, so it is not cold)
+    proof = json.loads((out / "proof" / "verdict.json").read_text())
+    resumed = proof["compile_cache"]["processes"]["resumed"]
     assert resumed["cold"] is True and resumed["hits"] in (0, None), resumed
     assert resumed.get("cold_confirmed") is True, resumed
-    again = run_cli(
-        "capstone", "--out", str(out), "--config", str(TINY), "--skip-bridge", "--skip-inference"
-    )
-    assert again.returncode != 0 and "already exists and is not empty" in again.stderr
+    lifetime = chaos["compile_cache"]["processes"]["lifetime-1"]
+    assert lifetime["hits"] > 0 and lifetime["entries_at_first_lookup"] > 0, lifetime
+    # the untracked children are named, the tracked main run audited
+    assert "Run with `--no-track`" in report and "`proof/`, `chaos/`" in report
+    assert "**1 of 1** runs complete" in report
+    from tpulab.orchestrate.capstone import run_capstone  # a used --out is refused in one line
+
+    with pytest.raises(TpulabError, match="already exists and is not empty"):
+        run_capstone(tiny_config(), out)
     assert (out / "report.md").read_text() == report  # nothing overwritten

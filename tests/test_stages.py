@@ -111,6 +111,26 @@ def test_stages_together_run_at_once_and_report_in_the_given_order():
         stages.together(("bug", lambda: str(1 / 0)), ("fine", lambda: "## fine"))
 
 
+def test_cpu_seconds_count_a_group_and_its_children_not_its_waits():
+    """A group's CPU seconds include its ended children's (a busy child shows); a group that
+    only sleeps shows about none (the control)."""
+    import subprocess
+    import sys
+    import time
+
+    def busy_child() -> str:
+        loop = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+        subprocess.run([sys.executable, "-c", loop], check=True)
+        return "## busy"
+
+    stages = Stages("t")
+    stages.run("idle", lambda: time.sleep(0.4) or "## idle")
+    stages.together(("busy", busy_child), ("idle too", lambda: time.sleep(0.1) or "## idle"))
+    idle, busy = stages.group_cpu
+    assert idle < 0.1 and busy >= 0.4, stages.group_cpu
+    assert stages.cpu().startswith("CPU seconds: idle 0 s, busy + idle too "), stages.cpu()
+
+
 def test_ctrl_c_during_stages_together_kills_their_children(tmp_path):
     """Ctrl-C reaches only the main thread and the children sit in their own sessions: the
     runner must kill them itself. A 30 s child must be gone within seconds of the SIGINT."""

@@ -16,6 +16,13 @@ from tpulab.evidence.report_kit import table
 # matters.
 PROOF_CONFIG = BridgeConfig(n=128, steps=24, checkpoint_every=8, augment=0.1, dropout=0.1)
 PROOFS = (("torch", "eager"), ("torchax", "eager"), ("torchax", "jit"))
+NEGATIVE_CONTROL = "negative-control-torch"
+
+
+def proof_dirs(out_dir: str | Path) -> list[Path]:
+    """The proofs' dirs under out_dir/bridge: their children run untracked (``--no-track``)."""
+    root = Path(out_dir) / "bridge"
+    return [root / f"proof-{b}-{m}" for b, m in PROOFS] + [root / NEGATIVE_CONTROL]
 
 
 def capstone_stage(out_dir: str | Path, env: dict | None = None) -> str:
@@ -36,13 +43,24 @@ def capstone_stage(out_dir: str | Path, env: dict | None = None) -> str:
         ),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
+    # The proofs' children are untracked (the comparison's runs are the bridge's tracked ones) and
+    # every resumed process shares the cache: the Transformer resume proof is the cold-cache one.
     rows = []
-    for backend, method in PROOFS:
-        d = root / f"proof-{backend}-{method}"
-        v = prove(PROOF_CONFIG, backend, method, d, env=env)
+    dirs = proof_dirs(out_dir)
+    for (backend, method), d in zip(PROOFS, dirs):
+        v = prove(PROOF_CONFIG, backend, method, d, env=env, warm_resume_cache=True, track=False)
         rows.append((f"{backend}/{method}", v, d))
-    d = root / "negative-control-torch"
-    v = prove(PROOF_CONFIG, "torch", "eager", d, restore_rng=False, env=env)
+    d = dirs[-1]
+    v = prove(
+        PROOF_CONFIG,
+        "torch",
+        "eager",
+        d,
+        restore_rng=False,
+        env=env,
+        warm_resume_cache=True,
+        track=False,
+    )
     rows.append(("torch/eager, generator state left out (negative control)", v, d))
     cmp = compare(BridgeConfig(), root / "compare", env=env)
 

@@ -528,7 +528,7 @@ def register(sub) -> None:
     p.add_argument(
         "--chaos-kills",
         type=int,
-        default=5,
+        default=3,
         help="random kills in the chaos stage (0 leaves it out)",
     )
     p.add_argument(

@@ -1,10 +1,10 @@
 """`tpulab capstone`: the main job. Train, prove the resume, run the checks, add the later stages,
 report.
 
-Stages run in a fixed order, after training two at a time where they read only the trained run
-(``Stages.together``), and each leaves its evidence under ``out``; report.md is written even when a
-stage fails (the failure is in it), and the command then exits non-zero. The last stage checks that
-every training run the stages started is in the MLflow store with its metrics.
+Stages run in a fixed order, after training two at a time where they read only the
+trained run (``Stages.together``), and each leaves its evidence under ``out``; report.md is written
+even when a stage fails (the failure is in it), and the command then exits non-zero. The last stage
+checks that every tracked training run the stages started is in the MLflow store with its metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tpulab.train.config import RunConfig
 class CapstoneOptions:
     skip_bridge: bool = False
     skip_inference: bool = False
-    chaos_kills: int = 5  # 0 leaves the chaos stage out
+    chaos_kills: int = 3  # 0 leaves the chaos stage out
     skip_scaleout: bool = False  # the 2-process kill/resume stage
     skip_dossier: bool = (
         False  # the decision dossier (bench, profile, TPU budget, precision, hypothesis)
@@ -49,6 +49,36 @@ def chaos_config(config: RunConfig) -> RunConfig:
     d["train"].update(steps=60, eval_every=30, eval_batches=2)
     d["checkpoint"].update(save_every=5, keep=3)
     return from_dict(RunConfig, d)
+
+
+PROOF_STEPS, PROOF_SAVE_EVERY = 60, 20
+
+
+def proof_config(config: RunConfig) -> RunConfig:
+    """The resume proof's run: the main run's model, data, optimizer and schedule, at most
+    ``PROOF_STEPS`` steps with a checkpoint at least every ``PROOF_SAVE_EVERY``. At the default
+    size that is 60 steps, so the proof trains 60 (its reference) + 45 (killed) + 20 (resumed)
+    = 125 steps, against 310 with the 300-step main run as the reference. A config already that
+    short is the main run's, and the main run is the reference (``proof_kill_step``)."""
+    t, c = config.train, config.checkpoint
+    steps, every = min(t.steps, PROOF_STEPS), min(c.save_every, PROOF_SAVE_EVERY)
+    return dataclasses.replace(
+        config,
+        train=dataclasses.replace(t, steps=steps, eval_every=min(t.eval_every, steps // 2)),
+        checkpoint=dataclasses.replace(c, save_every=every),
+    )
+
+
+def proof_kill_step(config: RunConfig) -> int:
+    """The proof's kill: a quarter of a save interval after the checkpoint at about two thirds of
+    the run (step 45 of 60, resumed from 40; the 60% default kills after 36 and redoes 16 steps).
+    The quarter (5 steps, ~1.5 s at the default size) lets the async save of step 40 commit
+    first; if it did not, the resume starts from the one before, which the verdict records."""
+    from tpulab.proofs.transformer import default_kill_step
+
+    steps, every = config.train.steps, config.checkpoint.save_every
+    k = max(every, 2 * steps // 3 // every * every) + max(1, every // 4)
+    return k if k < steps else default_kill_step(steps, every)
 
 
 def scaleout_config(config: RunConfig) -> RunConfig:
@@ -164,13 +194,17 @@ def posttrain_stage(
 EVAL_LOSS_PAIRS = 256  # held-out pairs the capstone's response loss covers (of 1,166 at seq 128)
 
 
-def tracking_section(out: Path, uri: str) -> tuple[str, list[str]]:
+def tracking_section(
+    out: Path, uri: str, untracked: tuple[Path, ...] = ()
+) -> tuple[str, list[str]]:
     """The report's MLflow section and the failures it found: each run dir under ``out`` must be
-    a run in ``uri`` holding every metric its metrics.jsonl logged. The dossier's runs are left
-    out: it trains in-process, for its measurements, with no tracker."""
+    a run in ``uri`` holding every metric its metrics.jsonl logged. Left out: the dossier's runs
+    (it trains in-process, for its measurements, with no tracker) and the ``untracked`` trees,
+    whose children ran with ``--no-track``."""
     from tpulab.tracking.audit import audit_runs, run_dirs
 
-    rows = audit_runs(run_dirs(out, exclude=(out / "dossier",)), uri)
+    untracked = tuple(d for d in untracked if d.is_dir())
+    rows = audit_runs(run_dirs(out, exclude=(out / "dossier", *untracked)), uri)
     rel = lambda p: p.relative_to(out).as_posix()  # noqa: E731
     bad = [r for r in rows if r.problem]
     lines = [
@@ -195,6 +229,15 @@ def tracking_section(out: Path, uri: str) -> tuple[str, list[str]]:
     ]
     if (out / "dossier").is_dir():
         lines += ["", "Not tracked: the dossier's runs (`dossier/`), trained in-process."]
+    if untracked:
+        resumed = [f"`{rel(r.run_dir)}`" for r in rows if r.run_dir.name == rundir.INTERRUPTED]
+        lines += [
+            "",
+            "Run with `--no-track` (an MLflow writer costs a child ~5.7 CPU-s): "
+            + ", ".join(f"`{rel(d)}/`" for d in untracked)
+            + "."
+            + (f" Killed and resumed, and audited here: {', '.join(resumed)}." if resumed else ""),
+        ]
     if not rows:
         failures = [f"tracking: no training run under {out} to look up in {uri}"]
     elif bad:
@@ -261,16 +304,35 @@ def run_capstone(
         )
 
     def proof_stage() -> str:
+        # Untracked children (--no-track, ~5.7 CPU-s each): the tracking stage checks a proof's
+        # lineage on the preference chain's DPO proof. The resumed process compiles from a fresh,
+        # empty cache: the demo's one cold-cache resume.
+        cfg = proof_config(config)
         verdict = prove_transformer_resume(
-            config, out, reference_dir=run_dir, compile_cache=options.compile_cache, env=tracked
+            cfg,
+            out,
+            reference_dir=run_dir if cfg == config else None,
+            kill_at=proof_kill_step(cfg),
+            compile_cache=options.compile_cache,
+            track=False,
         )
         if not verdict["identical"]:
             raise TpulabError(
                 f"the resumed run is not identical (max |diff| {verdict['max_abs_diff']:g}, first "
                 f"differing leaf {verdict.get('first_differing_leaf')}); see {run.proof}"
             )
+        what = (
+            "The proof's reference is the main run (`run/`)."
+            if cfg == config
+            else f"The proof's run is the main run's model, data and schedule for "
+            f"{cfg.train.steps} steps, a checkpoint every {cfg.checkpoint.save_every} "
+            f"(`{rundir.PROOF}/{rundir.CONFIG}`); its reference trained uninterrupted beside it "
+            f"(`{rundir.PROOF}/{rundir.REFERENCE}/`)."
+        )
         return (
             report.proof_section(run.proof.root, rundir.PROOF)
+            + "\n\n"
+            + what
             + "\n\n"
             + report.goodput_section(
                 run.proof.interrupted.root, "Goodput of the killed-and-resumed run"
@@ -280,13 +342,16 @@ def run_capstone(
     def chaos_stage() -> str:
         from tpulab.proofs.chaos import run_chaos
 
+        # Every lifetime shares the capstone's cache (the resume proof is the cold one) and is
+        # untracked: a kill costs a process start, not a compile and an MLflow writer too.
         verdict = run_chaos(
             chaos_config(config),
             out,
             kills=options.chaos_kills,
             seed=0,
             compile_cache=options.compile_cache,
-            env=tracked,
+            warm_resume_cache=True,
+            track=False,
         )
         if not verdict["identical"]:
             raise TpulabError(
@@ -316,7 +381,7 @@ def run_capstone(
             mode="kill",
             kill_at=8,
             stall_timeout_s=120,
-            env=tracked,
+            track=False,
         )
         if not (v["identical"] and v["teardown_ok"]):
             raise TpulabError(
@@ -326,15 +391,9 @@ def run_capstone(
         return scaleout_section(v, "scaleout/proof-kill")
 
     def dossier_stage() -> str:
-        from tpulab.orchestrate.dossier import DossierPlan, build_dossier
+        from tpulab.orchestrate.dossier import DEMO_PLAN, build_dossier
 
-        # Sized for `make demo`: fewer training steps, two batch sizes in the sweep (the
-        # hypothesis needs >= 23 steps).
-        build_dossier(
-            config,
-            out / "dossier",
-            DossierPlan(train_steps=50, batch_sweep="data.batch_size=8,16", hypothesis_steps=30),
-        )  # raises, naming what failed
+        build_dossier(config, out / "dossier", DEMO_PLAN)  # raises, naming what failed
         return (
             "## Decision dossier\n\nBench, profile, TPU memory budgets compiled for real TPU "
             "targets, precision policy and one tested hypothesis, each with its evidence: "
@@ -342,17 +401,23 @@ def run_capstone(
         )
 
     def tracking_stage() -> str:
-        text, missing = tracking_section(out, uri)
+        from tpulab.bridge.capstone import proof_dirs
+
+        untracked = (run.proof.root, run.chaos.root, out / "scaleout", *proof_dirs(out))
+        text, missing = tracking_section(out, uri, untracked)
         failures.extend(missing)
         return text
 
     # After train, stages that read only the trained run go two at a time (each mostly waits on
     # its own children; one at a time the demo used 1.4 of 2 cores): the report keeps this
-    # order. The dossier runs alone, since it times steps and a neighbour would slow them.
+    # order. The dossier runs alone, in this (main) thread: it trains in-process, and the loop's
+    # SIGTERM handler can only be installed from the main thread (in a worker thread it raised
+    # ValueError at 4c0564e).
     together = stages.together
     stage("receipt", receipt_stage)
     stage("train", train_stage)
-    if not failures:
+    trained = not failures
+    if trained:
         proof = [("resume proof", proof_stage)]
         if options.chaos_kills > 0:
             proof.append(("chaos", chaos_stage))
@@ -403,6 +468,8 @@ def run_capstone(
             stages.status(),
             "",
             stages.times(),
+            "",
+            stages.cpu(),
         ]
         text = "\n".join(header) + "\n\n" + stages.body() + "\n"
         path, page = report.write_reports(out, text, "tpulab capstone report")

@@ -38,6 +38,18 @@ class DossierPlan:
     hypothesis_steps: int = 30
 
 
+# `make demo`'s plan (the capstone's dossier stage): 30 training steps (the profile and precision
+# stages need trained weights, not good ones), two batch sizes (the fewest that still compare) and
+# two of the three targets, both 4 chips, so the slice is still chosen on HBM (69 s for all three
+# at 4e4b079); the hypothesis keeps 30 steps (>= 23: 3 warm-up plus 20 timed per side).
+DEMO_PLAN = DossierPlan(
+    train_steps=30,
+    batch_sweep="data.batch_size=8,16",
+    targets="v5e:2x2,v6e:2x2",
+    hypothesis_steps=30,
+)
+
+
 def recommend_precision(rows: list[dict], context: int, serve_batch: int = 8) -> dict:
     """Cheapest training and serving policies whose error stays within the stated bounds.
 
@@ -72,11 +84,32 @@ def recommend_precision(rows: list[dict], context: int, serve_batch: int = 8) ->
 
 
 def recommend_batch(sweep_rows: list[dict]) -> dict:
+    """The sweep's fastest batch size, only if it is ahead of every other beyond the noise: its
+    tokens/s at its p90 step time above theirs at their p10. Else ``batch_size`` is None and the
+    reason says so (at 4e4b079 the demo's sweep had 8 at 9,008 and 16 at 8,938 tokens/s with
+    p10-p90 spreads of +-12%, and named 8)."""
     best = max(sweep_rows, key=lambda r: r["tokens_per_s"])
+
+    def tokens_per_s(r: dict, q: str) -> float:
+        return r["tokens_per_step"] / r["step_time"][q]
+
+    close = [
+        r["value"]
+        for r in sweep_rows
+        if r is not best and tokens_per_s(best, "p90_s") <= tokens_per_s(r, "p10_s")
+    ]
+    if close:
+        return {
+            "batch_size": None,
+            "tokens_per_s": best["tokens_per_s"],
+            "why": f"the fastest, {best['value']}, is within the p10-p90 step-time spread of "
+            f"{', '.join(map(str, close))}: too close to call on this host",
+        }
     return {
         "batch_size": best["value"],
         "tokens_per_s": best["tokens_per_s"],
-        "why": "highest steady-state tokens/s of the batch sweep on this host",
+        "why": "highest steady-state tokens/s of the batch sweep on this host, ahead of every "
+        "other size beyond its p10-p90 step-time spread",
     }
 
 
@@ -247,7 +280,12 @@ def _decisions(results: dict, plan: DossierPlan) -> str:
             "only its accuracy."
         )
     b = results.get("batch")
-    if b:
+    if b and b["batch_size"] is None:
+        lines.append(
+            f"- **Batch**: no decision — {b['why']} ({b['tokens_per_s']:.0f} tokens/s); re-run "
+            "the sweep on a quiet host, or on the TPU: only same-host ratios carry over."
+        )
+    elif b:
         lines.append(
             f"- **Batch**: {b['batch_size']} — {b['why']} ({b['tokens_per_s']:.0f} tokens/s); on a "
             "TPU re-run the sweep there: only same-host ratios carry over."

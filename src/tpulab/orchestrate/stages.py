@@ -8,6 +8,7 @@ report keeps the order they were given in.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,14 @@ def prepare_out(out: str | Path) -> Path:
     return out
 
 
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that ended and were waited
+    for (a stage's trainers, launchers and their workers; a SIGKILLed child's own helpers, reaped
+    by init, are not counted)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 class Stages:
     def __init__(self, label: str):
         self.label = label
@@ -39,7 +48,9 @@ class Stages:
         self.failures: list[str] = []
         self.timings: dict[str, float] = {}
         self.groups: list[list[str]] = []  # stage names, those run together in one group
+        self.group_cpu: list[float] = []  # CPU seconds of each group (see ``cpu_seconds``)
         self._t0: float | None = None
+        self._cpu0 = 0.0
 
     def run(self, name: str, fn: Callable[[], str]) -> None:
         self.together((name, fn))
@@ -53,7 +64,8 @@ class Stages:
         from tpulab.proofs.driver import kill_live
 
         if self._t0 is None:
-            self._t0 = time.monotonic()
+            self._t0, self._cpu0 = time.monotonic(), cpu_seconds()
+        cpu0 = cpu_seconds()
         results: dict[str, tuple[str | None, BaseException | None, float]] = {}
 
         def one(name: str, fn: Callable[[], str]) -> None:
@@ -107,6 +119,7 @@ class Stages:
             self.sections.append(text)
             self.timings[name] = seconds
         self.groups.append([name for name, _ in stages])
+        self.group_cpu.append(round(cpu_seconds() - cpu0, 1))
 
     def status(self, passed: str = "PASS", failed: str = "FAIL") -> str:
         """``Status: **PASS**``, or the failed word and every failure."""
@@ -120,6 +133,16 @@ class Stages:
         wall = 0.0 if self._t0 is None else time.monotonic() - self._t0
         parts = [" with ".join(f"{k} {self.timings[k]:.0f} s" for k in g) for g in self.groups]
         return f"Stage times: {', '.join(parts)} (wall {wall:.0f} s)"
+
+    def cpu(self) -> str:
+        """CPU seconds of each group (stages run together share one figure, their threads being
+        one process) and in all, with the share of the host's cores they kept busy: on 2 cores a
+        group can end no sooner than its CPU seconds / 2."""
+        wall = 0.0 if self._t0 is None else time.monotonic() - self._t0
+        total = cpu_seconds() - self._cpu0
+        parts = [f"{' + '.join(g)} {c:,.0f} s" for g, c in zip(self.groups, self.group_cpu)]
+        busy = f", {100 * total / wall:.0f}% of one core" if wall > 0 else ""
+        return f"CPU seconds: {', '.join(parts)} (total {total:,.0f} s{busy})"
 
     def body(self) -> str:
         """Every stage's section, in the order they ran."""
