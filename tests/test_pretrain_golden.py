@@ -19,7 +19,6 @@ from tpulab.config import load
 from tpulab.evidence.metrics import curve, read_records
 from tpulab.proofs.state import data_position
 from tpulab.train.config import RunConfig
-from tpulab.train.loop import train
 from tpulab.train.restore import load_model
 
 GOLDENS = Path(__file__).parent / "goldens"
@@ -50,10 +49,13 @@ def assert_matches_golden(got: dict, golden: dict) -> None:
     assert got["data_position_sha256"] == golden["data_position_sha256"], where
 
 
-def test_tiny_pretraining_is_bitwise_the_golden_run(tmp_path):
-    train(tiny_config(), tmp_path / "run", progress=False)
+def test_tiny_pretraining_is_bitwise_the_golden_run(trained_run):
+    """configs/tiny.yaml trained 40 steps by the loop: conftest.trained_run is exactly that run
+    (``train(tiny_config(), ...)``, built once per pytest run), so it is checked here instead of a
+    second identical training."""
+    assert load(RunConfig, trained_run / "config.yaml") == tiny_config()
     assert_matches_golden(
-        run_record(tmp_path / "run"), json.loads((GOLDENS / "pretrain_tiny.json").read_text())
+        run_record(trained_run), json.loads((GOLDENS / "pretrain_tiny.json").read_text())
     )
 
 
