@@ -27,24 +27,31 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 
 
-# The longest modules first (seconds in the last full run, 2 workers, 5a1eb2f): pytest-xdist hands
-# out modules in collection order, so a long module collected last (alphabetically, scale-out and
-# serving are) runs alone at the end while the other worker idles.
+# The longest modules first (per-file setup + call + teardown seconds of the a9c6697 whole-suite
+# profile, 2 workers): pytest-xdist hands out modules in collection order, so a long module
+# collected last runs alone at the end while the other worker idles (there the capstone ran alone
+# for its last ~2 min); a module that builds a shared fixture comes before the one that reads it.
 LONGEST_FIRST = (
-    "test_scaleout_procs",  # 384 s
-    "test_ppo",  # 361
-    "test_resume_proof",  # 358
-    "test_bridge_proofs",  # 246
-    "test_dpo",  # 239
-    "test_serve",  # 220
-    "test_sft",  # 214
-    "test_export",  # 201
-    "test_sft_eval",  # 170
-    "test_capstone",  # 144
-    "test_budget",  # 143
-    "test_cloud_rehearsal",  # 117
-    "test_hardening",  # 113
-    "test_dossier",  # 102
+    "test_dpo",  # 262: builds the preference chain (124 s) that test_sft_eval reads later
+    "test_scaleout_procs",  # 244
+    "test_cloud_rehearsal",  # 201
+    "test_serve",  # 192
+    "test_export",  # 168
+    "test_image",  # 157
+    "test_ppo",  # 147
+    "test_kvcache",  # 139
+    "test_bridge_proofs",  # 137
+    "test_sft",  # 136
+    "test_resume_proof",  # 130
+    "test_budget",  # 128
+    "test_sft_eval",  # 127
+    "test_registry",  # 107: builds the registry flow that test_serve_registry reads
+    "test_serve_registry",  # 103
+    "test_tracking",  # 99
+    "test_hardening",  # 92
+    "test_dossier",  # 88
+    "test_generate",  # 77
+    "test_capstone",  # 74
 )
 
 
