@@ -492,8 +492,33 @@ def test_a_prompt_version_resolves_to_what_the_registry_holds(tmp_path):
         with pytest.raises(TpulabError, match=re.escape(words)) as e:
             resolve(label, text)
         assert "\n" not in str(e.value)
+    # A version is read again after the TTL too: deleted, or its template edited in the store (the
+    # sqlite row MLflow keeps it in), it is refused within one TTL, served until then.
+    import sqlite3
+
+    for template in ("{{ speaker }}!\n", "{{ speaker }}?\n"):
+        assert registry(uri, "prompt", "speaker", "--template", template)[0] == 0
+    assert resolve("speaker/3", "ROMEO!\n")["prompt_version"] == "prompts:/speaker/3"
+    assert resolve("speaker/4", "ROMEO?\n")["prompt_version"] == "prompts:/speaker/4"
+    reg.client.delete_prompt_version("speaker", "3")
+    with sqlite3.connect(tmp_path / "mlruns.db") as db:
+        edited = db.execute(
+            "UPDATE model_version_tags SET value = ? WHERE name = 'speaker' AND version = 4 "
+            "AND key = 'mlflow.prompt.text'",
+            ("{{ speaker }}?!\n",),
+        ).rowcount
+    assert edited == 1
+    now[0] = 20.0  # still within the TTL of step 10.5: the cached answers stand
+    assert resolve("speaker/3", "ROMEO!\n")["prompt_version"] == "prompts:/speaker/3"
+    assert resolve("speaker/4", "ROMEO?\n")["prompt_version"] == "prompts:/speaker/4"
+    now[0] = 21.0
+    for label, words in (("speaker/3", "no prompt speaker version 3"), ("speaker/4", "hashes to")):
+        with pytest.raises(TpulabError, match=re.escape(words)):
+            resolve(label, "ROMEO!\n" if label.endswith("3") else "ROMEO?\n")
+    assert resolve("speaker/1", "ROMEO.\n")["prompt_version"] == "prompts:/speaker/1"  # re-read
     # A store that cannot be read is the service's 503, not the client's 422: PromptStoreError,
-    # not TpulabError; a label resolved before stays served from the cache (versions are immutable)
+    # not TpulabError; a version resolved before stays served from the cache, past its TTL too
+    # (only a deletion, refused once the store reads again, could have changed it), an alias not
     import shutil
 
     from tpulab.ops.prompts import PromptStoreError
@@ -503,11 +528,16 @@ def test_a_prompt_version_resolves_to_what_the_registry_holds(tmp_path):
     shutil.copy(tmp_path / "mlruns.db", broken / "mlruns.db")
     on_broken = PromptResolver(open_registry(_uri(broken)), 10.0, clock=lambda: now[0])
     assert on_broken("speaker/1", "ROMEO.\n")["prompt_version"] == "prompts:/speaker/1"
+    assert on_broken("speaker@prod", "ROMEO.\n")["prompt_version"] == "prompts:/speaker/1"
     (broken / "mlruns.db").write_bytes(b"not a database " * 512)
     with pytest.raises(PromptStoreError, match="prompt registry .*mlruns.db") as e:
         on_broken("speaker/2", "ROMEO:\n")
     assert not isinstance(e.value, TpulabError) and "\n" not in str(e.value)
     assert on_broken("speaker/1", "ROMEO.\n")["prompt_version"] == "prompts:/speaker/1"
+    now[0] = 60.0
+    assert on_broken("speaker/1", "ROMEO.\n")["prompt_version"] == "prompts:/speaker/1"
+    with pytest.raises(PromptStoreError):
+        on_broken("speaker@prod", "ROMEO.\n")
     assert rendered_from("A {{ x }} B {{ y }} C", "A 1 B 2 B C") and rendered_from("ab", "ab")
     assert not rendered_from("A {{ x }} B {{ y }} C", "A 1 C") and not rendered_from("ab", "abc")
     # Linear: the regex (.*?)Y(.*?)Y(.*?)Q(.*?)X backtracks through ~n^3/6 splits of this text.

@@ -214,14 +214,17 @@ def rendered_from(template: str, text: str) -> bool:
 
 class PromptResolver:
     """A service's ``prompt_version`` check: (label, prompt) -> the trace fields naming the
-    version the registry holds, or TpulabError (the client's mistake: 422). Versions are immutable
-    in MLflow, so a resolved one is kept; an alias is read again after ``alias_ttl_s`` (the
-    service's alias poll interval), as the model alias is."""
+    version the registry holds, or TpulabError (the client's mistake: 422). Every resolution is
+    read again after ``ttl_s`` (the service's alias poll interval, as for the model alias): an
+    alias may move, and a version, immutable in MLflow, may still be deleted or its template edited
+    in the store; either is refused within one TTL. A store that cannot be read on a re-read keeps
+    a version's last good answer (nothing can have changed it unseen but a deletion) and fails an
+    alias's (``PromptStoreError``: it may have moved)."""
 
     MAX_CACHED = 1024
 
-    def __init__(self, reg: R.Registry, alias_ttl_s: float, *, clock=time.monotonic):
-        self.reg, self.alias_ttl_s, self.clock = reg, alias_ttl_s, clock
+    def __init__(self, reg: R.Registry, ttl_s: float, *, clock=time.monotonic):
+        self.reg, self.ttl_s, self.clock = reg, ttl_s, clock
         self._cache: dict[str, tuple[Prompt, float]] = {}
         self._lock = threading.Lock()
 
@@ -231,12 +234,20 @@ class PromptResolver:
             hit = self._cache.get(label)
         if hit is not None and now < hit[1]:
             return hit[0]
-        p = resolve_prompt(self.reg, label)
-        expires = now + self.alias_ttl_s if "@" in label else float("inf")
+        try:
+            p = resolve_prompt(self.reg, label)
+        except PromptStoreError:
+            if hit is None or "@" in label:
+                raise
+            return hit[0]
+        except TpulabError:
+            with self._lock:
+                self._cache.pop(label, None)
+            raise
         with self._lock:
             if len(self._cache) >= self.MAX_CACHED:
                 self._cache.clear()
-            self._cache[label] = (p, expires)
+            self._cache[label] = (p, now + self.ttl_s)
         return p
 
     def __call__(self, label: str, text: str) -> dict:
