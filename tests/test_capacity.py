@@ -157,6 +157,25 @@ def test_validation_holds_for_independent_replicas_and_fails_for_a_shared_core(s
     assert all(r["error"] < -0.3 for r in bad["replicated"]), bad["replicated"]
 
 
+def test_client_processes_split_the_clients_and_share_one_clock(stub_pair):
+    """The measured run's clients: one process per replica, each pinned, starting together; the
+    row counts every process's requests over one wall (the earliest start to the latest end)."""
+    cfg = cap.CapacityConfig(clients_per_replica=(2,), requests_per_client=6)
+    _, bases = stub_pair(False)
+    cpus = sorted(os.sched_getaffinity(0))
+    row = cap.round_robin(bases, 4, cfg, [{cpus[0]}, {cpus[-1]}])
+    assert row["client_processes"] == 2 and row["requests"] == 24
+    assert row["per_replica_requests"] == [12, 12]  # round robin across the processes too
+    # 24 requests of 50 ms on two independent locks: at least 0.6 s, at most 2 replicas' rate
+    assert row["wall_s"] >= 24 * SERVICE_S / 2 * 0.98 and row["requests_per_s"] <= 2.05 / SERVICE_S
+    assert row["littles_law"]["ratio"] == pytest.approx(1.0, abs=0.15), row
+    with pytest.raises(TpulabError, match="5 clients do not split over 2 client processes"):
+        cap.round_robin(bases, 5, cfg, [{cpus[0]}, {cpus[-1]}])
+    # A client process that fails is one line in the parent, not a hang
+    with pytest.raises(TpulabError, match="client process 0: .*ConnectError"):
+        cap.round_robin(["http://127.0.0.1:9"], 1, cfg, [{cpus[0]}])
+
+
 def test_pin_moves_every_thread_of_a_process(stub_pair):
     cpus = sorted(os.sched_getaffinity(0))
     proc, _ = stub_pair(False)

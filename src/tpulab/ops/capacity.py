@@ -13,9 +13,10 @@ single-replica rows of ``measure``):
   the pair sustains ``R * X1(c)`` at the p99 of ``X1(c)``, provided each replica has its own core.
 
 ``measure`` checks the last point: it starts R real services (``tpulab serve``, each process
-pinned to its own core), measures one replica alone at c clients (with the client pinned to that
-replica's core, as each core carries a replica and a share of the client in the R-replica run),
-then all R behind one round-robin client at R x c clients, and compares.
+pinned to its own core), measures one replica alone at c clients (the clients in one process pinned
+to that replica's core), then all R behind the round-robin client at R x c clients (one client
+process per replica, on its core, so each core carries one replica and one client process in both
+runs), and compares.
 """
 
 from __future__ import annotations
@@ -164,20 +165,25 @@ def pin(pid: int, cpus: set[int]) -> int:
     return n
 
 
-def round_robin(bases: list[str], clients: int, cfg: CapacityConfig) -> dict:
-    """``clients`` closed-loop clients; request k of the round goes to ``bases[k % len(bases)]``."""
+def _closed_loop(
+    bases: list[str], clients: int, cfg: CapacityConfig, offset: int, start
+) -> tuple[list, float, float]:
+    """``clients`` closed-loop client threads of this process; its request k goes to
+    ``bases[(offset + k) % len(bases)]``. (results, start, end) on the monotonic clock, which all
+    processes of this host share."""
     import httpx
 
     body = {"prompt": cfg.prompt, "max_new": cfg.max_new, "temperature": 0.0, "cache": cfg.cache}
-    counter, lock = itertools.count(), threading.Lock()
+    counter, lock = itertools.count(offset), threading.Lock()
     # Clients (an httpx.Client builds an SSL context: tens of ms) and threads exist before the
-    # clock starts; all start together at the barrier.
+    # clock starts; all start together at the barrier (``start``: this process's threads, then
+    # every client process's).
     sessions = [httpx.Client(timeout=600) for _ in range(clients)]
-    start = threading.Barrier(clients + 1)
+    ready = threading.Barrier(clients + 1)
 
     def client(i):
         out, c = [], sessions[i]
-        start.wait()
+        ready.wait()
         for _ in range(cfg.requests_per_client):
             with lock:
                 k = next(counter)
@@ -193,17 +199,73 @@ def round_robin(bases: list[str], clients: int, cfg: CapacityConfig) -> dict:
     try:
         with concurrent.futures.ThreadPoolExecutor(clients) as pool:
             futures = [pool.submit(client, i) for i in range(clients)]
-            start.wait()
-            t0 = time.perf_counter()
+            start()
+            ready.wait()
+            t0 = time.monotonic()
             results = [x for f in futures for x in f.result()]
-            wall = time.perf_counter() - t0
+            t1 = time.monotonic()
     finally:
         for c in sessions:
             c.close()
+    return results, t0, t1
+
+
+def _client_process(bases, clients, cfg, offset, cpus, barrier, queue) -> None:
+    os.sched_setaffinity(0, cpus)
+    try:
+        # A process that never reaches the barrier (it failed first) breaks it for the others.
+        queue.put(_closed_loop(bases, clients, cfg, offset, lambda: barrier.wait(120)))
+    except BaseException as e:  # the parent raises it in one line
+        queue.put(f"client process {offset}: {type(e).__name__}: {e}")
+
+
+def round_robin(
+    bases: list[str], clients: int, cfg: CapacityConfig, client_cpus: list[set[int]] | None = None
+) -> dict:
+    """``clients`` closed-loop clients; requests go round robin over ``bases``.
+
+    ``client_cpus``: run the clients in ``len(client_cpus)`` processes, process j pinned to
+    ``client_cpus[j]`` with its share of the clients (starting its round robin at replica j), all
+    starting together. Without it the clients are threads of this process: one interpreter lock
+    for all of them, which the replicated rounds must not share (``validate``)."""
+    if not client_cpus:
+        results, t0, t1 = _closed_loop(bases, clients, cfg, 0, lambda: None)
+    else:
+        import multiprocessing
+
+        n = len(client_cpus)
+        if clients % n:
+            raise TpulabError(f"{clients} clients do not split over {n} client processes")
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
+        barrier, queue = ctx.Barrier(n), ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_client_process,
+                args=(bases, clients // n, cfg, j, client_cpus[j], barrier, queue),
+                daemon=True,
+            )
+            for j in range(n)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            parts = [queue.get(timeout=cfg.startup_timeout_s) for _ in procs]
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        failed = [x for x in parts if isinstance(x, str)]
+        if failed:
+            raise TpulabError(failed[0])
+        results = [x for part in parts for x in part[0]]
+        t0, t1 = min(p[1] for p in parts), max(p[2] for p in parts)
+    wall = t1 - t0
     lat = np.array([r[0] for r in results]) * 1e3
     row = {
         "replicas": len(bases),
         "clients": clients,
+        "client_processes": len(client_cpus or [None]),
         "requests": len(results),
         "wall_s": wall,
         "requests_per_s": len(results) / wall,
@@ -231,24 +293,23 @@ def predict(single: list[dict], replicas: int, clients: int) -> dict | None:
     }
 
 
-def validate(bases: list[str], cfg: CapacityConfig, client_cpus: set[int] | None = None) -> dict:
+def validate(
+    bases: list[str], cfg: CapacityConfig, client_cpus: list[set[int]] | None = None
+) -> dict:
     """Rounds of ``bases[0]`` alone at c clients and of all ``bases`` behind the round-robin client
     at len(bases) x c, for every c; each replicated row compared with its prediction.
 
-    ``client_cpus``: where the client runs during the single-replica rounds (the core of replica 0,
-    so that one core carries one replica and its share of the client in both runs).
+    ``client_cpus``: one set per replica, the core of that replica. The single-replica rounds then
+    run their clients in one process on replica 0's core, the replicated rounds in one process per
+    replica on its core, so in both a core carries one replica and one client process with c
+    clients. At bb1acf2 one client process (one interpreter lock) drove both replicas, and the pair
+    levelled off at ~200 req/s from 2 clients per replica on, -26% at 8.
     """
     round_robin(bases, len(bases), dataclasses.replace(cfg, requests_per_client=2))  # untimed
     single, multi = [], []
-    everything = os.sched_getaffinity(0)
     for c in cfg.clients_per_replica:
-        if client_cpus:
-            os.sched_setaffinity(0, client_cpus)
-        try:
-            single.append(round_robin(bases[:1], c, cfg))
-        finally:
-            os.sched_setaffinity(0, everything)
-        multi.append(round_robin(bases, c * len(bases), cfg))
+        single.append(round_robin(bases[:1], c, cfg, client_cpus and client_cpus[:1]))
+        multi.append(round_robin(bases, c * len(bases), cfg, client_cpus))
         print(_row_line(single[-1]), flush=True)
         print(_row_line(multi[-1]), flush=True)
     for r in multi:
@@ -291,7 +352,8 @@ def measure(artifacts: str | Path, cfg: CapacityConfig, out_dir: str | Path) -> 
                 )
                 servers.append(s)
                 pin(s.proc.pid, {cpus[i]})
-            result = validate([s.base for s in servers], cfg, client_cpus={cpus[0]})
+            client_cpus = [{cpus[i]} for i in range(cfg.replicas)]
+            result = validate([s.base for s in servers], cfg, client_cpus=client_cpus)
         finally:
             for s in servers:
                 s.close()
