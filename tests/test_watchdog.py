@@ -226,9 +226,11 @@ def test_real_stalls_in_the_first_steps_are_caught_dumped_and_exit_within_their_
         assert stall["exit_code"] == ExitCode.STALLED
         assert ("in start-up: " in out.stderr) == (phase == "start-up")
         stacks = (run_dir / stall["stacks"]).read_text()
-        # the hung frame, and every thread: the watchdog's own included
-        assert "Thread" in stacks and "after_step" in stacks and "hooked_train.py" in stacks
+        # every thread, the watchdog's own included; the hung frame where the hang surely came
+        # first (at load 13 the start-up bound ran out in step 1's compile, before the hang at 2)
+        assert "Thread" in stacks and "hooked_train.py" in stacks
         assert "stall-watchdog" in stacks or "_watch" in stacks
+        assert ("after_step" in stacks) or phase == "start-up"
         # a supervisor can resume from here (step 2 was saved before the hang at 4)
         manifest = run_dir / "checkpoints" / "2" / "tpulab_manifest.json"
         assert manifest.exists() == (phase == "running")
