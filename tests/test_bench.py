@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, run_cli, tiny_config
+from conftest import REPO, TINY, run_cli, run_main, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,7 @@ def test_bench_counts_no_recompiles_and_catches_a_forced_one(cli_sweep):
         check_no_recompiles(forced)
 
 
-def test_bench_refuses_too_few_steps_and_bad_sweeps(tmp_path, capsys):
-    from tpulab.cli.main import main
+def test_bench_refuses_too_few_steps_and_bad_sweeps(tmp_path, capfd):
     from tpulab.errors import TpulabError
     from tpulab.perf.bench import bench_step
 
@@ -79,11 +78,8 @@ def test_bench_refuses_too_few_steps_and_bad_sweeps(tmp_path, capsys):
     ):
         argv = ["bench", "--run-dir", str(tmp_path / "run"), "--config", str(TINY)]
         argv += ["--sweep", sweep]
-        if in_process:
-            rc, err = main(argv), capsys.readouterr().err
-        else:
-            r = run_cli(*argv)
-            rc, err = r.returncode, r.stderr
+        r = run_main(capfd, *argv) if in_process else run_cli(*argv)
+        rc, err = r.returncode, r.stderr
         assert rc == 2 and err.startswith("error: ") and expect in err, err
         assert "Traceback" not in err and not (tmp_path / "run").exists()
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import TINY, run_cli, tiny_config
+from conftest import TINY, run_cli, run_main, tiny_config
 
 
 def test_verdict_and_prediction_parsing():
@@ -72,9 +72,7 @@ def test_hypothesis_runner_alternates_same_batches_and_keeps_quality_evidence(tm
     assert json.loads((tmp_path / "hypothesis.json").read_text())["environment"]["backend"] == "cpu"
 
 
-def test_hypothesis_bad_input_is_one_line(tmp_path, capsys):
-    from tpulab.cli.main import main
-
+def test_hypothesis_bad_input_is_one_line(tmp_path, capfd):
     # One real process (the exit status and stderr as a shell sees them); the other refusals go
     # through the same `main` in-process (a child only adds its 3.2 CPU-s of imports).
     for extra, expect, in_process in (
@@ -84,10 +82,7 @@ def test_hypothesis_bad_input_is_one_line(tmp_path, capsys):
         (["--change", "model.nope=1", "--predict=step time -10%"], "unknown config key", True),
     ):
         argv = ["hypothesis", "--run-dir", str(tmp_path / "run"), "--config", str(TINY), *extra]
-        if in_process:
-            rc, err = main(argv), capsys.readouterr().err
-        else:
-            r = run_cli(*argv)
-            rc, err = r.returncode, r.stderr
+        r = run_main(capfd, *argv) if in_process else run_cli(*argv)
+        rc, err = r.returncode, r.stderr
         assert rc == 2 and err.startswith("error: ") and expect in err, err
         assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -46,8 +46,19 @@ class KVEvalConfig:
     prompt_len: int = field(0, "tokens prefilled before decoding starts; 0 = max_seq_len // 8")
     min_generated: int = field(256, "greedy tokens generated per policy, at least")
     min_prompts: int = field(8, "greedy generations per policy, at least")
+    policies: tuple[str, ...] = field(
+        kv.POLICIES,
+        "cache policies compared, fp32 first: the others' byte ratios and the int8 bounds read it",
+    )
 
     def __post_init__(self):
+        check(
+            bool(self.policies)
+            and self.policies[0] == "fp32"
+            and set(self.policies) <= set(kv.POLICIES)
+            and len(set(self.policies)) == len(self.policies),
+            f"policies={self.policies} must be distinct of {', '.join(kv.POLICIES)}, fp32 first",
+        )
         check(self.windows > 0, f"windows={self.windows} must be positive")
         check(self.prompt_len >= 0, f"prompt_len={self.prompt_len} must be >= 0")
         check(
@@ -145,7 +156,8 @@ def compare_policy(
 
 
 def kvcache_table(source: Restored, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
-    """Rows for fp32, bf16 and int8 plus the full-forward reference, for a ``Restored`` model."""
+    """Rows for ``cfg.policies`` (fp32, bf16 and int8) plus the full-forward reference, for a
+    ``Restored`` model."""
     fns = ModelFns(source.model)
     s = fns.shape.max_len
     prompt_len = cfg.prompt_len or max(1, s // 8)
@@ -160,7 +172,7 @@ def kvcache_table(source: Restored, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
     nll = -np.take_along_axis(np.asarray(lp), windows[:, 1:, None], axis=-1)[..., 0]
     rows = [
         compare_policy(fns, p, windows, prompts, full, prompt_len)
-        for p in progress(kv.POLICIES, "kvcache")
+        for p in progress(cfg.policies, "kvcache")
     ]
     for r in rows:
         r["ratio_to_fp32"] = r["bytes_per_token"] / rows[0]["bytes_per_token"]
@@ -177,7 +189,7 @@ def kvcache_table(source: Restored, cfg: KVEvalConfig = KVEvalConfig()) -> dict:
             "activations": prec.compute_dtype,
             "accumulation": prec.accum_dtype,
             "int8_scales": jnp.dtype(kv.SCALE_DTYPE).name,
-            "cache": {p: kv.describe_policy(p) for p in kv.POLICIES},
+            "cache": {p: kv.describe_policy(p) for p in cfg.policies},
         },
         "shapes": {
             "heldout_windows": list(windows[:, :-1].shape),
