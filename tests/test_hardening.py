@@ -157,10 +157,11 @@ def test_prove_resume_refuses_a_kill_before_the_first_checkpoint_up_front(tmp_pa
     assert not (tmp_path / "p" / "proof" / "reference").exists()
 
 
-def test_force_onto_a_checkpoint_of_another_shape_is_one_line(trained_run, tmp_path):
+def test_force_onto_a_checkpoint_of_another_shape_is_one_line(trained_run, tmp_path, capfd):
     run = _copy(trained_run, tmp_path)
     before = tree_digest(run)
-    result = run_cli(
+    result = run_main(  # in process: a refusal at restore, no process boundary under test
+        capfd,
         "train",
         "--run-dir",
         str(run),

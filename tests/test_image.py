@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import run_cli, verified_export
+from conftest import run_main, verified_export
 from tpulab.ops import tags
 from tpulab.ops.image import Layer, fresh_pyc, write_layer
 
@@ -208,8 +208,10 @@ def image(verified_artifacts, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_build_refuses_unverified_or_tampered_artifacts_and_writes_nothing(
-    verified_artifacts, tmp_path
+    verified_artifacts, tmp_path, capfd
 ):
+    """The CLI in this process (``run_main``): a refusal is decided before anything is written,
+    and no process boundary is under test here (the builds below are real processes)."""
     from test_cli_errors import assert_one_line_error
 
     cases = {
@@ -224,13 +226,13 @@ def test_build_refuses_unverified_or_tampered_artifacts_and_writes_nothing(
         shutil.copytree(verified_artifacts, art)
         damage(art)
         out = tmp_path / f"{name}-oci"
-        r = run_cli("image", "build", "--artifacts", str(art), "--out", str(out))
+        r = run_main(capfd, "image", "build", "--artifacts", art, "--out", out)
         assert_one_line_error(r, needle)
         assert not out.exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("keep me")
-    r = run_cli(
-        "image", "build", "--artifacts", str(verified_artifacts), "--out", str(tmp_path / "full")
+    r = run_main(
+        capfd, "image", "build", "--artifacts", verified_artifacts, "--out", tmp_path / "full"
     )
     assert_one_line_error(r, "is not an empty directory")
     assert (tmp_path / "full" / "x").read_text() == "keep me"
@@ -269,7 +271,7 @@ def test_two_builds_give_the_same_manifest_digest(image, verified_artifacts, tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_layout_validates_and_labels_carry_the_digests(image, verified_artifacts, tmp_path):
+def test_layout_validates_and_labels_carry_the_digests(image, verified_artifacts, tmp_path, capfd):
     from tpulab.checkpoint.files import sha256_file
 
     out, built = image
@@ -287,7 +289,8 @@ def test_layout_validates_and_labels_carry_the_digests(image, verified_artifacts
     assert info["Layers"] == [w["digest"] for w in built["layers"]]
     ls = subprocess.run(["umoci", "ls", "--layout", str(out)], capture_output=True, text=True)
     assert ls.returncode == 0 and ls.stdout.split() == ["latest"], ls.stderr
-    ok = run_cli("image", "verify", str(out))
+    ok = run_main(capfd, "image", "verify", out)  # in this process: skopeo and umoci are the
+    # independent readers; this checks tpulab's own verifier and its refusal
     assert ok.returncode == 0 and built["manifest_digest"] in ok.stdout, ok.stderr
     # Negative control: one flipped byte in the first layer's blob (a hard-linked copy of the
     # layout; the first layer, so that umoci stops before unpacking the others).
@@ -298,7 +301,7 @@ def test_layout_validates_and_labels_carry_the_digests(image, verified_artifacts
     data[len(data) // 2] ^= 1
     blob.unlink()
     blob.write_bytes(bytes(data))
-    r = run_cli("image", "verify", str(bad))
+    r = run_main(capfd, "image", "verify", bad)
     assert r.returncode != 0 and "does not match its digest" in r.stderr, r.stderr
     umoci = subprocess.run(
         ["umoci", "raw", "unpack", "--image", f"{bad}:latest", str(tmp_path / "never")],

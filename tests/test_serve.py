@@ -468,55 +468,107 @@ def _rehash(art):
     (art / "manifest.json").write_text(json.dumps(m))
 
 
+BAD_ARTIFACTS = {
+    "unverified": (lambda a: (a / "verification.json").unlink(), "not verified"),
+    "tampered": (
+        lambda a: open(a / "weights.npz", "ab").write(b"\0"),
+        "sha256 mismatch in weights.npz",
+    ),
+    "corrupt": (
+        lambda a: (_corrupt(a), _rehash(a)),
+        "decode_bf16.jaxexport cannot be deserialized",
+    ),
+    "swapped": (
+        lambda a: (_swap(a), _rehash(a)),
+        "generate_fp32.jaxexport does not hold a fp32 cache",
+    ),
+}
+
+
+def _damaged(verified_artifacts, tmp_path, name) -> Path:
+    art = tmp_path / name
+    shutil.copytree(verified_artifacts, art)
+    BAD_ARTIFACTS[name][0](art)
+    return art
+
+
 def test_bad_artifacts_leave_the_server_live_never_ready_and_exit_1_after_the_timeout(
     verified_artifacts, tmp_path
 ):
     """The negative control of readiness: on unverified, tampered, corrupt or swapped artifacts the
-    server answers /livez, never /readyz 200 (the reason is on it), and exits 1 at the timeout."""
-    cases = {
-        "unverified": (lambda a: (a / "verification.json").unlink(), "not verified"),
-        "tampered": (
-            lambda a: open(a / "weights.npz", "ab").write(b"\0"),
-            "sha256 mismatch in weights.npz",
-        ),
-        "corrupt": (
-            lambda a: (_corrupt(a), _rehash(a)),
-            "decode_bf16.jaxexport cannot be deserialized",
-        ),
-        "swapped": (
-            lambda a: (_swap(a), _rehash(a)),
-            "generate_fp32.jaxexport does not hold a fp32 cache",
-        ),
-    }
-    procs = {}
+    server answers /livez, never /readyz 200 (the reason is on it), and fails at the timeout.
+
+    "corrupt" runs the CLI in a real process: exit 1 at the 20 s bound, the reason its last line.
+    The other three run serve's own server (``run_server``: real uvicorn on loopback) in threads
+    of this process, meanwhile, saving a process start (~3.5 CPU-s) each; their ready deadline is
+    an injected clock, held until every reason was seen on /readyz, then moved past the bound (on
+    a real clock, three loads sharing this process under load could pass the bound before a
+    verification failed: the reason is then "verifying", not the damage)."""
+    from tpulab.errors import TpulabError
+    from tpulab.inference.serve import ServeConfig, Service, artifacts_loader, run_server
+
+    now, cfg, threads = (
+        [0.0],
+        ServeConfig(ready_timeout_s=20),
+        ("unverified", "tampered", "swapped"),
+    )
+    ports, runs, seen = {}, {}, {name: set() for name in BAD_ARTIFACTS}
     with contextlib.ExitStack() as stack:
-        for name, (damage, _) in cases.items():
-            art = tmp_path / name
-            shutil.copytree(verified_artifacts, art)
-            damage(art)
-            log = stack.enter_context(open(tmp_path / f"{name}.log", "wb"))
-            port = free_port()
-            args = ("--artifacts", str(art), "--ready-timeout", "20")
-            procs[name] = (port, start_server(log, *args, port=port))
-            stack.callback(reap, procs[name][1])
-        seen = {name: set() for name in cases}
+        log = stack.enter_context(open(tmp_path / "corrupt.log", "wb"))
+        ports["corrupt"] = free_port()
+        args = ("--artifacts", str(_damaged(verified_artifacts, tmp_path, "corrupt")))
+        proc = start_server(log, *args, "--ready-timeout", "20", port=ports["corrupt"])
+        stack.callback(reap, proc)
+        for name in threads:
+            art = _damaged(verified_artifacts, tmp_path, name)
+            service = Service(artifacts_loader(art), cfg, describe=name, clock=lambda: now[0])
+            service.start()
+            ports[name], ended = free_port(), {}
+
+            def serve(service=service, port=ports[name], ended=ended):
+                try:
+                    run_server(service, "127.0.0.1", port)
+                    ended["error"] = None
+                except TpulabError as e:
+                    ended["error"] = e
+
+            thread = threading.Thread(target=serve, daemon=True)
+            thread.start()
+            runs[name] = (service, thread, ended)
+
+        def stop_threads():
+            now[0] = 1e9  # whatever failed, no server thread outlives the test
+            for _, thread, _ in runs.values():
+                thread.join(timeout=60)
+
+        stack.callback(stop_threads)
         t0 = time.monotonic()
-        while any(p.poll() is None for _, p in procs.values()):
-            assert time.monotonic() - t0 < 120, seen
-            for name, (port, _) in procs.items():
+        while proc.poll() is None or any((200, 503, True) not in seen[n] for n in threads):
+            assert time.monotonic() - t0 < 300, seen
+            for name, port in ports.items():
+                if name == "corrupt" and proc.poll() is not None:
+                    continue
                 with contextlib.suppress(httpx.TransportError):
-                    live = httpx.get(f"http://127.0.0.1:{port}/livez", timeout=2).status_code
-                    ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
-                    reason = cases[name][1] in ready.json()["status"]
+                    live = httpx.get(f"http://127.0.0.1:{port}/livez", timeout=5).status_code
+                    ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+                    reason = BAD_ARTIFACTS[name][1] in ready.json()["status"]
                     seen[name].add((live, ready.status_code, reason))
             time.sleep(0.2)
-    for name, (_, reason) in cases.items():
-        out = (tmp_path / f"{name}.log").read_text().strip()
-        rc = procs[name][1].returncode
-        assert rc == ExitCode.FAILED and out.splitlines()[-1].startswith(
-            "error: not ready within 20 s"
-        ), out
-        assert reason in out.splitlines()[-1] and "Traceback" not in out, out
+        assert all(thread.is_alive() for _, thread, _ in runs.values())  # live until the deadline
+        now[0] = 20.5  # past the bound: each in-process server stops on its next tick
+        for name, (service, thread, _) in runs.items():
+            thread.join(timeout=60)
+            assert not thread.is_alive() and service.overdue(), name
+    out = (tmp_path / "corrupt.log").read_text().strip()
+    assert proc.returncode == ExitCode.FAILED and out.splitlines()[-1].startswith(
+        "error: not ready within 20 s"
+    ), out
+    assert BAD_ARTIFACTS["corrupt"][1] in out.splitlines()[-1] and "Traceback" not in out, out
+    for name, (_, _, ended) in runs.items():
+        err = ended["error"]
+        assert isinstance(err, TpulabError) and err.exit_code == ExitCode.FAILED, (name, err)
+        assert str(err).startswith("not ready within 20 s") and BAD_ARTIFACTS[name][1] in str(err)
+    for name in BAD_ARTIFACTS:
         assert (200, 503, True) in seen[name] and all(r == 503 for _, r, _ in seen[name]), seen
 
 
