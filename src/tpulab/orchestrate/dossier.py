@@ -173,6 +173,11 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
             + "\n\n"
             + bench.sweep_table(key, [(row["value"], row) for row in r["sweep"]["rows"]])
             + "\n\n"
+            + (
+                f"The row {key}={same} is the bench above (the run's own config).\n\n"
+                if (same := r["sweep"]["main_bench_row"]) is not None
+                else ""
+            )
             + "![sweep](run/bench/sweep.png)"
         )
 
