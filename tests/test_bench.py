@@ -90,6 +90,11 @@ def test_bench_cli_sweep_writes_table_plot_and_provenance(cli_sweep):
     data = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert [row["value"] for row in data["sweep"]["rows"]] == ["32", "64"]
     assert data["sweep"]["rows"][1]["matmul_params"] > data["sweep"]["rows"][0]["matmul_params"]
+    # d_model 32 is the main config: its row is the main bench, not a second timing of it;
+    # control: the 64 row was timed on its own
+    main, (row32, row64) = data["bench"], data["sweep"]["rows"]
+    assert data["sweep"]["main_bench_row"] == "32" and row32["step_time"] == main["step_time"]
+    assert row64["step_time"] != main["step_time"]
     assert data["environment"]["backend"] == "cpu" and data["environment"]["git_commit"]
     assert (tmp_path / "bench" / "sweep.png").stat().st_size > 0
     assert "| model.d_model |" in r.stdout

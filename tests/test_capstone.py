@@ -48,15 +48,15 @@ def test_capstone_writes_report_overlay_and_verdict(tmp_path):
         and chaos["kills"] == 1
         and "Chaos: SIGKILL at random moments" in report
     )
-    # proof and chaos ran together, in the fixed order; the report says so
+    # proof, chaos and checks ran together, in the fixed order; the report says so
     times = next(line for line in report.splitlines() if line.startswith("Stage times: "))
     assert "train " in times and ", resume proof " in times and " s with chaos " in times, times
+    assert " s with checks " in times, times
     heads = [h for h in report.splitlines() if h.startswith("## ")]
     order = ["## Kill/resume proof", "## Chaos: SIGKILL at random moments", "## Independent checks"]
     assert [h for h in heads if h in order] == order, heads
-    assert re.search(
-        r"^CPU seconds: receipt \d+ s, train \d+ s, resume proof \+ chaos ", report, re.M
-    )
+    cpu = r"^CPU seconds: receipt \d+ s, train \d+ s, resume proof \+ chaos \+ checks "
+    assert re.search(cpu, report, re.M)
     # the proof's resumed process compiled from a fresh, empty cache (JAX's events); chaos's
     # lifetimes share one (control: it loaded what the reference compiled, so it is not cold)
     proof = json.loads((out / "proof" / "verdict.json").read_text())

@@ -111,6 +111,63 @@ def test_stages_together_run_at_once_and_report_in_the_given_order():
         stages.together(("bug", lambda: str(1 / 0)), ("fine", lambda: "## fine"))
 
 
+def test_first_here_runs_the_first_stage_in_the_main_thread_beside_the_others():
+    """The dossier's trainer installs a SIGTERM handler, which only the main thread may: with
+    ``first_here`` the first stage can, while the second runs at the same time (the barrier);
+    control: run the plain way, the same stage is in a worker thread and is refused."""
+    import signal
+    import threading
+
+    both = threading.Barrier(2, timeout=20)
+
+    def handler_stage() -> str:
+        signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))  # ValueError off main
+        both.wait()
+        return "## main"
+
+    def beside() -> str:
+        both.wait()
+        return "## beside " + threading.current_thread().name
+
+    stages = Stages("t")
+    stages.together(("main", handler_stage), ("beside", beside), first_here=True)
+    assert stages.body() == "## main\n\n## beside beside" and not stages.failures
+    with pytest.raises(ValueError, match="main thread"):
+        Stages("t").together(("main", handler_stage), ("beside", beside))
+
+
+def test_ctrl_c_in_a_first_here_stage_kills_the_other_stages_children(tmp_path):
+    """Ctrl-C lands in the first stage's own code when it runs in the main thread: the child of
+    the stage beside it must still be killed within seconds, and the interrupt propagate."""
+    import signal
+    import threading
+    import time
+
+    from tpulab.proofs.driver import Proc
+
+    procs = []
+
+    def child() -> str:
+        with Proc(["sleep", "30"], tmp_path / "sleep.log") as proc:
+            procs.append(proc)
+            proc.p.wait()
+        return "## child"
+
+    def main_stage() -> str:
+        while not procs:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # interrupted
+        return "## main"
+
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        Stages("t").together(("main", main_stage), ("child", child), first_here=True)
+    assert time.monotonic() - t0 < 10, "the child ran on after Ctrl-C"
+    assert procs[0].p.returncode == -signal.SIGKILL, "the child was not killed"
+    assert not Proc.live and "child" not in {t.name for t in threading.enumerate()}
+
+
 def test_cpu_seconds_count_a_group_and_its_children_not_its_waits():
     """A group's CPU seconds include its ended children's (a busy child shows); a group that
     only sleeps shows about none (the control)."""

@@ -2,9 +2,9 @@
 
 At the CPU default size it runs, in order, and keeps each stage's evidence under ``out``:
 receipt (what JAX sees), a short training run (the profile and precision stages need trained
-weights), bench with a batch-size sweep, profile, the TPU budget of the stated target model
-(compiled for each target with libtpu), the precision table, and one hypothesis derived from the
-profile (dropout's random-bit generation share -> ``model.dropout=0``). It writes ``dossier.md``
+weights), bench with a batch-size sweep, profile, one hypothesis derived from the profile
+(dropout's random-bit generation share -> ``model.dropout=0``), the precision table, and the TPU
+budget of the stated target model (compiled for each target with libtpu). It writes ``dossier.md``
 and a self-contained ``dossier.html`` (plots embedded as data URIs) with the recommended slice,
 precision policy and batch, each next to its evidence. A stage that fails is reported in place and
 the command exits non-zero after writing both files.
@@ -13,6 +13,7 @@ the command exits non-zero after writing both files.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
@@ -117,8 +118,12 @@ def _img(path: Path) -> str:
     return f"![{path.stem}]({path.name})" if path.exists() else ""
 
 
-def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
-    """Run every stage and write dossier.md, dossier.html and dossier.json under ``out``."""
+def build_dossier(
+    config, out, plan: DossierPlan = DossierPlan(), timed: Callable[[], None] | None = None
+) -> dict:
+    """Run every stage and write dossier.md, dossier.html and dossier.json under ``out``.
+    ``timed`` is called once the stages whose step times decide something (bench, profile,
+    hypothesis) have ended or been skipped: a caller may start work beside the rest then."""
     from tpulab.config import load, to_dict
     from tpulab.evidence.provenance import describe_hardware, environment
     from tpulab.perf import bench, budget, hypothesis, precision, profile
@@ -173,6 +178,11 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
             + "\n\n"
             + bench.sweep_table(key, [(row["value"], row) for row in r["sweep"]["rows"]])
             + "\n\n"
+            + (
+                f"The row {key}={same} is the bench above (the run's own config).\n\n"
+                if (same := r["sweep"]["main_bench_row"]) is not None
+                else ""
+            )
             + "![sweep](run/bench/sweep.png)"
         )
 
@@ -227,8 +237,11 @@ def build_dossier(config, out, plan: DossierPlan = DossierPlan()) -> dict:
     if "train" in results:
         stage("bench", bench_stage)
         stage("profile", profile_stage)
-        stage("precision", precision_stage)
         stage("hypothesis", hypothesis_stage)
+    if timed is not None:
+        timed()
+    if "train" in results:  # accuracy, not speed: bf16 is emulated on a CPU
+        stage("precision", precision_stage)
     # Last: compiling for a TPU topology loads libtpu, whose host profiler then busy-waits on a core
     # during any later profiler session in this process (tpulab.libtpu_env).
     stage("budget", budget_stage)

@@ -55,12 +55,14 @@ class Stages:
     def run(self, name: str, fn: Callable[[], str]) -> None:
         self.together((name, fn))
 
-    def together(self, *stages: tuple[str, Callable[[], str]]) -> None:
+    def together(self, *stages: tuple[str, Callable[[], str]], first_here: bool = False) -> None:
         """Run ``stages`` at once, one thread each (for stages that mostly wait on their own
-        child processes: the demo uses 1.4 of its 2 cores run one at a time). Sections, timings
-        and failures are recorded in the order given, whatever order they end in. On Ctrl-C
-        (or any exception reaching this thread) every live child ``Proc`` is killed and every
-        thread joined before it propagates."""
+        child processes: the demo uses 1.4 of its 2 cores run one at a time). ``first_here``:
+        the first stage runs in the calling thread instead, the others beside it (a stage that
+        needs the main thread: a trainer's SIGTERM handler can only be installed there).
+        Sections, timings and failures are recorded in the order given, whatever order they end
+        in. On Ctrl-C (or any exception reaching this thread) every live child ``Proc`` is killed
+        and every thread joined before it propagates."""
         from tpulab.proofs.driver import kill_live
 
         if self._t0 is None:
@@ -97,9 +99,11 @@ class Stages:
 
             started = []
             try:
-                for name, fn in stages:
+                for name, fn in stages[1:] if first_here else stages:
                     threading.Thread(target=run_then_set, args=(name, fn), name=name).start()
                     started.append(name)
+                if first_here:  # a Ctrl-C here is the stage's: ``one`` kills every live child
+                    one(*stages[0])
                 for name in started:
                     done[name].wait()
             except BaseException:
