@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.rundir import RunDir
 from tpulab.config import identity_diff, load, to_dict
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
@@ -128,22 +129,19 @@ def verify_reused(name: str, path: Path, runs: dict, args, sets: dict) -> dict:
     diffs = identity_diff(RunConfig, meta_cfg, to_dict(want))
     if restored.step != want.train.steps:
         diffs.append(f"step {restored.step} (want {want.train.steps})")
-    saved = json.loads((path / "summary.json").read_text())
+    saved = RunDir(path).read_summary()
     for k, digest in wants(name, runs).items():
-        if saved["identities"].get(k) != digest:
-            diffs.append(
-                f"identity {k} {str(saved['identities'].get(k))[:12]}… (want {digest[:12]}…)"
-            )
+        if saved.identities.get(k) != digest:
+            diffs.append(f"identity {k} {str(saved.identities.get(k))[:12]}… (want {digest[:12]}…)")
     if diffs:
         raise TpulabError(
             f"--reuse {path}: not the {name} stage of this chain: {'; '.join(diffs[:3])}"
         )
-    env = json.loads((path / "env.json").read_text())
-    seconds = saved.get("wall_s")
+    seconds = saved.wall_s
     return {
         "run_dir": str(path),
         "checkpoint_digest": restored.checkpoint_digest,
-        "git_commit": env["git_commit"],
+        "git_commit": RunDir(path).read_env().git_commit,
         "seconds": None if seconds is None else round(seconds, 1),
     }
 

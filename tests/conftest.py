@@ -307,3 +307,62 @@ def run_main(capture, *args) -> subprocess.CompletedProcess:
         signal.signal(signal.SIGTERM, handler)
     out, err = capture.readouterr()
     return subprocess.CompletedProcess(["tpulab", *map(str, args)], code, out, err)
+
+
+# --- Proofs and negative controls the objectives' tests share -----------------------------------
+
+
+def frozen_tamper_error(cfg, run_dir: Path, at_step: int, edit: Callable[[dict], None]):
+    """The negative control of the loop's frozen-weights check, in this process: ``cfg`` trained
+    with a hook that calls ``edit`` on the objective's frozen weights (in place) after step
+    ``at_step``. The loop must refuse the run at its end; the error it raised is returned."""
+    from tpulab.errors import TpulabError
+    from tpulab.train.hooks import Hooks
+    from tpulab.train.loop import train
+    from tpulab.train.objectives import build
+
+    obj = build(cfg)
+    real_steps = obj.steps
+
+    class Tamper(Hooks):
+        def after_step(self, step, state, metrics):
+            if step == at_step:
+                edit(self.frozen)
+            return state, metrics
+
+    tamper = Tamper()
+
+    def steps(mesh):
+        s = real_steps(mesh)
+        tamper.frozen = s.frozen
+        return s
+
+    obj.steps = steps
+    with pytest.raises(TpulabError, match="frozen weights changed") as e:
+        train(cfg, run_dir, progress=False, hooks=[tamper], objective=obj)
+    return e.value
+
+
+def one_kill_chaos(cfg, out: Path, reference: Path, seed: int) -> dict:
+    """`tpulab chaos`'s driver, called in this process: one random SIGKILL (a test's fixed-point
+    proof covers the rest) against ``reference``, the same config trained uninterrupted; the
+    resumed processes share the warm compile cache (the cold resume is tests/test_sft.py's
+    full-SFT proof) and are untracked (tracking is tests/test_tracking.py's). Its verdict.json,
+    as on disk, once it has passed: identical to the end, the final state too, one kill."""
+    import json
+
+    from tpulab.proofs.chaos import run_chaos
+
+    run_chaos(
+        cfg,
+        out,
+        kills=1,
+        seed=seed,
+        reference_dir=reference,
+        warm_resume_cache=True,
+        track=False,
+    )
+    v = json.loads((out / "chaos" / "verdict.json").read_text())
+    assert v["reference_dir"] == str(reference) and not (out / "chaos" / "reference").exists()
+    assert v["identical"] and v["final_state_identical"] and v["kills"] == 1
+    return v

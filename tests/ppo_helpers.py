@@ -50,13 +50,7 @@ def write_reward_model(
         "identities": {"base": base.checkpoint_digest},
         "corpus_identity": "n/a (a test's reward model)",
     }
-    store = CheckpointStore(out / "checkpoints", keep=2, async_save=False)
-    try:
-        store.save(1, state, None, meta)
-        store.wait()
-    finally:
-        store.close()
-    return out
+    return save_checkpoint(out, 1, state, meta)
 
 
 def write_lm(base: Path, out: Path, *, tokenizer=TOKENIZER, **model) -> Path:
@@ -66,9 +60,15 @@ def write_lm(base: Path, out: Path, *, tokenizer=TOKENIZER, **model) -> Path:
     cfg = tiny_config(*(f"model.{k}={v}" for k, v in model.items()))
     state = restored.state if not model else make_steps(cfg, make_mesh()).init()
     meta = {"config": to_dict(cfg), "tokenizer": tokenizer, "identities": {}}
+    return save_checkpoint(out, 40, state, meta)
+
+
+def save_checkpoint(out: Path, step: int, state: TrainState, meta: dict) -> Path:
+    """``state`` as the committed checkpoint ``step`` of run dir ``out``, through the store (its
+    manifest and digests, as the trainer writes them), synchronously."""
     store = CheckpointStore(out / "checkpoints", keep=2, async_save=False)
     try:
-        store.save(40, state, None, meta)
+        store.save(step, state, None, meta)
         store.wait()
     finally:
         store.close()

@@ -22,10 +22,9 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import TINY, run_cli, tiny_config
+from conftest import TINY, frozen_tamper_error, one_kill_chaos, run_cli, tiny_config
 from tpulab.errors import ConfigError, TpulabError
 from tpulab.evidence.metrics import read_records
-from tpulab.train.hooks import Hooks
 from tpulab.train.loop import train
 from tpulab.train.objectives import build
 from tpulab.train.restore import load_model
@@ -128,31 +127,15 @@ def test_a_changed_reference_is_caught_at_the_end_of_the_run(
     """Negative control of the loop's frozen check: a hook edits the reference mid-run (the run
     that is not tampered with, ``dpo_run``, ends normally)."""
     cfg = tiny_config(*dpo_sets(sft_policy, sampled_pairs), "train.steps=3")
-    obj = build(cfg)
-    real_steps = obj.steps
 
-    class Tamper(Hooks):
-        def after_step(self, step, state, metrics):
-            if step == 2:
-                frozen = self.frozen
-                if leaf == "reference":
-                    w = frozen["reference"]["blocks"][0]["attn"]["qkv"]["kernel"]
-                    w[...] = w[...] + 1.0
-                else:
-                    frozen["reference_logprobs"] = frozen["reference_logprobs"].at[0].add(1.0)
-            return state, metrics
+    def edit(frozen):
+        if leaf == "reference":
+            w = frozen["reference"]["blocks"][0]["attn"]["qkv"]["kernel"]
+            w[...] = w[...] + 1.0
+        else:
+            frozen["reference_logprobs"] = frozen["reference_logprobs"].at[0].add(1.0)
 
-    tamper = Tamper()
-
-    def steps(mesh):
-        s = real_steps(mesh)
-        tamper.frozen = s.frozen
-        return s
-
-    obj.steps = steps
-    with pytest.raises(TpulabError, match="frozen weights changed") as e:
-        train(cfg, tmp_path / "run", progress=False, hooks=[tamper], objective=obj)
-    assert e.value.exit_code == 3
+    assert frozen_tamper_error(cfg, tmp_path / "run", 2, edit).exit_code == 3
 
 
 def test_a_dpo_run_records_its_identities_and_its_reference_ends_bitwise(
@@ -373,18 +356,5 @@ def test_dpo_lora_online_chaos_ends_identical(
     """A short chaos run (`tpulab chaos`'s driver, called here; one random SIGKILL: the proof
     above covers the fixed kill point) on LoRA DPO with the reference online, against
     ``lora_online_reference``."""
-    from tpulab.proofs.chaos import run_chaos
-
-    run_chaos(
-        tiny_config(*dpo_sets(sft_policy, sampled_pairs, *LORA_ONLINE)),
-        tmp_path,
-        kills=1,
-        seed=1,
-        reference_dir=lora_online_reference,
-        warm_resume_cache=True,  # the cold resume is tests/test_sft.py's full-SFT proof
-        track=False,  # tracking is tests/test_tracking.py's
-    )
-    v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
-    assert v["reference_dir"] == str(lora_online_reference)
-    assert not (tmp_path / "chaos" / "reference").exists()
-    assert v["identical"] and v["final_state_identical"] and v["kills"] == 1
+    cfg = tiny_config(*dpo_sets(sft_policy, sampled_pairs, *LORA_ONLINE))
+    one_kill_chaos(cfg, tmp_path, lora_online_reference, seed=1)

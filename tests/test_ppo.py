@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY, run_cli, tiny_config
+from conftest import TINY, frozen_tamper_error, one_kill_chaos, run_cli, tiny_config
 from ppo_helpers import ppo_config, ppo_sets, write_lm, write_reward_model
 from tpulab.checkpoint.files import MANIFEST
 from tpulab.checkpoint.store import read_meta
@@ -29,7 +29,6 @@ from tpulab.data.tokenizer import BOS, PAD
 from tpulab.errors import ConfigError, TpulabError
 from tpulab.evidence.ledger import read_ledger
 from tpulab.evidence.metrics import read_records
-from tpulab.train.hooks import Hooks
 from tpulab.train.loop import train
 from tpulab.train.objectives import build
 from tpulab.train.objectives.ppo import _gold_host, load_reward_model
@@ -253,27 +252,12 @@ def test_reference_and_reward_model_are_bitwise_unchanged(trained_run, reward_ru
 def test_a_changed_reward_model_is_caught_at_the_end_of_the_run(trained_run, reward_run, tmp_path):
     """Negative control for the frozen check: a hook edits one reward-model weight mid-run."""
     cfg = ppo_config(trained_run, reward_run, "train.steps=2")
-    obj = build(cfg)
-    real_steps = obj.steps
 
-    class Tamper(Hooks):
-        def after_step(self, step, state, metrics):
-            if step == 1:
-                leaf = self.frozen["reward"]["score"]["kernel"]
-                leaf[...] = leaf[...] + 1.0
-            return state, metrics
+    def edit(frozen):
+        leaf = frozen["reward"]["score"]["kernel"]
+        leaf[...] = leaf[...] + 1.0
 
-    tamper = Tamper()
-
-    def steps(mesh):
-        s = real_steps(mesh)
-        tamper.frozen = s.frozen
-        return s
-
-    obj.steps = steps
-    with pytest.raises(TpulabError, match="frozen weights changed") as e:
-        train(cfg, tmp_path / "run", progress=False, hooks=[tamper], objective=obj)
-    assert e.value.exit_code == 3
+    assert frozen_tamper_error(cfg, tmp_path / "run", 1, edit).exit_code == 3
 
 
 @pytest.fixture(scope="session")
@@ -447,17 +431,4 @@ def test_ppo_killed_in_the_middle_of_a_round_resumes_bitwise(
 def test_ppo_chaos_random_kills_end_identical(trained_run, reward_run, ppo_run, tmp_path):
     """`tpulab chaos`'s driver, called here: one random kill (the fixed-point proof above covers
     the rest; 2 cost ~60 s more); the reference is ``ppo_run``, the same config trained once."""
-    from tpulab.proofs.chaos import run_chaos
-
-    run_chaos(
-        ppo_config(trained_run, reward_run),
-        tmp_path,
-        kills=1,
-        seed=3,
-        reference_dir=ppo_run,
-        warm_resume_cache=True,  # the cold resume is tests/test_sft.py's full-SFT proof
-        track=False,  # tracking is tests/test_tracking.py's
-    )
-    v = json.loads((tmp_path / "chaos" / "verdict.json").read_text())
-    assert v["reference_dir"] == str(ppo_run) and not (tmp_path / "chaos" / "reference").exists()
-    assert v["identical"] and v["final_state_identical"] and v["kills"] == 1
+    one_kill_chaos(ppo_config(trained_run, reward_run), tmp_path, ppo_run, seed=3)

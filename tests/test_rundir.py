@@ -228,7 +228,6 @@ def test_a_run_summary_reads_back_what_the_loop_wrote_and_refuses_other_records(
     """summary.json is one typed record (``RunSummary``) from the loop to the CLI, the tracking
     writer and the reports; a file that is not one is a one-line refusal, never a KeyError."""
     from tpulab.checkpoint.rundir import RunSummary
-    from tpulab.errors import TpulabError
 
     run = RunDir(tmp_path)
     s = RunSummary(final_step=7, latest_checkpoint=5, final_loss=1.5, identities={"base": "ab"})
@@ -239,10 +238,18 @@ def test_a_run_summary_reads_back_what_the_loop_wrote_and_refuses_other_records(
         ({"final_step": 7}, "missing ['latest_checkpoint']"),
         ([7], "a JSON list"),
     ):
-        run.write(R.SUMMARY, bad)
-        with pytest.raises(TpulabError, match=re.escape(words)) as e:
-            run.read_summary()
-        assert str(run.summary) in str(e.value) and "\n" not in str(e.value)
+        refused(run, R.SUMMARY, bad, run.read_summary, words)
+
+
+def refused(run: RunDir, name: str, record, read, words: str) -> None:
+    """``record`` written as ``name`` in ``run``: ``read()`` refuses it in one line that names the
+    file and says ``words``."""
+    from tpulab.errors import TpulabError
+
+    run.write(name, record)
+    with pytest.raises(TpulabError, match=re.escape(words)) as e:
+        read()
+    assert str(run.root / name) in str(e.value) and "\n" not in str(e.value)
 
 
 def _verdict(**over) -> dict:
@@ -276,7 +283,6 @@ def test_a_resume_verdict_reads_back_typed_and_refuses_other_records(tmp_path):
     reports, chain and registry: the shared fields as attributes, the writer's own in ``details``
     (flat beside them on disk); a file that is not one is a one-line refusal."""
     from tpulab.checkpoint.rundir import ResumeVerdict
-    from tpulab.errors import TpulabError
 
     proof = RunDir(tmp_path).proof
     proof.root.mkdir()
@@ -297,7 +303,73 @@ def test_a_resume_verdict_reads_back_typed_and_refuses_other_records(tmp_path):
         (_verdict(identical="true", kill_step=True), "wrong types: identical='true', kill_step"),
         ([7], "a JSON list"),
     ):
-        proof.write(R.VERDICT, bad)
-        with pytest.raises(TpulabError, match=re.escape(words)) as e:
-            proof.read_verdict()
-        assert str(proof.verdict) in str(e.value) and "\n" not in str(e.value)
+        refused(proof, R.VERDICT, bad, proof.read_verdict, words)
+
+
+def test_a_run_env_reads_back_what_the_loop_wrote_and_refuses_other_records(trained_run, tmp_path):
+    """env.json is one typed record (``RunEnv``) from the loop to the reports, the capstone and the
+    benchmarks: the shared facts as attributes, an objective's own (``Objective.describe``) in
+    ``details``; a file that is not one is a one-line refusal, never a KeyError."""
+    from tpulab.checkpoint.rundir import RunEnv
+
+    on_disk = json.loads(RunDir(trained_run).env.read_text())
+    env = RunDir(trained_run).read_env()  # the loop's own file, not one this test wrote
+    assert env.backend == "cpu" and env.is_tpu is False and env.packages["jax"]
+    assert env.objective == "pretrain" and env.details == {} and env.to_dict() == on_disk
+    run = RunDir(tmp_path)
+    lora = {**on_disk, "lora": {"rank": 4}}  # an objective's own facts: read, not refused
+    assert run.write_env(RunEnv.from_dict(lora)) == run.env
+    assert run.read_env().details == {"lora": {"rank": 4}} and run.read(R.ENV) == lora
+    gone = {k: v for k, v in on_disk.items() if k not in ("backend", "shapes")}
+    for bad, words in (
+        (gone, "missing ['backend', 'shapes']"),
+        ({**on_disk, "device_count": "1", "is_tpu": 0}, "wrong types: device_count='1', is_tpu=0"),
+        ({**on_disk, "device_kinds": [1]}, "wrong types: device_kinds=[1]"),
+        ([7], "a JSON list"),
+    ):
+        refused(run, R.ENV, bad, run.read_env, words)
+
+
+def _reshard(**over) -> dict:
+    """verdict.json as proofs.scaleout.prove_reshard writes it."""
+    return {
+        "kind": "reshard",
+        "passed": True,
+        "identical": False,  # another layout sums in another order: within rtol, not bitwise
+        "kill_step": 10,
+        "resumed_from_step": 10,
+        "max_abs_diff": 2.4e-7,
+        "steps_compared": 2,
+        "continued_vs_reference": {"steps": 2, "bitwise": False, "within_tolerance": True},
+        "rtol": 1e-4,
+        "reshard": {"leaves": 46, "bitwise_equal": True, "from": "2 proc", "to": "1 proc"},
+        **over,
+    }
+
+
+def test_a_reshard_verdict_is_its_own_record_and_no_resume_verdict(tmp_path):
+    """The reshard proof's verdict.json is typed (``ReshardVerdict``), every field its own; a
+    reader of resume verdicts refuses it rather than read ``identical`` (False: not bitwise, by
+    design) as its outcome, and a resume verdict is no reshard verdict either."""
+    from tpulab.checkpoint.rundir import ReshardVerdict
+    from tpulab.errors import TpulabError
+
+    run = RunDir(tmp_path)
+    v = ReshardVerdict.from_dict(_reshard())
+    assert run.write_verdict(v) == run.verdict and run.read(R.VERDICT) == _reshard()
+
+    def read():
+        return ReshardVerdict.from_dict(run.read(R.VERDICT), str(run.verdict))
+
+    back = read()
+    assert back == v and back.passed and back.reshard["leaves"] == 46
+    with pytest.raises(TpulabError, match=r"is not a resume verdict: missing \['curves_identical'"):
+        run.read_verdict()
+    for bad, words in (
+        (_verdict(), "missing ['continued_vs_reference', 'passed', 'reshard', 'rtol'], unknown"),
+        (_reshard(kind="resume"), "a reshard verdict of kind 'resume'"),
+        (_reshard(passed="yes", kill_step=10.0), "wrong types: passed='yes', kill_step=10.0"),
+        ({**_reshard(), "seed": 0}, "missing nothing, unknown ['seed']"),
+        ([7], "a JSON list"),
+    ):
+        refused(run, R.VERDICT, bad, read, words)

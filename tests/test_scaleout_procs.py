@@ -139,6 +139,10 @@ def test_reshard_two_processes_onto_one_and_continue(config, layouts, tmp_path):
         "1 proc x 2 dev"
     )
     assert v["passed"], v
+    from tpulab.checkpoint import rundir as R
+    from tpulab.checkpoint.rundir import ReshardVerdict, RunDir
+
+    assert RunDir(tmp_path).read(R.VERDICT) == ReshardVerdict.from_dict(v).to_dict() == v
     meta = json.loads(
         (tmp_path / "resharded" / "checkpoints" / "10" / "meta" / "metadata").read_text()
     )

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import TINY, run_cli, tiny_config
+from conftest import TINY, frozen_tamper_error, run_cli, tiny_config
 from tpulab.checkpoint.files import MANIFEST
 from tpulab.data import dialogue as D
 from tpulab.data.corpus import load_corpus
@@ -23,7 +23,6 @@ from tpulab.data.pipeline import split_documents
 from tpulab.data.tokenizer import PAD
 from tpulab.errors import ConfigError, TpulabError
 from tpulab.evidence.metrics import curve, read_records
-from tpulab.train.hooks import Hooks
 from tpulab.train.loop import train
 from tpulab.train.merge import merge_lora
 from tpulab.train.objectives import build
@@ -246,26 +245,12 @@ def test_lora_trains_only_the_adapters_and_leaves_the_base_bitwise(trained_run, 
 def test_a_changed_frozen_base_is_caught_at_the_end_of_the_run(trained_run, tmp_path):
     """Negative control for the loop's frozen-weights check: a hook edits the frozen base."""
     cfg = sft_config(trained_run, "objective.lora.rank=4", "train.steps=3")
-    obj = build(cfg)
-    real_steps = obj.steps
 
-    class Tamper(Hooks):
-        def after_step(self, step, state, metrics):
-            if step == 2:
-                leaf = self.frozen["blocks"][0]["attn"]["qkv"]["kernel"]
-                leaf[...] = leaf[...] + 1.0
-            return state, metrics
+    def edit(frozen):
+        leaf = frozen["blocks"][0]["attn"]["qkv"]["kernel"]
+        leaf[...] = leaf[...] + 1.0
 
-    tamper = Tamper()
-
-    def steps(mesh):
-        s = real_steps(mesh)
-        tamper.frozen = s.frozen
-        return s
-
-    obj.steps = steps
-    with pytest.raises(TpulabError, match="frozen weights changed"):
-        train(cfg, tmp_path / "run", progress=False, hooks=[tamper], objective=obj)
+    frozen_tamper_error(cfg, tmp_path / "run", 2, edit)
 
 
 def test_lora_errors_are_one_line(trained_run):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from tpulab.bridge.config import BridgeConfig
-from tpulab.checkpoint.rundir import RunDir
+from tpulab.checkpoint.rundir import ResumeVerdict, RunDir
 from tpulab.evidence.report_kit import table
 
 # Small enough for ~1.5 minutes on 2 CPU cores; augmentation and dropout on, so the generator state
@@ -74,21 +74,22 @@ def capstone_stage(out_dir: str | Path, env: dict | None = None) -> str:
     ]
     cells = []
     for label, v, d in rows:
+        v = ResumeVerdict.from_dict(v)
         state = (
             "bitwise identical (curves and final state)"
-            if v["identical"]
-            else f"NOT identical (step {v['first_differing_step']}, state "
-            f"{v['first_differing_leaf'] or 'identical'})"
+            if v.identical
+            else f"NOT identical (step {v.first_differing_step}, state "
+            f"{v.details['first_differing_leaf'] or 'identical'})"
         )
-        if v.get("negative_control"):
-            state += ": caught" if not v["identical"] else ": NOT caught"
+        if v.details.get("negative_control"):
+            state += ": caught" if not v.identical else ": NOT caught"
         proof = RunDir(d).proof.root
         cells.append(
             (
                 label,
                 state,
-                v["kill_step"],
-                v["resumed_from_step"],
+                v.kill_step,
+                v.resumed_from_step,
                 f"[report]({rel(proof / 'report.md')})",
                 f"[overlay]({rel(proof / 'overlay.png')})",
             )

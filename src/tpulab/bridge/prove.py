@@ -92,5 +92,5 @@ def prove(
         },
         warm_resume_cache=warm_resume_cache,
     )
-    write_proof_report(proof_dir, verdict)
+    write_proof_report(proof_dir, proof.read_verdict())  # the report says what the file says
     return verdict

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tpulab.checkpoint.rundir import ResumeVerdict
 from tpulab.evidence.metrics import read_records, starts
 from tpulab.evidence.provenance import describe_hardware, git_commit
 from tpulab.evidence.report_kit import table
-from tpulab.proofs.driver import verdict_text
 
 METHOD_NOTES = {
     (
@@ -48,8 +48,8 @@ def shapes(cfg: dict) -> str:
     return f"x ({n}, {d}), y ({n}, 1); MLP Linear({d}, {h}), ReLU{drop}, Linear({h}, 1)"
 
 
-def _cache_line(verdict: dict) -> str:
-    c = verdict.get("compile_cache")
+def _cache_line(details: dict) -> str:
+    c = details.get("compile_cache")
     if not c:
         return "not recorded"
     r = c["processes"].get("resumed", {})
@@ -58,22 +58,23 @@ def _cache_line(verdict: dict) -> str:
     return f"{c['resumed_cache']}: {r['hits']} hits, {r['misses']} misses"
 
 
-def write_proof_report(proof_dir: Path, verdict: dict) -> str:
-    rec = start_record(Path(verdict["reference_dir"]))
+def write_proof_report(proof_dir: Path, verdict: ResumeVerdict) -> str:
+    d = verdict.details  # the bridge proof's own: backend, method, negative_control, ...
+    rec = start_record(Path(verdict.reference_dir))
     cfg, dev, ver = rec.get("config", {}), rec.get("device", {}), rec.get("versions", {})
-    backend, method = verdict["backend"], verdict["method"]
+    backend, method = d["backend"], d["method"]
     state = (
         "**bitwise identical** (curves and final state)"
-        if verdict["identical"]
-        else f"**NOT identical**: {verdict_text(verdict)}"
+        if verdict.identical
+        else f"**NOT identical**: {verdict.summary}"
     )
     control = ""
-    if verdict.get("negative_control"):
+    if d.get("negative_control"):
         control = (
             "\nNegative control: the checkpoints leave the generator state out, so the resumed run "
             "redraws augmentation noise (and dropout masks) from the seeds. The proof must say NOT "
             "identical; it says "
-            + ("NOT identical: caught" if not verdict["identical"] else "identical: NOT caught")
+            + ("NOT identical: caught" if not verdict.identical else "identical: NOT caught")
             + ".\n"
         )
     workarounds = rec.get("torchax_workarounds")
@@ -116,12 +117,12 @@ def write_proof_report(proof_dir: Path, verdict: dict) -> str:
                 ("commit", git_commit() or "unknown"),
                 (
                     "verdict",
-                    f"{state}; {verdict['steps_compared']} steps; SIGKILL after step "
-                    f"{verdict['kill_step']}, fresh process resumed from step "
-                    f"{verdict['resumed_from_step']} ({verdict['steps_redone']} steps redone)",
+                    f"{state}; {verdict.steps_compared} steps; SIGKILL after step "
+                    f"{verdict.kill_step}, fresh process resumed from step "
+                    f"{verdict.resumed_from_step} ({d['steps_redone']} steps redone)",
                 ),
-                ("final state compared", verdict.get("final_state_compared", "not compared")),
-                ("resumed process's compile cache", _cache_line(verdict)),
+                ("final state compared", d.get("final_state_compared", "not compared")),
+                ("resumed process's compile cache", _cache_line(d)),
             ],
         ),
         control,

@@ -69,8 +69,10 @@ __all__ = [
     "VICTIM",
     "WINDOWS_GLOB",
     "VERDICT_DETAILS",
+    "ReshardVerdict",
     "ResumeVerdict",
     "RunDir",
+    "RunEnv",
     "RunSummary",
     "read_json",
     "windows_name",
@@ -138,18 +140,66 @@ class RunSummary:
     @classmethod
     def from_dict(cls, d: dict, where: str = SUMMARY) -> RunSummary:
         """The record ``d`` (one line of refusal if it is not a run summary)."""
-        if not isinstance(d, dict):
-            raise TpulabError(f"{where} is not a run summary (a JSON {type(d).__name__})")
-        fields = dataclasses.fields(cls)
-        no_default = dataclasses.MISSING
-        required = {f.name for f in fields if no_default is f.default is f.default_factory}
-        missing, unknown = sorted(required - d.keys()), sorted(d.keys() - {f.name for f in fields})
-        if missing or unknown:
-            raise TpulabError(
-                f"{where} is not a run summary (missing {missing or 'nothing'}, unknown "
-                f"{unknown or 'nothing'})"
-            )
+        return _exact(cls, d, where, "run summary")
+
+
+def _exact(cls: type, d: Any, where: str, what: str) -> Any:
+    """``cls(**d)`` for a record whose every field is its own: one line of refusal for a field
+    missing or unknown, or (raised by the class) one of the wrong type."""
+    if not isinstance(d, dict):
+        raise TpulabError(f"{where} is not a {what} (a JSON {type(d).__name__})")
+    fields = dataclasses.fields(cls)
+    no_default = dataclasses.MISSING
+    required = {f.name for f in fields if no_default is f.default is f.default_factory}
+    missing, unknown = sorted(required - d.keys()), sorted(d.keys() - {f.name for f in fields})
+    if missing or unknown:
+        raise TpulabError(
+            f"{where} is not a {what} (missing {missing or 'nothing'}, unknown "
+            f"{unknown or 'nothing'})"
+        )
+    try:
         return cls(**d)
+    except TpulabError as e:
+        raise TpulabError(f"{where}: {e}") from None
+
+
+class _Flat:
+    """A record that is one flat JSON object on disk: its declared fields beside ``details``, the
+    fields only one writer writes (and only that writer's readers read)."""
+
+    details: dict[str, Any]
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "details"}
+        return {**self.details, **d}
+
+    @classmethod
+    def _from_flat(cls, d: Any, where: str, what: str, older: str = "") -> Any:
+        """The flat record ``d`` (one line of refusal if a declared field is missing, a JSON
+        that is no object, or a field of the wrong type); ``older`` is said when ``kind`` is
+        missing (a file written before the record existed)."""
+        if not isinstance(d, dict):
+            raise TpulabError(f"{where} is not a {what} (a JSON {type(d).__name__})")
+        shared = {f.name for f in dataclasses.fields(cls)} - {"details"}
+        missing = sorted(shared - d.keys())
+        if missing:
+            raise TpulabError(
+                f"{where} is not a {what}: missing {missing}{older * ('kind' in missing)}"
+            )
+        rest = {k: v for k, v in d.items() if k not in shared}
+        try:
+            return cls(**{k: d[k] for k in shared}, details=rest)
+        except TpulabError as e:
+            raise TpulabError(f"{where}: {e}") from None
+
+
+def _wrong_types(record: Any, types: dict[str, tuple]) -> list[str]:
+    """``name=value`` for each field of ``record`` that is not of its declared types."""
+    return [
+        f"{f.name}={getattr(record, f.name)!r}"
+        for f in dataclasses.fields(record)
+        if not _is(getattr(record, f.name), types[f.name])
+    ]
 
 
 # Each writer's own fields of verdict.json, beside the shared ones: what a reader may find there.
@@ -191,7 +241,7 @@ VERDICT_DETAILS: dict[str, frozenset[str]] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ResumeVerdict:
+class ResumeVerdict(_Flat):
     """``verdict.json``: what a kill/resume proof found, in the fields every proof shares. Written
     by the transformer's and the bridge's proofs (``proofs.driver.prove_resume``), the chaos test
     and the scale-out proof; read by the CLI, the reports, the preference chain and the registry.
@@ -221,20 +271,12 @@ class ResumeVerdict:
             raise TpulabError(
                 f"a verdict of unknown kind {self.kind!r} (one of {sorted(VERDICT_DETAILS)})"
             )
-        wrong = [
-            f"{f.name}={getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if not _is(getattr(self, f.name), _VERDICT_TYPES[f.name])
-        ]
+        wrong = _wrong_types(self, _VERDICT_TYPES)
         if wrong:
             raise TpulabError(f"a {self.kind!r} verdict with wrong types: {', '.join(wrong)}")
         unknown = sorted(set(self.details) - VERDICT_DETAILS[self.kind])
         if unknown:
             raise TpulabError(f"a {self.kind!r} verdict with unknown fields {unknown}")
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "details"}
-        return {**self.details, **d}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = VERDICT) -> ResumeVerdict:
@@ -243,30 +285,22 @@ class ResumeVerdict:
         written before the record existed have no ``kind`` and ``summary`` and are refused, not
         guessed at: their summary is proof-layer text this layer cannot recompute, and each
         reader reads a verdict its own run just wrote (an older one: rerun the proof, minutes)."""
-        if not isinstance(d, dict):
-            raise TpulabError(f"{where} is not a resume verdict (a JSON {type(d).__name__})")
-        shared = {f.name for f in dataclasses.fields(cls)} - {"details"}
-        missing = sorted(shared - d.keys())
-        if missing:
-            older = " (written before verdicts were typed: rerun the proof)" * ("kind" in missing)
-            raise TpulabError(f"{where} is not a resume verdict: missing {missing}{older}")
-        rest = {k: v for k, v in d.items() if k not in shared}
-        try:
-            return cls(**{k: d[k] for k in shared}, details=rest)
-        except TpulabError as e:
-            raise TpulabError(f"{where}: {e}") from None
+        older = " (written before verdicts were typed: rerun the proof)"
+        return cls._from_flat(d, where, "resume verdict", older)
 
 
-def _is(value: Any, types: tuple[type, ...]) -> bool:
+def _is(value: Any, types: tuple) -> bool:
+    """``value`` is one of ``types``; ``list[int]`` among them: a list of ints, each checked."""
     # bool is an int in Python: a count or a step that is True/False is a wrong type here
     if isinstance(value, bool):
         return bool in types
     if isinstance(value, list):
-        return list in types and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-    return isinstance(value, types)
+        items = [t.__args__ for t in types if getattr(t, "__origin__", None) is list]
+        return any(all(_is(x, item) for x in value) for item in items)
+    return isinstance(value, tuple(t for t in types if isinstance(t, type)))
 
 
-_VERDICT_TYPES: dict[str, tuple[type, ...]] = {
+_VERDICT_TYPES: dict[str, tuple] = {
     "kind": (str,),
     "identical": (bool,),
     "curves_identical": (bool,),
@@ -276,13 +310,122 @@ _VERDICT_TYPES: dict[str, tuple[type, ...]] = {
     "steps_compared": (int,),
     "max_abs_diff": (float, int),
     "first_differing_step": (int, type(None)),
-    "missing_steps": (list,),
+    "missing_steps": (list[int],),
     "kill_step": (int, type(None)),
     "resumed_from_step": (int, type(None)),
     "reference_dir": (str,),
     "run_dir": (str,),
     "summary": (str,),
     "details": (dict,),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardVerdict:
+    """``verdict.json`` of the reshard proof (``proofs.scaleout.prove_reshard``): a checkpoint of
+    a 2-process job resharded onto another layout and trained on. Not a ``ResumeVerdict``: no
+    process is killed, and it passes within ``rtol``, not bitwise (another layout sums in
+    another order), so a reader of resume verdicts refuses it instead of reading ``identical``
+    as its outcome. Every field is its own; the CLI reads it."""
+
+    kind: str  # "reshard": what a reader finds first
+    passed: bool  # restored state bitwise equal, continued curve within rtol, no step missing
+    identical: bool  # the continued curve bitwise equal to the reference (not expected)
+    kill_step: int  # the checkpoint resharded (the overlay's plot marks it where a kill stands)
+    resumed_from_step: int  # the same step: the continued run starts from it
+    max_abs_diff: float
+    steps_compared: int
+    continued_vs_reference: dict[str, Any]  # proofs.scaleout.compare_layout's row
+    rtol: float
+    reshard: dict[str, Any]  # the reshard's own record (train.reshard: leaves, from, to, ...)
+
+    def __post_init__(self):
+        if self.kind != "reshard":
+            raise TpulabError(f"a reshard verdict of kind {self.kind!r}")
+        wrong = _wrong_types(self, _RESHARD_TYPES)
+        if wrong:
+            raise TpulabError(f"a reshard verdict with wrong types: {', '.join(wrong)}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = VERDICT) -> ReshardVerdict:
+        return _exact(cls, d, where, "reshard verdict")
+
+
+_RESHARD_TYPES: dict[str, tuple] = {
+    "kind": (str,),
+    "passed": (bool,),
+    "identical": (bool,),
+    "kill_step": (int,),
+    "resumed_from_step": (int,),
+    "max_abs_diff": (float, int),
+    "steps_compared": (int,),
+    "continued_vs_reference": (dict,),
+    "rtol": (float, int),
+    "reshard": (dict,),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnv(_Flat):
+    """``env.json``: what a training run ran on, as JAX reported it (never a TPU it did not
+    see), and what it trains. Written once by process 0 before step 1
+    (``evidence.provenance.write_environment``, called by the loop); read by the reports, the
+    capstone and the benchmarks. On disk one flat object: these fields beside ``details``, the
+    objective's own facts (``Objective.describe``: ``lora``, ``dpo``, ``ppo``, ``reward_model``),
+    which only that objective's readers read."""
+
+    # evidence.provenance.environment: the host, the versions, the devices
+    python: str
+    platform: str
+    machine: str
+    packages: dict[str, str | None]  # None: not installed
+    git_commit: str | None  # '-dirty' when the tree had changes; None: not a git checkout
+    time_utc: str
+    host_allocator: str
+    backend: str
+    device_kind: str
+    device_kinds: list[str]
+    device_count: int
+    local_device_count: int
+    process_index: int
+    process_count: int
+    is_tpu: bool
+    # train.loop: what the run trains
+    objective: str
+    identities: dict[str, str]  # name -> digest of every model and dataset it depends on
+    param_count: int
+    trained_param_count: int  # below param_count where a base is frozen (LoRA)
+    optimizer_state_bytes: int
+    precision: dict[str, str]  # the config's precision policy
+    shapes: dict[str, int]  # batch, seq_len, d_model, n_layers, n_heads, vocab
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        # the writer builds the record first: a malformed one fails before anything is written
+        wrong = _wrong_types(self, _ENV_TYPES)
+        if wrong:
+            raise TpulabError(f"a run environment with wrong types: {', '.join(wrong)}")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = ENV) -> RunEnv:
+        """The flat record ``d`` (one line of refusal if a field is missing or of the wrong type,
+        or ``d`` is no JSON object)."""
+        return cls._from_flat(d, where, "run environment")
+
+
+_ENV_TYPES: dict[str, tuple] = {
+    **dict.fromkeys(("python", "platform", "machine", "time_utc", "host_allocator"), (str,)),
+    **dict.fromkeys(("backend", "device_kind", "objective"), (str,)),
+    **dict.fromkeys(("device_count", "local_device_count", "process_index"), (int,)),
+    **dict.fromkeys(("process_count", "param_count", "trained_param_count"), (int,)),
+    "optimizer_state_bytes": (int,),
+    "git_commit": (str, type(None)),
+    "device_kinds": (list[str],),
+    "is_tpu": (bool,),
+    **dict.fromkeys(("packages", "identities", "precision", "shapes", "details"), (dict,)),
 }
 
 
@@ -397,5 +540,12 @@ class RunDir:
         """This proof dir's ``verdict.json`` (a missing one: ``FileNotFoundError``)."""
         return ResumeVerdict.from_dict(self.read(VERDICT), str(self.verdict))
 
-    def write_verdict(self, verdict: ResumeVerdict) -> Path:
+    def write_verdict(self, verdict: ResumeVerdict | ReshardVerdict) -> Path:
         return self.write(VERDICT, verdict.to_dict())
+
+    def read_env(self) -> RunEnv:
+        """This run's ``env.json`` (a missing one: ``FileNotFoundError``)."""
+        return RunEnv.from_dict(self.read(ENV), str(self.env))
+
+    def write_env(self, env: RunEnv) -> Path:
+        return self.write(ENV, env.to_dict())

@@ -96,17 +96,18 @@ def cmd_prove_reshard(args) -> int:
     from tpulab.cli.train_cmds import load_run_config
 
     config = load_run_config(args)
+    from tpulab.checkpoint.rundir import ReshardVerdict
     from tpulab.proofs.scaleout import prove_reshard
 
-    v = prove_reshard(config, Path(args.run_dir), at_step=args.at_step)
-    c = v["continued_vs_reference"]
+    v = ReshardVerdict.from_dict(prove_reshard(config, Path(args.run_dir), at_step=args.at_step))
+    c, r = v.continued_vs_reference, v.reshard
     print(
-        f"{'PASSED' if v['passed'] else 'FAILED'}: restored state bitwise equal "
-        f"({v['reshard']['leaves']} leaves, {v['reshard']['from']} -> {v['reshard']['to']}); "
+        f"{'PASSED' if v.passed else 'FAILED'}: restored state bitwise equal "
+        f"({r['leaves']} leaves, {r['from']} -> {r['to']}); "
         f"continued curve vs 2-process reference: max rel diff {c['max_rel_diff']:.2e} over "
-        f"{c['steps']} steps (rtol {v['rtol']:g}) -> {Path(args.run_dir) / 'overlay.png'}"
+        f"{c['steps']} steps (rtol {v.rtol:g}) -> {Path(args.run_dir) / 'overlay.png'}"
     )
-    return ExitCode.OK if v["passed"] else ExitCode.FAILED
+    return ExitCode.OK if v.passed else ExitCode.FAILED
 
 
 def register(sub) -> None:

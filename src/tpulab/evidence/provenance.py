@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tpulab.checkpoint.rundir import RunDir, write_json
+from tpulab.checkpoint.rundir import RunDir, RunEnv
 from tpulab.hostmem import allocator
 
 BASE_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
@@ -85,15 +85,24 @@ def environment(packages=BASE_PACKAGES, *, with_jax: bool = True) -> dict:
 
 def describe_hardware(env: dict) -> str:
     """One line for reports; says TPU only when JAX reported TPU devices."""
-    kind = env.get("device_kind", "unknown")
-    backend = env.get("backend", "unknown")
-    label = f"{backend.upper()} ({kind}) x{env.get('device_count', '?')}"
+    return hardware_label(
+        env.get("backend", "unknown"),
+        env.get("device_kind", "unknown"),
+        env.get("device_count", "?"),
+    )
+
+
+def hardware_label(backend: str, device_kind: str, device_count: int | str) -> str:
+    """``describe_hardware``'s line from its three facts (a typed ``RunEnv``'s attributes)."""
+    label = f"{backend.upper()} ({device_kind}) x{device_count}"
     return label if backend == "tpu" else f"{label}, not a TPU"
 
 
 def write_environment(
     run_dir: str | Path, packages=BASE_PACKAGES, extra: dict | None = None
-) -> dict:
-    env = {**environment(packages), **(extra or {})}
-    write_json(RunDir(run_dir).env, env)
+) -> RunEnv:
+    """``env.json``: this process's environment and the loop's ``extra`` facts, checked as the
+    typed record before it is written."""
+    env = RunEnv.from_dict({**environment(packages), **(extra or {})}, "the run's environment")
+    RunDir(run_dir).write_env(env)
     return env

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from tpulab.checkpoint import rundir
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
-from tpulab.checkpoint.rundir import RunDir
+from tpulab.checkpoint.rundir import ResumeVerdict, RunDir
 from tpulab.errors import TpulabError
 from tpulab.evidence.report_kit import table
 from tpulab.orchestrate import report
 from tpulab.orchestrate.stages import Stages, prepare_out
-from tpulab.proofs.driver import run_to_completion, verdict_text
+from tpulab.proofs.driver import run_to_completion
 from tpulab.proofs.transformer import train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
 
@@ -97,8 +97,8 @@ def scaleout_config(config: RunConfig) -> RunConfig:
     )
 
 
-def scaleout_section(v: dict, rel: str) -> str:
-    e = v["event"]
+def scaleout_section(v: ResumeVerdict, rel: str) -> str:
+    e = v.details["event"]
     return "\n".join(
         [
             "## Multi-process kill/resume (2 processes x 2 host devices, mesh data=2 fsdp=2)",
@@ -107,8 +107,8 @@ def scaleout_section(v: dict, rel: str) -> str:
             f"loopback). Process {e['victim_process']} was killed with **{e['signal']}** after "
             f"step {e['last_logged_step']}; the launcher tore the job down in "
             f"**{e['job_end_s']:.1f} s** (exit {e['launcher_exit_code']}, bound: poll + "
-            f"{v['grace_s']:g} s grace; survivors: {len(e['survivors_after'])}). A fresh 2-process "
-            f"launch resumed from step {v['resumed_from_step']}: {verdict_text(v)}.",
+            f"{v.details['grace_s']:g} s grace; survivors: {len(e['survivors_after'])}). A fresh "
+            f"2-process launch resumed from step {v.resumed_from_step}: {v.summary}.",
             "",
             f"![overlay]({rel}/overlay.png)",
             "",
@@ -296,7 +296,7 @@ def run_capstone(
             "training run",
         )
         return (
-            report.provenance_section(RunDir(run_dir).read(rundir.ENV))
+            report.provenance_section(RunDir(run_dir).read_env())
             + "\n\n"
             + report.run_section(run_dir)
             + "\n\n"
@@ -318,10 +318,11 @@ def run_capstone(
             compile_cache=options.compile_cache,
             track=False,
         )
-        if not verdict["identical"]:
+        verdict = ResumeVerdict.from_dict(verdict)
+        if not verdict.identical:
             raise TpulabError(
-                f"the resumed run is not identical (max |diff| {verdict['max_abs_diff']:g}, first "
-                f"differing leaf {verdict.get('first_differing_leaf')}); see {run.proof}"
+                f"the resumed run is not identical (max |diff| {verdict.max_abs_diff:g}, first "
+                f"differing leaf {verdict.details.get('first_differing_leaf')}); see {run.proof}"
             )
         what = (
             "The proof's reference is the main run (`run/`)."
@@ -355,10 +356,9 @@ def run_capstone(
             warm_resume_cache=True,
             track=False,
         )
-        if not verdict["identical"]:
-            raise TpulabError(
-                f"the chaos run is not identical: {verdict['summary']}; see {run.chaos}"
-            )
+        verdict = ResumeVerdict.from_dict(verdict)
+        if not verdict.identical:
+            raise TpulabError(f"the chaos run is not identical: {verdict.summary}; see {run.chaos}")
         return (
             report.chaos_section(run.chaos.root, rundir.CHAOS)
             + "\n\n"
@@ -385,7 +385,8 @@ def run_capstone(
             stall_timeout_s=120,
             track=False,
         )
-        if not (v["identical"] and v["teardown_ok"]):
+        v = ResumeVerdict.from_dict(v)
+        if not (v.identical and v.details["teardown_ok"]):
             raise TpulabError(
                 f"the 2-process resume is not identical or the teardown failed; see "
                 f"{out / 'scaleout' / 'proof-kill'}"

@@ -14,11 +14,11 @@ import statistics
 from pathlib import Path
 
 from tpulab.checkpoint import rundir
-from tpulab.checkpoint.rundir import RunDir, read_json
+from tpulab.checkpoint.rundir import RunDir, RunEnv, read_json
 from tpulab.evidence import report_kit
 from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
-from tpulab.evidence.provenance import describe_hardware
+from tpulab.evidence.provenance import hardware_label
 from tpulab.proofs.checks import table_markdown
 
 
@@ -35,29 +35,28 @@ def steady_tokens_per_s(run_dir: Path, tokens_per_step: int, skip: int = 5) -> f
     return tokens_per_step / statistics.median(deltas) if deltas else None
 
 
-def provenance_section(env: dict) -> str:
-    pk = env.get("packages", {})
-    versions = ", ".join(f"{k} {v}" for k, v in pk.items() if v)
+def provenance_section(env: RunEnv) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in env.packages.items() if v)
     return "\n".join(
         [
             "## What this ran on",
             "",
-            f"- Hardware: **{describe_hardware(env)}** "
-            f"(as JAX reported it: backend `{env.get('backend')}`, "
-            f"device kind `{env.get('device_kind')}`, {env.get('device_count')} device(s), "
-            f"{env.get('process_count')} process(es))",
-            f"- Python {env.get('python')} on {env.get('platform')}",
+            f"- Hardware: **{hardware_label(env.backend, env.device_kind, env.device_count)}** "
+            f"(as JAX reported it: backend `{env.backend}`, "
+            f"device kind `{env.device_kind}`, {env.device_count} device(s), "
+            f"{env.process_count} process(es))",
+            f"- Python {env.python} on {env.platform}",
             f"- Versions: {versions}",
-            f"- Commit: `{env.get('git_commit') or 'not a git checkout'}`",
-            f"- Date (UTC): {env.get('time_utc')}",
+            f"- Commit: `{env.git_commit or 'not a git checkout'}`",
+            f"- Date (UTC): {env.time_utc}",
         ]
     )
 
 
 def run_section(run_dir: Path) -> str:
     rd = RunDir(run_dir)
-    env, summary, docs = rd.read(rundir.ENV), rd.read_summary(), rd.read(rundir.DOCUMENTS)
-    prec, shapes = env["precision"], env["shapes"]
+    env, summary, docs = rd.read_env(), rd.read_summary(), rd.read(rundir.DOCUMENTS)
+    prec, shapes = env.precision, env.shapes
     tps = steady_tokens_per_s(run_dir, shapes["batch"] * shapes["seq_len"])
     # str(), not RunDir.manifest's int(): a run that saved no checkpoint has None here, and its
     # report says "missing" instead of raising
@@ -76,7 +75,7 @@ def run_section(run_dir: Path) -> str:
             f"d_model {shapes['d_model']}, {shapes['n_layers']} layers, {shapes['n_heads']} heads, "
             f"vocab {shapes['vocab']} (bytes + BOS + PAD)",
         ),
-        ("parameters", f"{env['param_count']:,}"),
+        ("parameters", f"{env.param_count:,}"),
         ("steps", summary.final_step),
         ("final train loss", f"{summary.final_loss:.4f}"),
         (
@@ -216,7 +215,7 @@ def build_report(d: str | Path) -> str:
     sections = []
     if run_dir is not None:
         rel = run_dir.relative_to(d).as_posix()
-        sections.append(provenance_section(RunDir(run_dir).read(rundir.ENV)))
+        sections.append(provenance_section(RunDir(run_dir).read_env()))
         if RunDir(run_dir).summary.exists():
             sections.append(run_section(run_dir))
         else:
@@ -316,15 +315,15 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
     train_rows = []
     for name, run_dir in runs.items():
         rd = RunDir(run_dir)
-        env, summary = rd.read(rundir.ENV), rd.read_summary()
+        env, summary = rd.read_env(), rd.read_summary()
         link = rd.read(rundir.MLFLOW_RUN, {})
-        sh = env["shapes"]
+        sh = env.shapes
         tps = steady_tokens_per_s(run_dir, sh["batch"] * sh["seq_len"])
         train_rows.append(
             (
                 names[name],
-                f"{env['trained_param_count']:,} of {env['param_count']:,}",
-                f"{env['optimizer_state_bytes'] / 2**20:.2f} MiB",
+                f"{env.trained_param_count:,} of {env.param_count:,}",
+                f"{env.optimizer_state_bytes / 2**20:.2f} MiB",
                 f"{_checkpoint_bytes(run_dir) / 2**20:.2f} MiB",
                 summary.final_step,
                 f"{summary.final_loss:.4f}",

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint.files import atomic_write_json
-from tpulab.checkpoint.rundir import VERDICT, RunDir, read_json
+from tpulab.checkpoint.rundir import ReshardVerdict, RunDir, read_json
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import METRICS, curve, read_records
 from tpulab.evidence.report_kit import table
@@ -428,20 +428,22 @@ def prove_reshard(
     before = {s: v for s, v in ref.items() if s <= at_step}
     after = curve(read_records(dst))
     cmp_after = compare_layout(ref, after)
-    verdict = {
-        "identical": cmp_after["bitwise"],
-        "kill_step": at_step,
-        "resumed_from_step": at_step,
-        "max_abs_diff": max(abs(after[s] - ref[s]) for s in after),
-        "steps_compared": cmp_after["steps"],
-        "continued_vs_reference": cmp_after,
-        "rtol": LAYOUT_RTOL,
-        "reshard": reshard_result,
-        "passed": reshard_result["bitwise_equal"]
+    record = ReshardVerdict(
+        kind="reshard",
+        identical=cmp_after["bitwise"],
+        kill_step=at_step,
+        resumed_from_step=at_step,
+        max_abs_diff=max(abs(after[s] - ref[s]) for s in after),
+        steps_compared=cmp_after["steps"],
+        continued_vs_reference=cmp_after,
+        rtol=LAYOUT_RTOL,
+        reshard=reshard_result,
+        passed=reshard_result["bitwise_equal"]
         and cmp_after["within_tolerance"]
         and sorted(after) == list(range(at_step + 1, config.train.steps + 1)),
-    }
-    RunDir(out_dir).write(VERDICT, verdict)
+    )
+    RunDir(out_dir).write_verdict(record)
+    verdict = record.to_dict()  # the flat dict on disk, for the plot and the callers
     plot_overlay(
         ref,
         before,

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from tpulab import compile_cache
-from tpulab.checkpoint.rundir import DOCUMENTS, SUMMARY, RunDir, RunSummary
+from tpulab.checkpoint.rundir import DOCUMENTS, SUMMARY, RunDir, RunEnv, RunSummary
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -168,7 +168,7 @@ def host_metrics(metrics: dict) -> dict:
 
 def write_run_files(
     run_dir: Path, config: RunConfig, description: dict, n_params: int, extra: dict
-) -> dict:
+) -> RunEnv:
     run = RunDir(run_dir)
     run.write_config(config)
     run.write(DOCUMENTS, description)
@@ -332,7 +332,7 @@ def train(
                 described,
             )
             if primary
-            else {}
+            else None
         )
         log = (
             _NullLog()
@@ -342,8 +342,8 @@ def train(
                 resumed_from=resume.step if resume else None,
                 checkpoint_digest=resume.digest if resume else None,
                 skip_restore=list(skip_restore),
-                backend=env["backend"],
-                device_kind=env["device_kind"],
+                backend=env.backend,
+                device_kind=env.device_kind,
                 process_index=jax.process_index(),
                 process_count=jax.process_count(),
             )
@@ -364,7 +364,7 @@ def train(
                 "process_index": jax.process_index(),  # env is process 0's alone (empty elsewhere)
                 "resumed_from": resumed_from,
                 "checkpoint_digest": resume.digest if resume else None,
-                "env": env,
+                "env": {} if env is None else env.to_dict(),  # a dict: the tracking protocol's
                 "identities": {"data": data.identity, **identities},
             }
         )
