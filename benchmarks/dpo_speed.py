@@ -180,9 +180,10 @@ def markdown(res: dict, env: dict) -> str:
         f"The precomputed table ({res['pairs_in_table']:,} pairs, both replies) took "
         f"{res['reference_table_s']:.1f} s once, when the objective was built: it pays for "
         f"itself after {res['break_even_steps']:.0f} steps.",
-        "For scale (the issue, this machine, 16 pairs of 128 bytes, fp32): TRL 1.16's DPOTrainer "
-        "214 ms a step precomputed, 334 ms online (1.99x and 3.08x its SFT step over half the "
-        "tokens).",
+        "For scale (the issue's numbers, 16 pairs of 128 bytes, fp32, taken on this project's "
+        "host before 2026-12-02, a CPU of another model: not side by side): TRL 1.16's "
+        "DPOTrainer 214 ms a step precomputed, 334 ms online (1.99x and 3.08x its SFT step over "
+        "half the tokens).",
         "",
         f"Provenance: backend `{env['backend']}`, device kind `{env['device_kind']}` x"
         f"{env['device_count']}, {env['cpu_count']} CPU cores, load average at start "
