@@ -27,12 +27,12 @@ SERVICE_S = 0.05
 def test_capacity_at_a_p99_target_from_the_committed_table():
     rows = cap.rows_from(json.loads(TABLE.read_text()), "batching")
     assert [r["clients"] for r in rows] == [1, 4, 8, 16]
-    best = cap.capacity_at(rows, 50.0)  # p99 8.8, 27.2, 42.5 qualify; 202.6 (16 clients) does not
-    assert best["clients"] == 8 and round(best["requests_per_s"], 1) == 290.1
+    best = cap.capacity_at(rows, 50.0)  # p99 13.5, 36.7, 33.1 qualify; 57.3 (16 clients) does not
+    assert best["clients"] == 8 and round(best["requests_per_s"], 1) == 296.6
     assert cap.capacity_at(rows, 1000.0)["clients"] == 16
-    with pytest.raises(TpulabError, match=r"no measured point meets p99 <= 5 ms \(the best: 8.8"):
+    with pytest.raises(TpulabError, match=r"no measured point meets p99 <= 5 ms \(the best: 13.5"):
         cap.capacity_at(rows, 5.0)
-    assert cap.replicas_for(1000, best["requests_per_s"], 0.3) == 5  # 1000 / (290.1 * 0.7) = 4.9
+    assert cap.replicas_for(1000, best["requests_per_s"], 0.3) == 5  # 1000 / (296.6 * 0.7) = 4.8
     assert cap.replicas_for(203.07, 290.1, 0.3) == 1 and cap.replicas_for(203.08, 290.1, 0.3) == 2
     with pytest.raises(TpulabError, match="headroom"):
         cap.replicas_for(10, 290.1, 1.0)
@@ -45,7 +45,7 @@ def test_capacity_command(tmp_path):
         "capacity", "--table", str(TABLE), "--p99-ms", "50", "--load", "1000", "--headroom", "0.3"
     )
     assert r.returncode == 0, r.stderr
-    assert "290.1 req/s at p99 42.5 ms" in r.stdout and "needs 5 replica(s)" in r.stdout
+    assert "296.6 req/s at p99 33.1 ms" in r.stdout and "needs 5 replica(s)" in r.stdout
     bad = run_cli("capacity", "--table", str(TABLE), "--p99-ms", "1", "--load", "10")
     assert bad.returncode != 0 and bad.stderr.startswith("error: no measured point")
 
