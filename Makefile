@@ -22,8 +22,8 @@ demo: setup
 # lint is a prerequisite, so it has passed before pytest starts (also under -j): a tree that fails
 # ruff fails `make test` in seconds instead of after the suite. test-fast skips it. Two workers
 # (pytest-xdist), a module per worker so module fixtures are built once, the longest modules first
-# and the trained fixtures built once for both workers (tests/conftest.py). 15.5 min on
-# this 2-core host at de3e405 (28.6 at 445bae3 on the earlier, slower host): CPU-bound, mostly
+# and the trained fixtures built once for both workers (tests/conftest.py). 14.2 min on
+# this 2-core host at e34c235 (28.6 at 445bae3 on the earlier, slower host): CPU-bound, mostly
 # child processes starting (3.2 CPU-s to import the trainer, 1.2 of it ml_dtypes registering numpy
 # ufunc loops) and compiling; an MLflow-tracked child costs ~5.7 CPU-s more (proofs: --no-track).
 test: setup lint
