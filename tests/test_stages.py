@@ -12,6 +12,20 @@ from tpulab.errors import ExitCode, TpulabError
 from tpulab.orchestrate.stages import Stages, prepare_out
 
 
+def sleeping_child(procs: list, log):
+    """A stage whose child (``sleep 30``, a ``Proc``) is appended to ``procs`` once it runs."""
+
+    def child() -> str:
+        from tpulab.proofs.driver import Proc
+
+        with Proc(["sleep", "30"], log) as proc:
+            procs.append(proc)
+            proc.p.wait()
+        return "## child"
+
+    return child
+
+
 def test_a_failed_stage_is_reported_written_and_exits_failed(tmp_path):
     stages = Stages("t")
     stages.run("good", lambda: "## good\n\nfine")
@@ -146,12 +160,7 @@ def test_ctrl_c_in_a_first_here_stage_kills_the_other_stages_children(tmp_path):
     from tpulab.proofs.driver import Proc
 
     procs = []
-
-    def child() -> str:
-        with Proc(["sleep", "30"], tmp_path / "sleep.log") as proc:
-            procs.append(proc)
-            proc.p.wait()
-        return "## child"
+    child = sleeping_child(procs, tmp_path / "sleep.log")
 
     def main_stage() -> str:
         while not procs:
@@ -198,12 +207,7 @@ def test_ctrl_c_during_stages_together_kills_their_children(tmp_path):
     from tpulab.proofs.driver import Proc
 
     procs = []
-
-    def child() -> str:
-        with Proc(["sleep", "30"], tmp_path / "sleep.log") as proc:
-            procs.append(proc)
-            proc.p.wait()
-        return "## child"
+    child = sleeping_child(procs, tmp_path / "sleep.log")
 
     def interrupt():
         while not procs:
