@@ -166,15 +166,14 @@ def pin(pid: int, cpus: set[int]) -> int:
 
 
 def _closed_loop(
-    bases: list[str], clients: int, cfg: CapacityConfig, offset: int, start
+    bases: list[str], clients: int, cfg: CapacityConfig, next_k, start
 ) -> tuple[list, float, float]:
-    """``clients`` closed-loop client threads of this process; its request k goes to
-    ``bases[(offset + k) % len(bases)]``. (results, start, end) on the monotonic clock, which all
-    processes of this host share."""
+    """``clients`` closed-loop client threads of this process; a request goes to
+    ``bases[next_k() % len(bases)]``, ``next_k`` the one counter of the round robin. (results,
+    start, end) on the monotonic clock, which all processes of this host share."""
     import httpx
 
     body = {"prompt": cfg.prompt, "max_new": cfg.max_new, "temperature": 0.0, "cache": cfg.cache}
-    counter, lock = itertools.count(offset), threading.Lock()
     # Clients (an httpx.Client builds an SSL context: tens of ms) and threads exist before the
     # clock starts; all start together at the barrier (``start``: this process's threads, then
     # every client process's).
@@ -185,15 +184,13 @@ def _closed_loop(
         out, c = [], sessions[i]
         ready.wait()
         for _ in range(cfg.requests_per_client):
-            with lock:
-                k = next(counter)
-            target = k % len(bases)
-            t0 = time.perf_counter()
+            target = next_k() % len(bases)
+            t0 = time.monotonic()
             r = c.post(f"{bases[target]}/v1/generate", json=body)
-            t1 = time.perf_counter()
+            t1 = time.monotonic()
             if r.status_code != 200:
                 raise TpulabError(f"replica {target} answered {r.status_code}: {r.text[:200]}")
-            out.append((t1 - t0, target, r.json()["tokens"]))
+            out.append((t0, t1, target, r.json()["tokens"]))
         return out
 
     try:
@@ -210,13 +207,48 @@ def _closed_loop(
     return results, t0, t1
 
 
-def _client_process(bases, clients, cfg, offset, cpus, barrier, queue) -> None:
+def _client_process(bases, clients, cfg, j, cpus, barrier, queue, counter) -> None:
     os.sched_setaffinity(0, cpus)
+
+    def next_k():
+        with counter.get_lock():  # one counter for all processes: ~2 us a request
+            k = counter.value
+            counter.value = k + 1
+        return k
+
     try:
         # A process that never reaches the barrier (it failed first) breaks it for the others.
-        queue.put(_closed_loop(bases, clients, cfg, offset, lambda: barrier.wait(120)))
+        queue.put(_closed_loop(bases, clients, cfg, next_k, lambda: barrier.wait(120)))
     except BaseException as e:  # the parent raises it in one line
-        queue.put(f"client process {offset}: {type(e).__name__}: {e}")
+        queue.put(f"client process {j}: {type(e).__name__}: {e}")
+
+
+def _thread_counter():
+    counter, lock = itertools.count(), threading.Lock()
+
+    def next_k():
+        with lock:
+            return next(counter)
+
+    return next_k
+
+
+def excess_in_flight(results: list, replicas: int, per_replica: float) -> float:
+    """The share of request-time spent beyond ``per_replica`` requests in flight on one replica:
+    0 when every replica always holds its share, 0.5 when two clients meant for two replicas
+    always meet on one (each replica then holds 2 half the time and 0 the other half)."""
+    over = total = 0.0
+    for i in range(replicas):
+        events = sorted(
+            [(r[0], 1) for r in results if r[2] == i] + [(r[1], -1) for r in results if r[2] == i]
+        )
+        n, last = 0, None
+        for t, d in events:
+            if last is not None:
+                over += max(0.0, n - per_replica) * (t - last)
+                total += n * (t - last)
+            n, last = n + d, t
+    return over / total if total else 0.0
 
 
 def round_robin(
@@ -225,11 +257,18 @@ def round_robin(
     """``clients`` closed-loop clients; requests go round robin over ``bases``.
 
     ``client_cpus``: run the clients in ``len(client_cpus)`` processes, process j pinned to
-    ``client_cpus[j]`` with its share of the clients (starting its round robin at replica j), all
-    starting together. Without it the clients are threads of this process: one interpreter lock
-    for all of them, which the replicated rounds must not share (``validate``)."""
+    ``client_cpus[j]`` with its share of the clients, all starting together and all drawing from
+    one shared counter. Without it the clients are threads of this process: one interpreter lock
+    for all of them, which the replicated rounds must not share (``validate``).
+
+    One counter, not one per process: at 3158668 each process kept its own, starting at replica
+    j. Two lone clients then fell into step on one replica (a batch of both, answered together,
+    so both next went to the other one) and stayed there: 99% of their requests overlapped, and
+    the pair at 1 client per replica did 52% less than twice one replica. A shared counter sends
+    consecutive requests to different replicas, which undoes such a meeting at the next request.
+    """
     if not client_cpus:
-        results, t0, t1 = _closed_loop(bases, clients, cfg, 0, lambda: None)
+        results, t0, t1 = _closed_loop(bases, clients, cfg, _thread_counter(), lambda: None)
     else:
         import multiprocessing
 
@@ -237,11 +276,11 @@ def round_robin(
         if clients % n:
             raise TpulabError(f"{clients} clients do not split over {n} client processes")
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that runs threads
-        barrier, queue = ctx.Barrier(n), ctx.Queue()
+        barrier, queue, counter = ctx.Barrier(n), ctx.Queue(), ctx.Value("q", 0)
         procs = [
             ctx.Process(
                 target=_client_process,
-                args=(bases, clients // n, cfg, j, client_cpus[j], barrier, queue),
+                args=(bases, clients // n, cfg, j, client_cpus[j], barrier, queue, counter),
                 daemon=True,
             )
             for j in range(n)
@@ -261,7 +300,7 @@ def round_robin(
         results = [x for part in parts for x in part[0]]
         t0, t1 = min(p[1] for p in parts), max(p[2] for p in parts)
     wall = t1 - t0
-    lat = np.array([r[0] for r in results]) * 1e3
+    lat = np.array([r[1] - r[0] for r in results]) * 1e3
     row = {
         "replicas": len(bases),
         "clients": clients,
@@ -269,11 +308,12 @@ def round_robin(
         "requests": len(results),
         "wall_s": wall,
         "requests_per_s": len(results) / wall,
-        "tokens_per_s": sum(r[2] for r in results) / wall,
+        "tokens_per_s": sum(r[3] for r in results) / wall,
         "latency_mean_ms": float(lat.mean()),
         "latency_p50_ms": float(np.percentile(lat, 50)),
         "latency_p99_ms": float(np.percentile(lat, 99)),
-        "per_replica_requests": [sum(1 for r in results if r[1] == i) for i in range(len(bases))],
+        "per_replica_requests": [sum(1 for r in results if r[2] == i) for i in range(len(bases))],
+        "excess_in_flight": excess_in_flight(results, len(bases), clients / len(bases)),
     }
     row["littles_law"] = littles_law(row)
     return row
@@ -390,7 +430,7 @@ def _row_line(r: dict) -> str:
     return (
         f"{r['replicas']} replica(s) clients={r['clients']:<3} {r['requests_per_s']:8.1f} req/s "
         f"mean {r['latency_mean_ms']:7.1f} ms p99 {r['latency_p99_ms']:7.1f} ms Little "
-        f"{r['littles_law']['ratio']:.2f}"
+        f"{r['littles_law']['ratio']:.2f} beyond share {r['excess_in_flight']:.0%}"
     )
 
 
@@ -426,11 +466,12 @@ def capacity_table(result: dict) -> str:
                 f"{r['latency_p99_ms']:.1f}",
                 pred[2],
                 f"{r['littles_law']['ratio']:.2f}",
+                f"{r['excess_in_flight']:.0%}" if "excess_in_flight" in r else "-",
                 r["per_replica_requests"],
             )
         )
     headers = ["replicas", "clients", "req/s", "predicted req/s", "error", "mean ms", "p50 ms"]
-    headers += ["p99 ms", "predicted p99 ms", "Little L/N", "requests per replica"]
+    headers += ["p99 ms", "predicted p99 ms", "Little L/N", "beyond share", "requests per replica"]
     lines.append(table(headers, rows))
     cap = result["capacity_at_p99"]
     verdict = "within" if result["all_within_tolerance"] else "NOT within"
