@@ -1,7 +1,7 @@
 """Capacity model check: 2 pinned replicas behind a round-robin client against 2 x one replica.
 
     python benchmarks/capacity_2replica.py --artifacts ART [--out OUT]
-        [--clients 1 2 4 8] [--requests 30] [--p99-ms 50]
+        [--clients 1 2 4 8] [--requests 30] [--p99-ms 50] [--balance connection|request]
 
 ART: verified export artifacts (tpulab export + verify-export) of the model to size, e.g. the
 default config's (the serve-bench tables' model). Starts 2 real services (tpulab serve), each
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=None, help="per replica")
     parser.add_argument("--requests", type=int, default=None, help="requests per client")
     parser.add_argument("--p99-ms", type=float, default=None)
+    parser.add_argument("--balance", choices=("connection", "request"), default=None)
     args = parser.parse_args()
 
     from tpulab.process_setup import prepare
@@ -37,6 +38,7 @@ def main() -> None:
         "clients_per_replica": tuple(args.clients) if args.clients else None,
         "requests_per_client": args.requests,
         "p99_ms": args.p99_ms,
+        "balance": args.balance,
     }
     cfg = dataclasses.replace(cfg, **{k: v for k, v in changes.items() if v is not None})
     result = measure(args.artifacts, cfg, args.out)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
 import json
 import math
 import os
@@ -140,6 +139,11 @@ class CapacityConfig:
     batch_window_ms: float = field(0.0, "each server's batch window")
     p99_ms: float = field(50.0, "p99 target of the capacity model in the report")
     tolerance: float = field(0.2, "allowed |measured - predicted| / predicted")
+    balance: str = field(
+        "connection",
+        "connection: each client's keep-alive connection stays on replica (client mod R), as an L4"
+        " balancer spreads connections; request: each request to the next replica, one counter",
+    )
     startup_timeout_s: float = field(900.0, "how long a server may take to become ready")
 
     def __post_init__(self):
@@ -150,6 +154,10 @@ class CapacityConfig:
         )
         check(0 < self.requests_per_client <= 10_000, "requests_per_client must be in [1, 10000]")
         check(0 < self.tolerance < 1, f"tolerance={self.tolerance} must be in (0, 1)")
+        check(
+            self.balance in ("connection", "request"),
+            f"balance={self.balance!r} must be 'connection' or 'request'",
+        )
 
 
 def pin(pid: int, cpus: set[int]) -> int:
@@ -166,11 +174,11 @@ def pin(pid: int, cpus: set[int]) -> int:
 
 
 def _closed_loop(
-    bases: list[str], clients: int, cfg: CapacityConfig, next_k, start
+    bases: list[str], clients: int, cfg: CapacityConfig, route, start
 ) -> tuple[list, float, float]:
-    """``clients`` closed-loop client threads of this process; a request goes to
-    ``bases[next_k() % len(bases)]``, ``next_k`` the one counter of the round robin. (results,
-    start, end) on the monotonic clock, which all processes of this host share."""
+    """``clients`` closed-loop client threads of this process; client i sends each request to
+    ``bases[route(i)]``. (results, start, end) on the monotonic clock, which all processes of this
+    host share."""
     import httpx
 
     body = {"prompt": cfg.prompt, "max_new": cfg.max_new, "temperature": 0.0, "cache": cfg.cache}
@@ -184,7 +192,7 @@ def _closed_loop(
         out, c = [], sessions[i]
         ready.wait()
         for _ in range(cfg.requests_per_client):
-            target = next_k() % len(bases)
+            target = route(i)
             t0 = time.monotonic()
             r = c.post(f"{bases[target]}/v1/generate", json=body)
             t1 = time.monotonic()
@@ -207,30 +215,39 @@ def _closed_loop(
     return results, t0, t1
 
 
-def _client_process(bases, clients, cfg, j, cpus, barrier, queue, counter) -> None:
-    os.sched_setaffinity(0, cpus)
+def _router(cfg: CapacityConfig, replicas: int, j: int, n: int, counter):
+    """Client i of process j (of n): by connection, replica (j + i n) mod R, so with one process
+    per replica process j drives replica j alone; by request, the next value of one counter."""
+    if cfg.balance == "connection":
+        return lambda i: (j + i * n) % replicas
 
-    def next_k():
+    def route(i):
         with counter.get_lock():  # one counter for all processes: ~2 us a request
             k = counter.value
             counter.value = k + 1
-        return k
+        return k % replicas
 
+    return route
+
+
+def _client_process(bases, clients, cfg, j, n, cpus, barrier, queue, counter) -> None:
+    os.sched_setaffinity(0, cpus)
     try:
+        route = _router(cfg, len(bases), j, n, counter)
         # A process that never reaches the barrier (it failed first) breaks it for the others.
-        queue.put(_closed_loop(bases, clients, cfg, next_k, lambda: barrier.wait(120)))
+        queue.put(_closed_loop(bases, clients, cfg, route, lambda: barrier.wait(120)))
     except BaseException as e:  # the parent raises it in one line
         queue.put(f"client process {j}: {type(e).__name__}: {e}")
 
 
-def _thread_counter():
-    counter, lock = itertools.count(), threading.Lock()
+class _Counter:
+    """multiprocessing.Value's interface for the clients of one process."""
 
-    def next_k():
-        with lock:
-            return next(counter)
+    def __init__(self):
+        self.value, self._lock = 0, threading.Lock()
 
-    return next_k
+    def get_lock(self):
+        return self._lock
 
 
 def excess_in_flight(results: list, replicas: int, per_replica: float) -> float:
@@ -254,21 +271,25 @@ def excess_in_flight(results: list, replicas: int, per_replica: float) -> float:
 def round_robin(
     bases: list[str], clients: int, cfg: CapacityConfig, client_cpus: list[set[int]] | None = None
 ) -> dict:
-    """``clients`` closed-loop clients; requests go round robin over ``bases``.
+    """``clients`` closed-loop clients spread round robin over ``bases`` (``cfg.balance``).
 
     ``client_cpus``: run the clients in ``len(client_cpus)`` processes, process j pinned to
-    ``client_cpus[j]`` with its share of the clients, all starting together and all drawing from
-    one shared counter. Without it the clients are threads of this process: one interpreter lock
-    for all of them, which the replicated rounds must not share (``validate``).
+    ``client_cpus[j]`` with its share of the clients, all starting together (by request, all
+    drawing from one shared counter). Without it the clients are threads of this process: one
+    interpreter lock for all of them, which the replicated rounds must not share (``validate``).
 
-    One counter, not one per process: at 3158668 each process kept its own, starting at replica
-    j. Two lone clients then fell into step on one replica (a batch of both, answered together,
-    so both next went to the other one) and stayed there: 99% of their requests overlapped, and
-    the pair at 1 client per replica did 52% less than twice one replica. A shared counter sends
-    consecutive requests to different replicas, which undoes such a meeting at the next request.
+    Measured on this 2-core host (benchmarks/results/capacity_2replica_*): at 3158668 each
+    process kept a request counter of its own, starting at replica j. Two lone clients then fell
+    into step on one replica (a batch of both, answered together, so both next went to the other)
+    and stayed there: 99% of their requests overlapped, -52% against twice one replica. One
+    shared counter undoes such a meeting at the next request, but still leaves 18-22% of the
+    request-time beyond a replica's share of the clients from 2 clients per replica on (-28% at
+    2). Spread by connection, every replica holds exactly its share, which is what the capacity
+    model assumes.
     """
     if not client_cpus:
-        results, t0, t1 = _closed_loop(bases, clients, cfg, _thread_counter(), lambda: None)
+        route = _router(cfg, len(bases), 0, 1, _Counter())
+        results, t0, t1 = _closed_loop(bases, clients, cfg, route, lambda: None)
     else:
         import multiprocessing
 
@@ -280,7 +301,7 @@ def round_robin(
         procs = [
             ctx.Process(
                 target=_client_process,
-                args=(bases, clients // n, cfg, j, client_cpus[j], barrier, queue, counter),
+                args=(bases, clients // n, cfg, j, n, client_cpus[j], barrier, queue, counter),
                 daemon=True,
             )
             for j in range(n)
@@ -305,6 +326,7 @@ def round_robin(
         "replicas": len(bases),
         "clients": clients,
         "client_processes": len(client_cpus or [None]),
+        "balance": cfg.balance,
         "requests": len(results),
         "wall_s": wall,
         "requests_per_s": len(results) / wall,
@@ -440,7 +462,8 @@ def capacity_table(result: dict) -> str:
         f"{result['hardware']}; jax {result['environment']['packages']['jax']}; commit "
         f"{result['commit']}; model d_model {m['d_model']}, {m['n_layers']} layers, max_seq_len "
         f"{m['max_seq_len']}; cache {c['cache']}; prompt {c['prompt']!r}, {c['max_new']} new "
-        f"tokens, greedy; {c['requests_per_client']} requests per client; max_batch "
+        f"tokens, greedy; {c['requests_per_client']} requests per client, spread by "
+        f"{c.get('balance', 'request (one counter per client process)')}; max_batch "
         f"{c['max_batch']}, window {c['batch_window_ms']} ms; each replica pinned to one of cores "
         f"{result['cpus']}; load average before {result['loadavg_before'][0]:.1f}, after "
         f"{result['loadavg_after'][0]:.1f} (shared machine).",
