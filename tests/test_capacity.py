@@ -5,6 +5,7 @@ The real 2-replica measurement is ``benchmarks/capacity_2replica.py`` (results c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -163,17 +164,37 @@ def test_client_processes_split_the_clients_and_share_one_clock(stub_pair):
     cfg = cap.CapacityConfig(clients_per_replica=(2,), requests_per_client=6)
     _, bases = stub_pair(False)
     cpus = sorted(os.sched_getaffinity(0))
-    row = cap.round_robin(bases, 4, cfg, [{cpus[0]}, {cpus[-1]}])
-    assert row["client_processes"] == 2 and row["requests"] == 24
-    assert row["per_replica_requests"] == [12, 12]  # round robin across the processes too
-    # 24 requests of 50 ms on two independent locks: at least 0.6 s, at most 2 replicas' rate
-    assert row["wall_s"] >= 24 * SERVICE_S / 2 * 0.98 and row["requests_per_s"] <= 2.05 / SERVICE_S
-    assert row["littles_law"]["ratio"] == pytest.approx(1.0, abs=0.15), row
+    for balance in ("connection", "request"):
+        cfg = dataclasses.replace(cfg, balance=balance)
+        row = cap.round_robin(bases, 4, cfg, [{cpus[0]}, {cpus[-1]}])
+        assert row["client_processes"] == 2 and row["requests"] == 24 and row["balance"] == balance
+        # round robin across the processes: by request one counter hands out 24 numbers
+        assert row["per_replica_requests"] == [12, 12]
+        # 24 requests of 50 ms on two independent locks: >= 0.6 s, at most 2 replicas' rate
+        assert row["wall_s"] >= 24 * SERVICE_S / 2 * 0.98
+        assert row["requests_per_s"] <= 2.05 / SERVICE_S
+        assert row["littles_law"]["ratio"] == pytest.approx(1.0, abs=0.15), row
+        if balance == "connection":  # 2 clients stay on each replica: never more than its share
+            assert row["excess_in_flight"] == 0.0, row
     with pytest.raises(TpulabError, match="5 clients do not split over 2 client processes"):
         cap.round_robin(bases, 5, cfg, [{cpus[0]}, {cpus[-1]}])
     # A client process that fails is one line in the parent, not a hang
     with pytest.raises(TpulabError, match="client process 0: .*ConnectError"):
         cap.round_robin(["http://127.0.0.1:9"], 1, cfg, [{cpus[0]}])
+
+
+def test_excess_in_flight_sees_two_clients_in_step_on_one_replica():
+    """The measure of what the per-process counters did at 3158668: two lone clients meant for
+    two replicas, always meeting on one (each holds 2 half the time, 0 the other half)."""
+    in_step = [(2 * k, 2 * k + 1, k % 2, 32) for k in range(10)]
+    in_step += [(t0, t1, r, n) for t0, t1, r, n in in_step]  # the other client, same requests
+    assert cap.excess_in_flight(in_step, 2, 1) == pytest.approx(0.5)
+    # control: the same requests spread, one on each replica at every moment
+    spread = [(2 * k, 2 * k + 1, (k + j) % 2, 32) for k in range(10) for j in (0, 1)]
+    assert cap.excess_in_flight(spread, 2, 1) == 0.0
+    assert cap.excess_in_flight(in_step, 2, 2) == 0.0  # 2 each is the share at 2 per replica
+    with pytest.raises(TpulabError, match="balance='rr' must be 'connection' or 'request'"):
+        cap.CapacityConfig(balance="rr")
 
 
 def test_pin_moves_every_thread_of_a_process(stub_pair):
