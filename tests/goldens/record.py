@@ -12,6 +12,7 @@ XLA:CPU compiles for the host's CPU (LLVM's host CPU name and features), so the 
 run depend on the CPU model: the top-level files were recorded on the 09bc655 host (an "AMD
 EPYC" not fingerprinted then), and ``cpu-<fingerprint>/`` holds the same goldens recorded with
 the same old code on another CPU (``cpu_fingerprint``: vendor, family, model and vector ISA flags).
+On a CPU with neither, tests/test_pretrain_golden.py runs this itself (``record_here``).
 """
 
 import hashlib
