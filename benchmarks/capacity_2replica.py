@@ -1,14 +1,16 @@
 """Capacity model check: 2 pinned replicas behind a round-robin client against 2 x one replica.
 
     python benchmarks/capacity_2replica.py --artifacts ART [--out OUT]
-        [--clients 1 2 4 8] [--requests 30] [--p99-ms 50] [--balance connection|request]
+        [--clients 1 2 4 8] [--requests 30] [--repeats 3] [--p99-ms 50]
+        [--balance connection|request]
 
 ART: verified export artifacts (tpulab export + verify-export) of the model to size, e.g. the
 default config's (the serve-bench tables' model). Starts 2 real services (tpulab serve), each
-process pinned to its own core, measures one alone at c clients and both behind the round-robin
-client at 2c, and writes OUT/capacity.json (raw rows, provenance, load average) and
-OUT/capacity.md (default OUT: benchmarks/results/capacity_2replica). A benchmark, not a test:
-numbers depend on the machine and its load.
+process pinned to its own core, measures each alone at c clients and both behind the round-robin
+client at 2c, ``--repeats`` rounds of each interleaved (the medians compared), and writes
+OUT/capacity.json (raw rows of every round, provenance, load average) and OUT/capacity.md
+(default OUT: benchmarks/results/capacity_2replica). A benchmark, not a test: numbers depend on
+the machine and its load.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/capacity_2replica"))
     parser.add_argument("--clients", type=int, nargs="+", default=None, help="per replica")
     parser.add_argument("--requests", type=int, default=None, help="requests per client")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds of each")
     parser.add_argument("--p99-ms", type=float, default=None)
     parser.add_argument("--balance", choices=("connection", "request"), default=None)
     args = parser.parse_args()
@@ -37,6 +40,7 @@ def main() -> None:
     changes = {
         "clients_per_replica": tuple(args.clients) if args.clients else None,
         "requests_per_client": args.requests,
+        "repeats": args.repeats,
         "p99_ms": args.p99_ms,
         "balance": args.balance,
     }

@@ -62,6 +62,29 @@ def test_prediction_is_replicas_times_one_replica_at_its_share_of_the_clients():
         "from_clients": 4,
     }
     assert cap.predict(single, 2, 3) is None and cap.predict(single, 2, 4) is None
+    # Each replica measured alone: the sum of the two at their share, at the worse p99
+    each = [{**single[1], "replica": 0}, {**single[1], "requests_per_s": 200.0, "replica": 1}]
+    each[1]["latency_p99_ms"] = 41.0
+    assert cap.predict(each, 2, 8) == {
+        "requests_per_s": 450.0,
+        "latency_p99_ms": 41.0,
+        "from_clients": 4,
+    }
+    assert cap.predict(each[:1], 2, 8) is None  # replica 1 never measured alone: no prediction
+
+
+def test_the_median_round_is_a_measured_round_with_every_rounds_rate():
+    rounds = [
+        {"requests_per_s": 169.0, "latency_p99_ms": 9.0},
+        {"requests_per_s": 149.0, "latency_p99_ms": 12.0},
+        {"requests_per_s": 160.0, "latency_p99_ms": 10.0},
+    ]
+    m = cap.median_round(rounds)
+    assert m["requests_per_s"] == 160.0 and m["latency_p99_ms"] == 10.0
+    assert m["rounds_requests_per_s"] == [169.0, 149.0, 160.0]
+    assert cap.median_round(rounds[:2])["requests_per_s"] == 149.0  # the lower of two
+    with pytest.raises(TpulabError, match="repeats=0 must be in"):
+        cap.CapacityConfig(repeats=0)
 
 
 # --- stub replicas: real HTTP servers in their own process --------------------------------------
@@ -135,9 +158,20 @@ def stub_pair():
 
 
 def test_validation_holds_for_independent_replicas_and_fails_for_a_shared_core(stub_pair):
-    cfg = cap.CapacityConfig(clients_per_replica=(1, 4), requests_per_client=10, tolerance=0.2)
+    cfg = cap.CapacityConfig(
+        clients_per_replica=(1, 4), requests_per_client=6, tolerance=0.2, repeats=2
+    )
     _, bases = stub_pair(False)
     good = cap.validate(bases, cfg)
+    # each replica alone and the pair, at both client counts, twice: the medians are reported
+    assert [(r["replica"], r["clients"]) for r in good["single"]] == [
+        (0, 1),
+        (1, 1),
+        (0, 4),
+        (1, 4),
+    ]
+    assert len(good["rounds"]["single"]) == 8 and len(good["rounds"]["replicated"]) == 4
+    assert all(len(r["rounds_requests_per_s"]) == 2 for r in [*good["single"], *good["replicated"]])
     for r in good["single"]:
         assert r["requests_per_s"] <= 1.02 / SERVICE_S, r  # never more than the lock allows
         if r["clients"] > 1:  # saturated (a lone client idles the lock between its requests)
