@@ -2,7 +2,7 @@
 
     python benchmarks/capacity_2replica.py --artifacts ART [--out OUT]
         [--clients 1 2 4 8] [--requests 30] [--repeats 3] [--p99-ms 50]
-        [--balance connection|request]
+        [--balance connection|request] [--cores own|shared]
 
 ART: verified export artifacts (tpulab export + verify-export) of the model to size, e.g. the
 default config's (the serve-bench tables' model). Starts 2 real services (tpulab serve), each
@@ -29,6 +29,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds of each")
     parser.add_argument("--p99-ms", type=float, default=None)
     parser.add_argument("--balance", choices=("connection", "request"), default=None)
+    parser.add_argument(
+        "--cores", choices=("own", "shared"), default=None, help="shared: the negative control"
+    )
     args = parser.parse_args()
 
     from tpulab.process_setup import prepare
@@ -43,6 +46,7 @@ def main() -> None:
         "repeats": args.repeats,
         "p99_ms": args.p99_ms,
         "balance": args.balance,
+        "cores": args.cores,
     }
     cfg = dataclasses.replace(cfg, **{k: v for k, v in changes.items() if v is not None})
     result = measure(args.artifacts, cfg, args.out)

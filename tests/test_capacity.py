@@ -85,6 +85,8 @@ def test_the_median_round_is_a_measured_round_with_every_rounds_rate():
     assert cap.median_round(rounds[:2])["requests_per_s"] == 149.0  # the lower of two
     with pytest.raises(TpulabError, match="repeats=0 must be in"):
         cap.CapacityConfig(repeats=0)
+    with pytest.raises(TpulabError, match="cores='all' must be 'own' or 'shared'"):
+        cap.CapacityConfig(cores="all")
 
 
 # --- stub replicas: real HTTP servers in their own process --------------------------------------

@@ -151,6 +151,11 @@ class CapacityConfig:
         "connection: each client's keep-alive connection stays on replica (client mod R), as an L4"
         " balancer spreads connections; request: each request to the next replica, one counter",
     )
+    cores: str = field(
+        "own",
+        "own: replica i and its client process on core i (the model's premise); shared: every "
+        "replica and client process on the first core, the negative control that must fail",
+    )
     startup_timeout_s: float = field(900.0, "how long a server may take to become ready")
 
     def __post_init__(self):
@@ -162,6 +167,7 @@ class CapacityConfig:
         check(0 < self.requests_per_client <= 10_000, "requests_per_client must be in [1, 10000]")
         check(0 < self.tolerance < 1, f"tolerance={self.tolerance} must be in (0, 1)")
         check(1 <= self.repeats <= 15, f"repeats={self.repeats} must be in [1, 15]")
+        check(self.cores in ("own", "shared"), f"cores={self.cores!r} must be 'own' or 'shared'")
         check(
             self.balance in ("connection", "request"),
             f"balance={self.balance!r} must be 'connection' or 'request'",
@@ -447,6 +453,7 @@ def measure(artifacts: str | Path, cfg: CapacityConfig, out_dir: str | Path) -> 
         raise TpulabError(
             f"{cfg.replicas} replicas need {cfg.replicas} cores; this has {len(cpus)}"
         )
+    core = cpus[: cfg.replicas] if cfg.cores == "own" else [cpus[0]] * cfg.replicas
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     load_before, t_start = os.getloadavg(), time.time()
@@ -459,8 +466,8 @@ def measure(artifacts: str | Path, cfg: CapacityConfig, out_dir: str | Path) -> 
                     Path(artifacts), cfg.max_batch, cfg.batch_window_ms, log, cfg.startup_timeout_s
                 )
                 servers.append(s)
-                pin(s.proc.pid, {cpus[i]})
-            client_cpus = [{cpus[i]} for i in range(cfg.replicas)]
+                pin(s.proc.pid, {core[i]})
+            client_cpus = [{core[i]} for i in range(cfg.replicas)]
             result = validate([s.base for s in servers], cfg, client_cpus=client_cpus)
         finally:
             for s in servers:
@@ -475,7 +482,7 @@ def measure(artifacts: str | Path, cfg: CapacityConfig, out_dir: str | Path) -> 
             "environment": env,
             "hardware": describe_hardware(env),
             "commit": git_commit(),
-            "cpus": cpus[: cfg.replicas],
+            "cpus": core,
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
             "started_unix": t_start,
@@ -512,7 +519,7 @@ def capacity_table(result: dict) -> str:
         f"tokens, greedy; {c['requests_per_client']} requests per client, median of "
         f"{c.get('repeats', 1)} interleaved round(s), spread by "
         f"{c.get('balance', 'request (one counter per client process)')}; max_batch "
-        f"{c['max_batch']}, window {c['batch_window_ms']} ms; each replica pinned to one of cores "
+        f"{c['max_batch']}, window {c['batch_window_ms']} ms; replica i pinned to core i of "
         f"{result['cpus']}; load average before {result['loadavg_before'][0]:.1f}, after "
         f"{result['loadavg_after'][0]:.1f} (shared machine).",
         "",
