@@ -71,6 +71,9 @@ def test_prediction_is_replicas_times_one_replica_at_its_share_of_the_clients():
         "from_clients": 4,
     }
     assert cap.predict(each[:1], 2, 8) is None  # replica 1 never measured alone: no prediction
+    # "A replica" in a capacity table is the slower of them at each client count
+    one = {**single[0], "replica": 0}
+    assert cap.rows_from({"single": [*each, one]}) == [one, each[1]]
 
 
 def test_the_median_round_is_a_measured_round_with_every_rounds_rate():
