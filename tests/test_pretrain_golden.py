@@ -90,13 +90,18 @@ def record_here(name: str) -> Path:
     return out
 
 
+def recording(path: Path) -> dict:
+    """A golden recorded with the old code on this CPU (no fingerprint: the 09bc655 host's)."""
+    rec = json.loads(path.read_text())
+    assert rec["commit"].startswith(OLD_CODE), rec["commit"]
+    assert rec.get("cpu_fingerprint") in (None, cpu_fingerprint()), path
+    return rec
+
+
 def golden(name: str) -> dict:
     """This CPU's committed recording of ``name``, else the 09bc655 host's."""
     own = GOLDENS / f"cpu-{cpu_fingerprint()}" / name
-    rec = json.loads((own if own.exists() else GOLDENS / name).read_text())
-    assert rec["commit"].startswith(OLD_CODE), rec["commit"]
-    assert rec.get("cpu_fingerprint") in (None, cpu_fingerprint())  # None: the 09bc655 host's
-    return rec
+    return recording(own if own.exists() else GOLDENS / name)
 
 
 def check_golden(got: dict, name: str) -> bool:
@@ -110,9 +115,7 @@ def check_golden(got: dict, name: str) -> bool:
     except AssertionError:
         if rec.get("cpu_fingerprint") is not None:
             raise  # this CPU's own recording: nothing else may stand in for it
-    here = json.loads(record_here(name).read_text())
-    assert here["commit"].startswith(OLD_CODE) and here["cpu_fingerprint"] == cpu_fingerprint()
-    assert_matches_golden(got, here)
+    assert_matches_golden(got, recording(record_here(name)))
     return False
 
 
