@@ -309,7 +309,7 @@ def test_every_byte_of_index_json_is_checked(tmp_path):
         for at in range(size):
             if name == "index.json" and at in tag_bytes:
                 continue
-            bad = _flipped_copy(good, tmp_path / f"{name}-{at}", Path(name), at)
+            bad = _flipped_copy(good, tmp_path / f"flip-{at}", Path(name), at)
             with pytest.raises(TpulabError, match=re.escape(name)):
                 verify_layout(bad)
             shutil.rmtree(bad)

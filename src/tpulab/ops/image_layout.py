@@ -141,11 +141,16 @@ def verify_layout(layout: str | Path) -> dict:
     layout = Path(layout)
     try:
         marker = json.loads((layout / MARKER).read_text())
-        raw_index = (layout / INDEX).read_bytes()
-    except (OSError, ValueError):
-        raise TpulabError(f"{layout} is not an OCI image layout") from None
+    except OSError:
+        raise TpulabError(f"{layout} is not an OCI image layout (no {MARKER})") from None
+    except ValueError:
+        marker = None
     if not isinstance(marker, dict) or marker.get("imageLayoutVersion") != "1.0.0":
         raise TpulabError(f"{layout}: {MARKER} does not mark an OCI 1.0.0 layout")
+    try:
+        raw_index = (layout / INDEX).read_bytes()
+    except OSError:
+        raise TpulabError(f"{layout} is not an OCI image layout (no {INDEX})") from None
     try:
         (mdesc,) = json.loads(raw_index)["manifests"]
         tag = mdesc["annotations"][REF_NAME]
