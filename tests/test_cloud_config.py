@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from tpulab.cloud.config import CloudConfig, accelerator_target, load_cloud_config
-from tpulab.cloud.lifecycle import JobSpec
+from tpulab.cloud.job import JobSpec
 from tpulab.errors import ConfigError, TpulabError
 
 

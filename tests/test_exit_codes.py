@@ -30,7 +30,7 @@ README = REPO / "README.md"
 FOREIGN_STATUS = {
     ("cloud/gcloud.py", "self.rc == 0"): "a gcloud call's own status",
     ("evidence/provenance.py", "head.returncode != 0"): "git's status",
-    ("cloud/lifecycle.py", "p.returncode != 0"): "the wheel build's status (pip)",
+    ("cloud/wheel.py", "p.returncode != 0"): "the wheel build's status (pip)",
 }
 STATUS_NAMES = {"rc", "code", "returncode", "exit_code", "expected_exit_code"}
 

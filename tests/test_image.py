@@ -9,6 +9,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -23,7 +24,7 @@ import pytest
 
 from conftest import run_main, verified_export
 from tpulab.ops import tags
-from tpulab.ops.image import Layer, fresh_pyc, write_layer
+from tpulab.ops.image_layers import Layer, fresh_pyc, write_layer
 
 TOOLS = ("skopeo", "umoci", "bwrap")
 
@@ -130,7 +131,7 @@ def test_fresh_pycs_are_kept_as_unchecked_hash_pycs(tmp_path):
 
 
 def test_bwrap_command_follows_the_image_config(tmp_path):
-    from tpulab.ops.image import bwrap_argv
+    from tpulab.ops.image_run import bwrap_argv
 
     config = {
         "config": {
@@ -165,7 +166,7 @@ def test_serving_distributions_are_closed_under_their_requirements():
 
     from packaging.requirements import Requirement
 
-    from tpulab.ops.image import DECLARED_UNUSED, EXCLUDED, SERVE_DISTRIBUTIONS
+    from tpulab.ops.image_build import DECLARED_UNUSED, EXCLUDED, SERVE_DISTRIBUTIONS
 
     def norm(n):
         return n.lower().replace("_", "-")
@@ -180,6 +181,196 @@ def test_serving_distributions_are_closed_under_their_requirements():
     assert gaps == {norm(n) for n in DECLARED_UNUSED}, gaps
     assert not inside & {norm(n) for n in EXCLUDED}
     assert not inside & {"torch", "libtpu", "mlflow-skinny", "grain"}
+
+
+# --- the layout's check, before anything runs ----------------------------------------------------
+
+
+def _small_layout(root: Path, layers: list[Layer], process: dict, **damage) -> Path:
+    """A layout written by the image's own writer (``write_layer``, ``write_documents``);
+    ``damage`` replaces fields of the written layers' descriptors before the documents go in."""
+    from tpulab.ops.image_layout import write_documents
+
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    written = [dict(write_layer(layer, blobs), **damage) for layer in layers]
+    write_documents(root, written, process, tag="latest", title="t")
+    return root
+
+
+def _data_layers() -> list[Layer]:
+    app, model = Layer("app"), Layer("model")
+    app.add_file("usr/bin/app", data=b"#!/nonexistent\n", mode=0o755)
+    model.add_file("srv/model/weights.bin", data=bytes(range(256)) * 64)
+    return [app, model]
+
+
+PROCESS = {"User": "65534:65534", "Entrypoint": ["/usr/bin/app"], "Cmd": ["serve"]}
+
+
+def _blob_kinds(layout: Path) -> dict[str, Path]:
+    """Each file of the layout a byte of which a run must refuse, by its kind."""
+    from tpulab.ops.image_layout import verify_layout
+
+    r = verify_layout(layout)
+    manifest = json.loads((layout / "blobs/sha256" / r["manifest_digest"][7:]).read_bytes())
+    blob = layout / "blobs" / "sha256"
+    return {
+        "index": layout / "index.json",
+        "manifest": blob / r["manifest_digest"][7:],
+        "config": blob / manifest["config"]["digest"][7:],
+        "layer": blob / manifest["layers"][-1]["digest"][7:],  # the model's
+    }
+
+
+def _flipped_copy(layout: Path, dest: Path, rel: Path, at: int | None = None) -> Path:
+    """A hard-linked copy of ``layout`` with one byte of ``rel`` flipped (the middle one)."""
+    shutil.copytree(layout, dest, copy_function=os.link)
+    path = dest / rel
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if at is None else at] ^= 1
+    path.unlink()
+    path.write_bytes(bytes(data))
+    return dest
+
+
+@pytest.fixture
+def execs(monkeypatch) -> list:
+    """The exec of ``image run`` in this process, recorded instead of replacing pytest."""
+    import tpulab.ops.image_run as image_run
+
+    calls = []
+
+    def fake_exec(file, argv):
+        calls.append(argv)
+        raise SystemExit(0)  # where the real exec would replace this process
+
+    monkeypatch.setattr(image_run.os, "execvp", fake_exec)
+    return calls
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        h.update(str(f.relative_to(root)).encode() + (f.read_bytes() if f.is_file() else b"/"))
+    return h.hexdigest()
+
+
+def test_run_refuses_a_flipped_byte_of_each_blob_kind_before_anything_starts(
+    tmp_path, capfd, execs
+):
+    """``image run`` (and ``image verify``, the same check) on a layout with one flipped byte in
+    its index, manifest, config or a layer: one line naming the blob's kind and digest, non-zero,
+    nothing exec'd, nothing on disk changed. Needs none of bwrap, umoci, skopeo: the check comes
+    first. Negative control: the untampered layout gets past the check to the exec."""
+    from test_cli_errors import assert_one_line_error
+
+    good = _small_layout(tmp_path / "good", _data_layers(), PROCESS)
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "usr").mkdir(parents=True)
+    kinds = _blob_kinds(good)
+    assert set(kinds) == {"index", "manifest", "config", "layer"}
+    for kind, path in kinds.items():
+        bad = _flipped_copy(good, tmp_path / f"bad-{kind}", path.relative_to(good))
+        before = _tree_digest(bad)
+        needle = "index.json" if kind == "index" else f"{kind} blob sha256:{path.name}"
+        for argv in (
+            ("image", "run", "--layout", bad, "--rootfs", rootfs, "--", "serve"),
+            ("image", "verify", bad),
+        ):
+            r = run_main(capfd, *argv)
+            assert_one_line_error(r, needle)
+        assert execs == [] and _tree_digest(bad) == before, kind
+    # Negative control: the same layout untampered passes the check and reaches the exec (or,
+    # on a host without bubblewrap, the refusal that comes after the check).
+    r = run_main(capfd, "image", "run", "--layout", good, "--rootfs", rootfs, "--", "serve")
+    if shutil.which("bwrap") is None:
+        assert_one_line_error(r, "bwrap is not installed")
+    else:
+        assert r.returncode == 0 and execs[0][0] == "bwrap", r.stderr
+        assert execs[0][execs[0].index("--") + 1 :] == ["/usr/bin/app", "serve"]
+
+
+def test_every_byte_of_index_json_is_checked(tmp_path):
+    """``index.json`` is the one file of a layout no digest covers: each of its bytes flipped in
+    turn is refused (naming index.json), except inside the tag, where a flip that leaves a valid
+    tag renames the image; every byte of ``oci-layout`` likewise. The untampered layout passes."""
+    from tpulab.errors import TpulabError
+    from tpulab.ops.image_layout import verify_layout
+
+    good = _small_layout(tmp_path / "good", _data_layers(), PROCESS)
+    verify_layout(good)  # the control
+    raw = (good / "index.json").read_bytes()
+    tag_at = raw.index(b'"latest"') + 1
+    tag_bytes = range(tag_at, tag_at + len("latest"))
+    refused = 0
+    for name in ("index.json", "oci-layout"):
+        size = len((good / name).read_bytes())
+        for at in range(size):
+            if name == "index.json" and at in tag_bytes:
+                continue
+            bad = _flipped_copy(good, tmp_path / f"flip-{at}", Path(name), at)
+            with pytest.raises(TpulabError, match=re.escape(name)):
+                verify_layout(bad)
+            shutil.rmtree(bad)
+            refused += 1
+    assert refused == len(raw) - len("latest") + len((good / "oci-layout").read_bytes())
+
+
+def test_a_layer_that_does_not_unpack_to_its_diff_id_is_refused(tmp_path, capfd, execs):
+    """Every blob matches its digest, but the config names another diff_id for a layer (a
+    consistently rehashed lie): refused at ``image run`` naming the layer's blob."""
+    from test_cli_errors import assert_one_line_error
+
+    wrong = f"sha256:{'0' * 64}"
+    bad = _small_layout(tmp_path / "bad", _data_layers()[:1], PROCESS, diff_id=wrong)
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "usr").mkdir(parents=True)
+    r = run_main(capfd, "image", "run", "--layout", bad, "--rootfs", rootfs)
+    assert_one_line_error(r, "layer blob sha256:", f"does not unpack to its diff_id {wrong}")
+    assert execs == []
+
+
+def test_run_starts_an_untampered_image_and_refuses_it_tampered(tmp_path):
+    """Real processes: a small image of ``/usr/bin/echo`` and the libraries it loads, unpacked
+    by umoci, run by ``tpulab image run`` under bubblewrap, prints its arguments; the same layout
+    with one byte of its data layer flipped after the unpack (the rootfs untouched) starts
+    nothing: exit non-zero, one line naming the layer's blob."""
+    _need_tools()
+    from tpulab.ops.image_build import shared_libraries
+
+    echo = Path("/usr/bin/echo")
+    bin_ = Layer("bin")
+    bin_.add_file("usr/bin/echo", echo.resolve(), mode=0o755)
+    for lib in shared_libraries([echo]):
+        bin_.add_file(lib.as_posix().lstrip("/"), lib.resolve(), mode=0o755)
+    for mount_point in ("proc", "dev", "tmp"):  # bwrap mounts onto them in a read-only root
+        bin_.add_dir(mount_point)
+    layers = [bin_, _data_layers()[1]]
+    process = {"User": "65534:65534", "Entrypoint": ["/usr/bin/echo"], "Cmd": ["default"]}
+    layout = _small_layout(tmp_path / "oci", layers, process)
+    rootfs = tmp_path / "rootfs"
+    unpack = subprocess.run(
+        ["umoci", "raw", "unpack", "--image", f"{layout}:latest", str(rootfs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert unpack.returncode == 0, unpack.stderr
+
+    def run(lay):
+        cmd = [sys.executable, "-m", "tpulab.cli", "image", "run", "--layout", str(lay)]
+        cmd += ["--rootfs", str(rootfs), "--", "hello", "from", "the", "image"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    ok = run(layout)  # the negative control
+    assert ok.returncode == 0 and ok.stdout == "hello from the image\n", ok.stderr
+    model = _blob_kinds(layout)["layer"]
+    bad = _flipped_copy(layout, tmp_path / "bad", model.relative_to(layout))
+    r = run(bad)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and "hello" not in r.stdout and len(errors) == 1, r.stderr
+    assert f"layer blob sha256:{model.name} does not match its digest" in errors[0], errors
 
 
 # --- the image from real verified artifacts ------------------------------------------------------
@@ -258,7 +449,7 @@ def test_two_builds_give_the_same_manifest_digest(image, verified_artifacts, tmp
     rec = art / "verification.json"
     rec.write_text(json.dumps(json.loads(rec.read_text())))
     from tpulab.inference.trust import load_verified
-    from tpulab.ops.image import collect
+    from tpulab.ops.image_build import collect
 
     load_verified(art)  # still a verified set
     files = {p.name: (p, hashlib.sha256(p.read_bytes()).hexdigest()) for p in art.iterdir()}

@@ -75,7 +75,7 @@ def _parse_env(items: list[str], what: str) -> dict:
 
 
 def _job(args, staged: dict | None = None):
-    from tpulab.cloud.lifecycle import JobSpec
+    from tpulab.cloud.job import JobSpec
     from tpulab.errors import TpulabError
 
     worker_env: dict[int, dict] = {}
@@ -164,8 +164,10 @@ def cmd_delete(args) -> int:
 
 
 def cmd_up(args) -> int:
+    from tpulab.cloud.up import up
+
     job = _job(args)
-    result = _session(args).up(job, preempt_at=args.preempt_at)
+    result = up(_session(args), job, preempt_at=args.preempt_at)
     print(f"done; VM deleted and verified gone. Log: {result['experiment_log']}")
     return ExitCode.OK
 
@@ -234,7 +236,7 @@ def _stage_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    from tpulab.cloud.lifecycle import DEFAULT_JOB
+    from tpulab.cloud.job import DEFAULT_JOB
 
     p.add_argument(
         "--job",

@@ -56,7 +56,7 @@ def cmd_contract_check(args) -> int:
 
 
 def cmd_image_build(args) -> int:
-    from tpulab.ops.image import build_image
+    from tpulab.ops.image_build import build_image
 
     r = build_image(args.artifacts, args.out, tag=args.tag, key_file=args.key_file)
     print(json.dumps(r["summary"], indent=1) if args.json else r["line"])
@@ -64,7 +64,7 @@ def cmd_image_build(args) -> int:
 
 
 def cmd_image_verify(args) -> int:
-    from tpulab.ops.image import verify_layout
+    from tpulab.ops.image_layout import verify_layout
 
     r = verify_layout(args.layout)
     print(
@@ -75,7 +75,7 @@ def cmd_image_verify(args) -> int:
 
 
 def cmd_image_run(args) -> int:
-    from tpulab.ops.image import run_image
+    from tpulab.ops.image_run import run_image
 
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
     run_image(args.layout, args.rootfs, extra or None)  # replaces this process (exec)

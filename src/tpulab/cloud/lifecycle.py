@@ -1,12 +1,13 @@
-"""The TPU VM lifecycle through the real gcloud CLI: create, stage, run, fetch, delete, and ``up``.
+"""The TPU VM lifecycle through the real gcloud CLI: create, stage, run, fetch, delete.
 
 Every step writes what the cloud or the runtime reported under ``DIR/cloud/`` (resource.json,
 staged.json, run.json, fetch.json, cleanup.json, and calls.jsonl for every gcloud call), so the
 experiment log can point each claim at its raw evidence. Every gcloud call is bounded by
-``cloud.call_timeout_s`` (and by a shorter fixed bound per step where one applies). ``up`` deletes
-after any failure, Ctrl-C and SIGTERM included (its gcloud children are killed first), and a
-deletion that cannot be verified is reported loudly with the resource named; an interrupted step
-command names the VM it leaves behind.
+``cloud.call_timeout_s`` (and by a shorter fixed bound per step where one applies). What runs is
+a ``JobSpec`` (``cloud.job``), staged with the project's wheel (``cloud.wheel``). ``up``
+(``cloud.up``: all the steps) deletes after any failure, Ctrl-C and SIGTERM included (its gcloud
+children are killed first), and a deletion that cannot be verified is reported loudly with the
+resource named; an interrupted step command names the VM it leaves behind.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ import json
 import secrets
 import shlex
 import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,12 +30,11 @@ from tpulab.checkpoint.files import (
     sha256_file,
     verify_manifest,
 )
-from tpulab.checkpoint.rundir import CONFIG, RunDir, read_json
+from tpulab.checkpoint.rundir import RunDir, read_json
 from tpulab.cloud.config import CloudConfig
 from tpulab.cloud.gcloud import (
     Call,
     Gcloud,
-    Terminated,
     create_argv,
     delete_argv,
     describe_argv,
@@ -49,15 +46,12 @@ from tpulab.cloud.gcloud import (
     sigterm_as_interrupt,
     ssh_argv,
 )
-from tpulab.cloud.worker import PREEMPT_RECORD
+from tpulab.cloud.job import JobSpec, env_prefix
+from tpulab.cloud.wheel import build_wheel
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.provenance import git_commit
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_JOB = (
-    "train --run-dir {run_dir} --no-progress"  # plus --config {config} / --data {data} when staged
-)
 FAIL_STATES = {"PREEMPTED", "TERMINATED", "DELETING", "STOPPED", "STOPPING", "HIDDEN"}
 
 
@@ -78,74 +72,6 @@ class Interrupted(TpulabError):
     (deleted or not)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """What runs on the workers. ``job`` is any tpulab command line (without ``tpulab``); the
-    placeholders {run_dir}, {config} and {data} become the staged paths on the worker."""
-
-    config: Path | None = None
-    data: Path | None = None
-    job: str | None = None  # None: DEFAULT_JOB with the staged config and data
-    run_name: str = "run"
-    env: dict = dataclasses.field(default_factory=dict)
-    worker_env: dict = dataclasses.field(default_factory=dict)  # worker index -> {VAR: value}
-
-    def __post_init__(self):
-        if not self.run_name or "/" in self.run_name or self.run_name.startswith("."):
-            raise TpulabError(f"run name {self.run_name!r} must be a plain directory name")
-        for path, what in ((self.config, "config"), (self.data, "data")):
-            if path is not None and not Path(path).exists():
-                raise TpulabError(f"{what} not found: {path}")
-        if self.job is None:
-            job = (
-                DEFAULT_JOB
-                + (" --config {config}" if self.config else "")
-                + (" --data {data}" if self.data else "")
-            )
-            object.__setattr__(self, "job", job)
-        if "{config}" in self.job and self.config is None:
-            raise TpulabError("the job uses {config} but no --config was given")
-        if "{data}" in self.job and self.data is None:
-            raise TpulabError("the job uses {data} but no --data was given")
-
-    def local_run_dir(self) -> str:
-        """``runs/NAME`` on each worker's own disk (in remote_dir): receipts, rehearsal records."""
-        return f"runs/{self.run_name}"
-
-    def remote_run_dir(self, shared_dir: str | None = None) -> str:
-        """The job's ``{run_dir}``: ``SHARED/runs/NAME``, one directory that every process of a
-        multi-host job sees (Orbax writes one checkpoint from all processes), or without a shared
-        dir each worker's own."""
-        return (
-            f"{shared_dir.rstrip('/')}/runs/{self.run_name}" if shared_dir else self.local_run_dir()
-        )
-
-    def job_args(self, shared_dir: str | None = None) -> list[str]:
-        values = {
-            "{run_dir}": self.remote_run_dir(shared_dir),
-            "{config}": f"stage/{CONFIG}",
-            "{data}": f"stage/data/{Path(self.data).name}" if self.data else "",
-        }
-        try:
-            tokens = shlex.split(self.job)
-        except ValueError as e:
-            raise TpulabError(f"cannot parse the job command {self.job!r}: {e}") from None
-        if tokens and tokens[0] == "tpulab":
-            tokens = tokens[1:]
-        if not tokens:
-            raise TpulabError("the job command is empty")
-        out = []
-        for t in tokens:
-            for k, v in values.items():
-                t = t.replace(k, v)
-            out.append(t)
-        return out
-
-
-def _env_prefix(env: dict) -> str:
-    return ("env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " ") if env else ""
-
-
 class CloudSession:
     """One TPU VM, one local run directory ``out_dir``; each method is one lifecycle step."""
 
@@ -163,7 +89,7 @@ class CloudSession:
         self.echo = echo or (lambda _msg: None)
 
     # --- helpers ----------------------------------------------------------------------------
-    def _write(self, name: str, obj) -> None:
+    def write_record(self, name: str, obj) -> None:
         atomic_write_json(self.cloud_dir / name, obj)
 
     def _gcloud_failure(self, step: str, call: Call, what: str) -> CloudError:
@@ -172,7 +98,7 @@ class CloudSession:
             f"{step}: {what} (gcloud exit {call.rc}: {call.tail()}; see {self.gcloud.path})"
         )
 
-    def _resource(self) -> str:
+    def resource(self) -> str:
         return f"VM {self.cfg.name} in project {self.cfg.project}, zone {self.cfg.zone}"
 
     @contextlib.contextmanager
@@ -186,7 +112,7 @@ class CloudSession:
                 self.gcloud.kill_all()
                 how, code = interruption(e)
                 raise Interrupted(
-                    f"{how} during tpu {step}: {self._resource()} may exist and cost money "
+                    f"{how} during tpu {step}: {self.resource()} may exist and cost money "
                     f"(not verified deleted; tpulab tpu delete --dir {self.dir})",
                     exit_code=code,
                 ) from None
@@ -194,7 +120,7 @@ class CloudSession:
     def remote(self, args: list[str], env: dict | None = None) -> str:
         """The shell command a worker runs: in the staged dir, with the staged venv's tpulab."""
         tpulab = shlex.join([".venv/bin/tpulab", *args])
-        return f"cd {self.cfg.remote_dir} && {_env_prefix(env or {})}{tpulab}"
+        return f"cd {self.cfg.remote_dir} && {env_prefix(env or {})}{tpulab}"
 
     def ssh_all(self, step: str, command, timeout_s: float | None = None) -> list[Call]:
         """One ``--worker=all`` call, or one call per worker in parallel when ``command`` is a
@@ -319,7 +245,7 @@ class CloudSession:
                 f"create: {self.cfg.name} reports accelerator type {identity['accelerator_type']}, "
                 f"asked for {self.cfg.accelerator_type}"
             )
-        self._write("resource.json", identity)
+        self.write_record("resource.json", identity)
         return identity
 
     # --- stage ------------------------------------------------------------------------------
@@ -369,7 +295,7 @@ class CloudSession:
             "jax_version": importlib.metadata.version("jax"),
             "bootstrap": bootstrap,
         }
-        self._write("staged.json", staged)
+        self.write_record("staged.json", staged)
         return staged
 
     # --- run --------------------------------------------------------------------------------
@@ -452,37 +378,26 @@ class CloudSession:
             "target": self.cfg.target()[0],
             "segments": [],
         }
-        self._write("run.json", record)
+        self.write_record("run.json", record)
         if shared:
             record["shared_check"] = self.check_shared(job)
-            self._write("run.json", record)
+            self.write_record("run.json", record)
         self.qualify(job)
         if preempt_at is not None:
-            wrapped = [
-                "tpu",
-                "worker-job",
-                "--run-dir",
-                job.remote_run_dir(shared),
-                "--preempt-at",
-                str(preempt_at),
-                "--record",
-                f"{job.local_run_dir()}/{PREEMPT_RECORD}",
-                "--",
-                *args,
-            ]
+            wrapped = job.rehearsal_args(shared, preempt_at)
             for call in self._ssh_job("run: job until preemption", wrapped, job):
                 if not call.ok:
                     raise self._gcloud_failure(
                         "run", call, f"the preemption rehearsal at step {preempt_at} failed"
                     )
             record["segments"].append("preempted")
-            self._write("run.json", record)
+            self.write_record("run.json", record)
         step = "run: job (resume after preemption)" if preempt_at is not None else "run: job"
         for call in self._ssh_job(step, args, job):
             if not call.ok:
                 raise self._gcloud_failure("run", call, "the job failed on the workers")
         record["segments"].append("completed")
-        self._write("run.json", record)
+        self.write_record("run.json", record)
         return record
 
     # --- fetch ------------------------------------------------------------------------------
@@ -529,7 +444,7 @@ class CloudSession:
             ),
         }
         report["salvage"] = not strict
-        self._write("fetch.json", report)
+        self.write_record("fetch.json", report)
         if strict and not report["passed"]:
             bad = next(
                 w
@@ -593,7 +508,7 @@ class CloudSession:
             "verified_gone": gone,
             "checked_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        self._write("cleanup.json", cleanup)
+        self.write_record("cleanup.json", cleanup)
         if not gone:
             if not call.ok and not already_gone:
                 why = f"delete exited {call.rc} ({call.tail()})"
@@ -603,100 +518,14 @@ class CloudSession:
                     _list_problem(listed, names, self.cfg.name),
                 ]
                 why = "after delete, " + " and ".join(p for p in problems if p)
-            raise self._not_verified(why)
+            raise self.not_verified(why)
         return cleanup
 
-    def _not_verified(self, why: str) -> DeleteError:
+    def not_verified(self, why: str) -> DeleteError:
         return DeleteError(
-            f"DELETE NOT VERIFIED: {self._resource()} may still exist and cost money: {why}. "
+            f"DELETE NOT VERIFIED: {self.resource()} may still exist and cost money: {why}. "
             f"Delete it by hand: {shlex.join(delete_argv(self.cfg))}"
         )
-
-    # --- up ---------------------------------------------------------------------------------
-    def up(self, job: JobSpec, preempt_at: int | None = None) -> dict:
-        """create -> stage -> run -> fetch, then delete whatever happened; the experiment log last.
-
-        SIGTERM (a supervisor's stop) is handled like Ctrl-C: the gcloud children are killed, the
-        VM is deleted and verified gone, and the exit is 143 (130 for Ctrl-C) with the VM named. A
-        SIGTERM during that cleanup is counted, not obeyed (it would cut the delete short); a second
-        Ctrl-C ends it, and the DeleteError names the VM."""
-        from tpulab.cloud.explog import write_experiment_log
-
-        failure: BaseException | None = None
-        ran, step = False, "create"
-        with sigterm_as_interrupt() as signals:
-            try:
-                self.create()
-                step = "stage"
-                self.stage(job)
-                ran, step = True, "run"
-                self.run(job, preempt_at)
-                step = "fetch"
-                self.fetch(job.run_name)
-                step = "delete"
-            except BaseException as e:  # Ctrl-C and SIGTERM too: the VM must not outlive us
-                failure = e
-                self.gcloud.kill_all()
-                if ran and isinstance(e, TpulabError):
-                    try:  # the evidence of the failure (a receipt that did not qualify) first
-                        self.fetch(job.run_name, strict=False)
-                    except TpulabError:
-                        pass
-                    except KeyboardInterrupt as again:  # stop salvaging, still delete
-                        failure = again
-            cleanup_error = None
-            with signals.defer():
-                try:
-                    self._cleanup_after(failure)
-                except DeleteError as e:
-                    cleanup_error = e
-                except (TpulabError, OSError) as e:  # the VM is still named, whatever broke
-                    cleanup_error = self._not_verified(f"the cleanup failed: {e}")
-                except KeyboardInterrupt as e:  # a second Ctrl-C
-                    self.gcloud.kill_all()
-                    cleanup_error = self._not_verified(f"the cleanup was {interruption(e)[0]}")
-                log = write_experiment_log(self.dir)
-        if failure is None and signals.received:  # a SIGTERM during the cleanup of a success
-            failure = Terminated()
-        if cleanup_error is not None:
-            if failure is not None:
-                raise DeleteError(
-                    f"{cleanup_error} (after an earlier failure: {_failure_text(failure, step)})"
-                ) from None
-            raise cleanup_error
-        if isinstance(failure, KeyboardInterrupt):
-            how, code = interruption(failure)
-            raise Interrupted(
-                f"{how} during {step}: {self._resource()} deleted and verified gone",
-                exit_code=code,
-            ) from None
-        if failure is not None:
-            raise failure
-        return {"experiment_log": str(log)}
-
-    def _cleanup_after(self, failure: BaseException | None) -> None:
-        if failure is not None and read_json(self.cloud_dir / "resource.json", None) is None:
-            state, _, _ = self.describe("cleanup: did create leave anything?")
-            if state == "absent":
-                self._write(
-                    "cleanup.json",
-                    {
-                        "name": self.cfg.name,
-                        "project": self.cfg.project,
-                        "zone": self.cfg.zone,
-                        "nothing_created": True,
-                        "describe": state,
-                        "verified_gone": True,
-                    },
-                )
-                return
-        self.delete()
-
-
-def _failure_text(failure: BaseException, step: str) -> str:
-    if isinstance(failure, KeyboardInterrupt):
-        return f"{interruption(failure)[0]} during {step}"
-    return str(failure) or type(failure).__name__
 
 
 def _describe_problem(state: str, call: Call) -> str | None:
@@ -758,40 +587,3 @@ def verify_fetched(run_dir: Path, worker: int) -> dict:
         "preempted_at": [r["step"] for r in preempted],
         "final_step": max((r["step"] for r in records if "step" in r), default=None),
     }
-
-
-def build_wheel(dest: Path) -> Path:
-    """The project's wheel, built from a copy of the source tree (the checkout is untouched)."""
-    if not (REPO / "pyproject.toml").is_file():
-        raise TpulabError(f"stage needs a tpulab source checkout (no pyproject.toml in {REPO})")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "src"
-        shutil.copytree(
-            REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
-        )
-        shutil.copyfile(REPO / "pyproject.toml", Path(tmp) / "pyproject.toml")
-        p = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "wheel",
-                "-q",
-                "--no-deps",
-                "--no-build-isolation",
-                "-w",
-                str(dest),
-                tmp,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if p.returncode != 0:
-            raise TpulabError(
-                f"building the wheel failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
-            )
-    wheels = sorted(dest.glob("tpulab-*.whl"))
-    if len(wheels) != 1:
-        raise TpulabError(f"expected one tpulab wheel in {dest}, found {len(wheels)}")
-    return wheels[0]
