@@ -137,6 +137,7 @@ def test_a_receipt_dir_takes_the_other_processes_receipts_only(tmp_path):
     d.mkdir()
     for name in ("receipt-p0.json", "receipt-p0.md", ".receipt-p1.json.tmp-123"):
         (d / name).write_text("{}")
+    (d / "launch").mkdir()  # `tpulab launch -- receipt --out D` keeps its logs in D/launch
     assert check_out(d, reuse=_only_receipts) == d
     (d / "receipt.json.bak").write_text("{}")
     with pytest.raises(TpulabError, match="in the way"):

@@ -411,9 +411,12 @@ def receipt_name(receipt: dict) -> str:
 
 def _only_receipts(out: Path) -> bool:
     """The processes of one job share a receipt dir, each writing its own ``receipt-p<i>``: a dir
-    holding nothing but receipts (and a sibling's write in flight) may take one more."""
+    holding nothing but receipts (a sibling's write in flight too) and ``tpulab launch``'s own
+    ``launch/`` logs may take one more."""
     return all(
-        re.fullmatch(r"\.?receipt(-p\d+)?\.(json|md)(\.tmp-\d+)?", p.name) for p in out.iterdir()
+        re.fullmatch(r"\.?receipt(-p\d+)?\.(json|md)(\.tmp-\d+)?", p.name)
+        or (p.name == "launch" and p.is_dir())
+        for p in out.iterdir()
     )
 
 
