@@ -425,7 +425,7 @@ def test_build_refuses_unverified_or_tampered_artifacts_and_writes_nothing(
     r = run_main(
         capfd, "image", "build", "--artifacts", verified_artifacts, "--out", tmp_path / "full"
     )
-    assert_one_line_error(r, "is not an empty directory")
+    assert_one_line_error(r, "is not empty (x is in the way)")
     assert (tmp_path / "full" / "x").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 

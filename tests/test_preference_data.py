@@ -173,7 +173,7 @@ def test_pairs_refuses_bad_input_in_one_line_and_writes_nothing(
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "holds no checkpoints" in r.stderr and not out.exists()
     before = sorted(p.name for p in sampled_pairs.iterdir())
-    with pytest.raises(TpulabError, match="not an empty directory"):
+    with pytest.raises(TpulabError, match="is not empty \\(dataset.json is in the way\\)"):
         make_pairs(trained_run, sampled_pairs)
     assert sorted(p.name for p in sampled_pairs.iterdir()) == before
     with pytest.raises(TpulabError, match="temperature"):

@@ -356,3 +356,33 @@ def test_lora_chaos_random_kills_end_identical(trained_run, references, tmp_path
 
 # Room to kill between checkpoints: the kill lands at step 9, after the saves of steps 4 and 8.
 LONGER = ("train.steps=16", "checkpoint.save_every=4", "train.eval_every=8")
+
+
+def test_merge_into_a_used_out_is_refused_unless_it_is_the_same_merge(lora_run, tmp_path):
+    def snap(d):
+        return sorted((str(p.relative_to(d)), p.stat().st_mtime_ns) for p in d.rglob("*"))
+
+    kept = tmp_path / "kept"  # a user's files where the merge would write its own
+    kept.mkdir()
+    (kept / "config.yaml").write_text("mine: true\n")
+    (kept / "merge.json").write_text('{"mine": true}\n')
+    with pytest.raises(TpulabError, match=r"\(config.yaml is in the way\)"):
+        merge_lora(lora_run, kept)
+    assert (kept / "config.yaml").read_text() == "mine: true\n" and len(snap(kept)) == 2
+    out = tmp_path / "merged"
+    first = merge_lora(lora_run, out)
+    before = snap(out)
+    again = merge_lora(lora_run, out)  # the same adapters: the earlier merge, nothing written
+    assert again == {**first, "reused": True} and snap(out) == before
+    # negative controls: a record of other adapters, or a merged checkpoint that no longer
+    # verifies, is no earlier merge of these
+    record = json.loads((out / "merge.json").read_text())
+    (out / "merge.json").write_text(json.dumps({**record, "source_checkpoint_digest": "0" * 64}))
+    with pytest.raises(TpulabError, match=r"\(checkpoints is in the way\)"):
+        merge_lora(lora_run, out)
+    (out / "merge.json").write_text(json.dumps(record))
+    assert merge_lora(lora_run, out)["reused"]
+    step = next((out / "checkpoints").iterdir())
+    (step / MANIFEST).write_text("{}")
+    with pytest.raises(TpulabError, match="in the way"):
+        merge_lora(lora_run, out)

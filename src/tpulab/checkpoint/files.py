@@ -1,4 +1,4 @@
-"""Durable files: atomic writes and sha256 manifests.
+"""Durable files: atomic writes, sha256 manifests, and the one check of a command's ``--out``.
 
 A file is written to a temporary sibling, fsynced, then renamed over its target, so a reader sees
 either the old file or the whole new one. A manifest lists the sha256 and size of every file under
@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from tpulab.errors import CheckpointError
+from tpulab.errors import CheckpointError, TpulabError
 
 MANIFEST = "tpulab_manifest.json"
 _CHUNK = 1 << 20
@@ -97,3 +98,53 @@ def verify_manifest(root: str | Path) -> dict:
         if sha256_file(root / rel) != info["sha256"]:
             raise CheckpointError(f"{root}: checksum mismatch in {rel} (corrupt checkpoint)")
     return manifest
+
+
+def check_out(
+    out: str | Path,
+    flag: str = "--out",
+    *,
+    file: bool = False,
+    reuse: Callable[[Path], bool] | None = None,
+) -> Path:
+    """``out`` as a Path, for a command to write: absent or, for a directory, empty. Anything else
+    is refused in one line naming the first entry in the way, so no user's file is overwritten,
+    unless ``reuse(out)`` says it holds this command's own earlier result (each caller documents
+    and tests why that one may be reused). The one check of every command's ``--out``."""
+    out = Path(out)
+    if not out.exists() and not out.is_symlink():
+        return out
+    if out.is_dir() and not file:
+        entries = sorted(out.iterdir())
+        if not entries or (reuse is not None and reuse(out)):
+            return out
+        raise TpulabError(
+            f"{flag} {out} already exists and is not empty ({entries[0].name} is in the way); "
+            "choose a new or empty directory"
+        )
+    if reuse is not None and reuse(out):
+        return out
+    what = "a directory" if out.is_dir() else "a file"
+    raise TpulabError(
+        f"{flag} {out} already exists ({what}) and is never overwritten; choose a new path"
+    )
+
+
+def holds_only(*names: str) -> Callable[[Path], bool]:
+    """A ``reuse`` for ``check_out``: the directory holds nothing but files of these names (a
+    report command's own earlier report, which it rewrites whole)."""
+    return lambda out: all(p.is_file() and p.name in names for p in out.iterdir())
+
+
+def json_with(*keys: str) -> Callable[[Path], bool]:
+    """A ``reuse`` for ``check_out(file=True)``: the file is a JSON object holding these keys (a
+    command's own earlier record, which it replaces)."""
+
+    def reuse(out: Path) -> bool:
+        try:
+            record = json.loads(out.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        return isinstance(record, dict) and all(k in record for k in keys)
+
+    return reuse

@@ -11,21 +11,25 @@ from tpulab.model.policies import POLICIES as _POLICIES
 
 
 def cmd_kvcache(args) -> int:
-    from tpulab.inference.cache_eval import markdown_table, write_kvcache_report
+    from tpulab.checkpoint.files import check_out, holds_only
+    from tpulab.inference.cache_eval import KVCACHE_FILES, markdown_table, write_kvcache_report
     from tpulab.train.restore import load_model
 
-    out = args.out or args.run_dir / "kvcache"
+    # its own earlier report (these three files alone) is rewritten; anything else is in the way
+    out = check_out(args.out or args.run_dir / "kvcache", reuse=holds_only(*KVCACHE_FILES))
     result = write_kvcache_report(load_model(args.run_dir, args.step), out)
     print(markdown_table(result))
-    print(f"wrote {out}/kvcache.json, kvcache.md, kvcache.png")
+    print(f"wrote {out}/{', '.join(KVCACHE_FILES)}")
     return ExitCode.OK
 
 
 def cmd_export(args) -> int:
+    from tpulab.checkpoint.files import check_out
     from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
     from tpulab.inference.export import export_artifacts
     from tpulab.train.restore import load_model
 
+    check_out(args.out)  # before the model is read: a set is never written over a user's files
     manifest = export_artifacts(
         load_model(args.run_dir, args.step), args.run_dir, args.out, batch=args.batch
     )

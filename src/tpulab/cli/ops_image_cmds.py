@@ -10,15 +10,14 @@ from tpulab.errors import ExitCode
 
 
 def cmd_contract_record(args) -> int:
-    from tpulab.checkpoint.files import atomic_write_bytes
+    from tpulab.checkpoint.files import atomic_write_bytes, check_out
     from tpulab.data import contract
     from tpulab.data.corpus import load_corpus
     from tpulab.errors import TpulabError
 
     out = checked_path(args.out, "--out")
     checked_path(args.data, "--data")  # "" would silently mean the current directory
-    if out.exists():  # before reading the corpus: a contract is never overwritten
-        raise TpulabError(f"{out} exists; a contract is never overwritten (remove it first)")
+    check_out(out, file=True)  # before reading the corpus: a contract is never overwritten
     if not out.parent.is_dir():
         raise TpulabError(f"directory {out.parent} does not exist")
     c = contract.record(load_corpus(args.data), args.size_tolerance, args.entropy_tolerance)

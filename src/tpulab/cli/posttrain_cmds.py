@@ -33,11 +33,13 @@ def cmd_pairs(args) -> int:
 
 def cmd_win_rate(args) -> int:
     from tpulab import compile_cache
-    from tpulab.checkpoint.files import atomic_write_json
+    from tpulab.checkpoint.files import atomic_write_json, check_out, json_with
     from tpulab.posttrain.winrate import win_rate
 
-    compile_cache.enable()
     out = checked_path(args.out, "--out") if args.out else None
+    if out is not None:  # an earlier win-rate record is replaced; any other file is in the way
+        check_out(out, file=True, reuse=json_with("policy", "against", "win_rate"))
+    compile_cache.enable()
     result = win_rate(
         checked_path(args.run_dir, "--run-dir"),
         checked_path(args.against, "--against"),

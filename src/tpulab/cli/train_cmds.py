@@ -326,6 +326,9 @@ def cmd_sft_eval(args) -> int:
 
     run_dir = checked_path(args.run_dir, "--run-dir")
     out = checked_path(args.out, "--out") if args.out is not None else run_dir / "sft_eval.json"
+    from tpulab.checkpoint.files import check_out, json_with
+
+    check_out(out, file=True, reuse=json_with("models", "stop"))  # its own record: replaced
     merged = checked_path(args.merged, "--merged") if args.merged is not None else None
     for flag, value in (("--max-new", args.max_new), ("--prompts", args.prompts)):
         if value is not None and value < 1:
@@ -397,6 +400,12 @@ def cmd_merge_lora(args) -> int:
     from tpulab.train.merge import merge_lora
 
     r = merge_lora(run_dir, out)
+    if r.get("reused"):
+        print(
+            f"{out} already holds the merge of step {r['step']}'s adapters (checkpoint "
+            f"{r['merged_checkpoint_digest'][:12]}); nothing written"
+        )
+        return ExitCode.OK
     print(
         f"merged {r['adapted_matrices']} adapted matrices of step {r['step']} in "
         f"{r['merge_seconds']:.3f} s; merged logits within {r['max_relative_logit_diff']:.2g} "

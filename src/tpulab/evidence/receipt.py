@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json, check_out
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence import report_kit
 from tpulab.evidence.provenance import git_commit
@@ -409,6 +409,17 @@ def receipt_name(receipt: dict) -> str:
     return RECEIPT if rt["process_count"] == 1 else f"receipt-p{rt['process_index']}.json"
 
 
+def _only_receipts(out: Path) -> bool:
+    """The processes of one job share a receipt dir, each writing its own ``receipt-p<i>``: a dir
+    holding nothing but receipts (a sibling's write in flight too) and ``tpulab launch``'s own
+    ``launch/`` logs may take one more."""
+    return all(
+        re.fullmatch(r"\.?receipt(-p\d+)?\.(json|md)(\.tmp-\d+)?", p.name)
+        or (p.name == "launch" and p.is_dir())
+        for p in out.iterdir()
+    )
+
+
 def run_receipt(out_dir: str | Path, target: Target | None = None, matmul_size: int = 512) -> dict:
     """Collect, write ``receipt.json`` and ``receipt.md`` under ``out_dir``, then judge.
 
@@ -417,9 +428,9 @@ def run_receipt(out_dir: str | Path, target: Target | None = None, matmul_size: 
     TpulabError (``ExitCode.FAILED``)
     when any runtime evidence fails; returns the receipt otherwise. The capstone calls this.
     """
+    out = check_out(out_dir, reuse=_only_receipts)
     if matmul_size < 1:
         raise TpulabError(f"--matmul-size must be at least 1, got {matmul_size}")
-    out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -248,6 +248,9 @@ def plot(result: dict, path: Path) -> None:
         axes[2].set_title("greedy disagreement (1 - agreement)")
 
 
+KVCACHE_FILES = ("kvcache.json", "kvcache.md", "kvcache.png")  # the report, all of it
+
+
 def write_kvcache_report(
     source: Restored, out_dir: str | Path, cfg: KVEvalConfig = KVEvalConfig()
 ) -> dict:
@@ -259,7 +262,8 @@ def write_kvcache_report(
     result = kvcache_table(source, cfg)
     result["environment"] = environment()
     result["hardware"] = describe_hardware(result["environment"])
-    atomic_write_json(out / "kvcache.json", result)
-    atomic_write_bytes(out / "kvcache.md", (markdown_table(result) + "\n").encode())
-    plot(result, out / "kvcache.png")
+    report, table, figure = (out / name for name in KVCACHE_FILES)
+    atomic_write_json(report, result)
+    atomic_write_bytes(table, (markdown_table(result) + "\n").encode())
+    plot(result, figure)
     return result

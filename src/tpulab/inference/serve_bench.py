@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json, check_out
 from tpulab.config import check, field
 from tpulab.errors import TpulabError
 from tpulab.evidence.report_kit import table
@@ -176,8 +176,8 @@ def serve_bench(artifacts: str | Path, cfg: BenchConfig, out_dir: str | Path) ->
     from tpulab.evidence.provenance import describe_hardware, environment
     from tpulab.inference.trust import load_verified
 
+    out = check_out(out_dir)  # a non-empty one is refused before anything starts
     art = load_verified(artifacts)  # refuse unverified artifacts here, before starting servers
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     load_before = os.getloadavg()

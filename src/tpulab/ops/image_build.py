@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tpulab.checkpoint.files import check_out
 from tpulab.errors import TpulabError
 from tpulab.ops import tags
 from tpulab.ops.image_layers import (
@@ -268,11 +269,9 @@ def _tpulab_version() -> str:
 
 
 def _check_out(out: Path) -> None:
-    """Refuse an ``out`` that holds anything, or whose parent is missing (before any work)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TpulabError(
-            f"{out} exists and is not an empty directory; an image is never overwritten"
-        )
+    """Refuse an ``out`` that holds anything (an image is never overwritten), or whose parent is
+    missing (before any work)."""
+    check_out(out)
     if not out.parent.is_dir():
         raise TpulabError(f"directory {out.parent} does not exist")
 

@@ -24,7 +24,12 @@ import time
 from pathlib import Path
 
 from tpulab.checkpoint import rundir
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json, manifest_digest
+from tpulab.checkpoint.files import (
+    atomic_write_bytes,
+    atomic_write_json,
+    check_out,
+    manifest_digest,
+)
 from tpulab.checkpoint.rundir import RunDir
 from tpulab.checkpoint.store import read_meta
 from tpulab.config import from_dict, load, to_dict
@@ -32,7 +37,6 @@ from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.report_kit import table
 from tpulab.orchestrate import report
-from tpulab.orchestrate.stages import check_out
 from tpulab.proofs.driver import run_to_completion
 from tpulab.proofs.transformer import prove_transformer_resume, train_child_argv, write_child_config
 from tpulab.train.config import RunConfig

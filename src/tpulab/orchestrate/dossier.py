@@ -16,10 +16,10 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json, check_out
 from tpulab.errors import TpulabError
 from tpulab.evidence.html import render_html
-from tpulab.orchestrate.stages import Stages, check_out, prepare_out
+from tpulab.orchestrate.stages import Stages, prepare_out
 
 DEFAULT_TARGETS = "v5e:2x2,v5p:2x2x1,v6e:2x2"
 KL_OK, AGREE_OK, LOSS_OK = 1e-3, 0.99, 0.01  # a lower precision is acceptable within these of fp32

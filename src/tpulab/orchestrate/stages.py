@@ -14,20 +14,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tpulab.checkpoint.files import check_out
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.evidence.report_kit import section
 
 
-def check_out(out: str | Path) -> Path:
-    """``out`` as a Path; an existing non-empty one is refused, so no earlier evidence is lost."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TpulabError(f"--out {out} already exists and is not empty; choose a new directory")
-    return out
-
-
 def prepare_out(out: str | Path) -> Path:
-    """``out``, checked by ``check_out``, then created."""
+    """``out``, checked by ``check_out`` (a non-empty one is refused: no earlier evidence is
+    lost), then created."""
     out = check_out(out)
     out.mkdir(parents=True, exist_ok=True)
     return out

@@ -481,16 +481,15 @@ def write_budget(
     serve_context: int | None = None,
 ) -> dict:
     """Run ``budget`` and write budget.json (with provenance and the config), budget.md and
-    budget.png under ``out_dir``."""
-    from pathlib import Path
-
-    from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
+    budget.png under ``out_dir``: new, empty, or holding only an earlier budget's three files
+    (``runs/budget`` is the default: a rerun rewrites its own report), checked first."""
+    from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json, check_out, holds_only
     from tpulab.config import to_dict
     from tpulab.evidence.provenance import environment
 
+    out = check_out(out_dir, reuse=holds_only("budget.json", "budget.md", "budget.png"))
     result = budget(config, targets, serve_batch=serve_batch, serve_context=serve_context)
     check_fits(result)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result = {
         **result,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpulab.checkpoint.files import atomic_write_json
+from tpulab.checkpoint.files import atomic_write_json, check_out
 from tpulab.config import to_dict
 from tpulab.data import dialogue, preference
 from tpulab.data.corpus import load_corpus
@@ -172,9 +172,7 @@ def choose(prompts: list[bytes], n: int, rng: np.random.Generator) -> list[bytes
 def make_pairs(policy_dir: str | Path, out: str | Path, cfg: PairsConfig = PairsConfig()) -> dict:
     """Sample, label and write ``out``; returns dataset.json's content. ``out`` must not hold a
     dataset already; it is written whole into a temporary sibling and renamed into place."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise TpulabError(f"{out} exists and is not an empty directory; choose a new --out")
+    out = check_out(out)
     SamplingConfig(max_new=1, temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed)
     if not 0 <= cfg.seed < 2**31 or not 0 <= cfg.labeller_seed < 2**32:
         raise TpulabError("--seed must be in [0, 2**31) and --labeller-seed in [0, 2**32)")

@@ -6,6 +6,7 @@ every process of a proof trains exactly the same run.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from tpulab.checkpoint.rundir import RunDir, write_config
@@ -16,9 +17,19 @@ from tpulab.proofs.state import final_state_verdict
 from tpulab.train.config import RunConfig
 
 
+def child_config(config: RunConfig) -> RunConfig:
+    """What a child trainer of a proof or an orchestrated chain trains: ``objective.init_fallback``
+    unset becomes refuse, since a base read at an older step would change what is proven."""
+    obj = config.objective
+    if obj.init is None or obj.init_fallback is not None:
+        return config
+    return dataclasses.replace(config, objective=dataclasses.replace(obj, init_fallback="refuse"))
+
+
 def write_child_config(config: RunConfig, path: Path) -> Path:
+    """The one writer of every child trainer's config (proofs, chaos, scaleout, capstone, chain)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_config(path, config)
+    return write_config(path, child_config(config))
 
 
 def train_child_argv(
@@ -69,7 +80,7 @@ def check_reference(reference_dir: Path, config: RunConfig) -> Path:
     run = RunDir(reference_dir)
     if not run.config.is_file():
         raise TpulabError(f"--reference {reference_dir} holds no run (no {run.config.name})")
-    if to_dict(load(RunConfig, run.config)) != to_dict(config):
+    if to_dict(child_config(load(RunConfig, run.config))) != to_dict(child_config(config)):
         raise TpulabError(f"--reference {reference_dir} was trained with another config")
     recs = read_records(run.root)
     logged = curve(recs)

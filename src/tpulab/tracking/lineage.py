@@ -60,6 +60,8 @@ def lineage_tags(run_dir: Path, env: dict | None) -> dict[str, str]:
             tags["tpulab.objective"] = str(env["objective"])
         for name, digest in (env.get("identities") or {}).items():  # every model and dataset
             tags[f"tpulab.identity.{name}"] = str(digest)
+        if env.get("init_fallback"):  # a base read at an older step than its newest
+            tags["tpulab.init_fallback"] = " | ".join(f["warning"] for f in env["init_fallback"])
         if env.get("git_commit"):
             tags["tpulab.git_commit"] = env["git_commit"]
             tags["mlflow.source.git.commit"] = env["git_commit"].removesuffix("-dirty")

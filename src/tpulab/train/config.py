@@ -329,6 +329,14 @@ class ObjectiveConfig:
         "ppo: the run dir of the frozen reward model it scores with (required)",
         resume_mutable=True,
     )
+    init_fallback: Literal["warn", "refuse"] | None = field(
+        None,
+        "when a run that init, reference or reward_model names has a newest checkpoint that fails "
+        "verification: warn (start from its newest verified step, with a warning line recorded "
+        "in env.json and MLflow) | refuse (one line, nothing written) | null (warn; refuse in "
+        "the trainers that prove-resume, chaos, scaleout, posttrain and the capstone start)",
+        resume_mutable=True,
+    )
     lora: LoraConfig = nested(LoraConfig)
     dpo: DPOConfig = nested(DPOConfig)
     reward: RewardConfig = nested(RewardConfig)
@@ -366,6 +374,10 @@ class ObjectiveConfig:
                 "objective.init applies to sft; pretraining starts from a random init",
             )
             check(self.data is None, "objective.data applies to sft; pretraining reads data.path")
+            check(
+                self.init_fallback is None,
+                "objective.init_fallback applies to runs with objective.init; pretraining has none",
+            )
             check(
                 self.lora.rank == 0,
                 "objective.lora applies to sft; pretraining trains every parameter",

@@ -40,6 +40,7 @@ from tpulab.train.distributed import agree_identities
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.memory import check_fits_host
 from tpulab.train.preemption import Preemption
+from tpulab.train.restore import check_older_steps
 from tpulab.train.sharding import check_batch, topology
 from tpulab.train.step import Steps, make_mesh, tree_digest, words_digest
 from tpulab.train.step_progress import step_bar
@@ -252,6 +253,8 @@ def train(
     # A mesh that does not fit the devices, or a batch it cannot split: refused before any write.
     mesh = make_mesh(config)
     check_batch(config.data.batch_size, mesh)
+    # before the objective reads them: a base read at an older step is said, or refused
+    fallbacks = check_older_steps(config)
     objective = objective or objectives.build(config)
     data = objective.data()
     identities = objective.identities()
@@ -322,6 +325,7 @@ def train(
             "trained_param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
             "optimizer_state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state.opt_state))),
             **objective.describe(steps, state),
+            **({"init_fallback": fallbacks} if fallbacks else {}),
         }
         env = (
             write_run_files(

@@ -19,33 +19,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tpulab.checkpoint.files import atomic_write_json
-from tpulab.checkpoint.rundir import RunDir
-from tpulab.checkpoint.store import CheckpointStore, read_meta
+from tpulab.checkpoint.files import atomic_write_json, check_out, manifest_digest
+from tpulab.checkpoint.rundir import RunDir, read_json
+from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import TpulabError
 from tpulab.model import lora
 from tpulab.train.config import LoraConfig
-from tpulab.train.restore import load_model
+from tpulab.train.restore import checkpoint_dir, load_model
 from tpulab.train.step import TrainState, merge_model, transformer_graph
 
 # Merged against adapter logits, relative to the largest |logit|: fp32 rounding of one extra add
 # per adapted matmul; measured ~1e-7 at the tiny and default sizes.
 MERGE_BOUND = 1e-5
+MERGE_RECORD = "merge.json"
 
 
 def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = None) -> dict:
-    """Write ``out`` (a run dir with the merged model); returns the merge record."""
+    """Write ``out`` (a run dir with the merged model); returns the merge record. A non-empty
+    ``out`` is refused before anything is read, unless it is an intact earlier merge of the same
+    adapters: then its record is returned (``"reused": true``) and nothing is written."""
+    adapters = manifest_digest(checkpoint_dir(run_dir))
+    out = check_out(out, reuse=lambda d: _same_merge(d, adapters) is not None)
+    earlier = _same_merge(out, adapters) if out.is_dir() else None
+    if earlier is not None:
+        return {**earlier, "reused": True}
     src = load_model(run_dir)
     if src.base is None:
         raise TpulabError(
             f"{run_dir} is not a LoRA run (objective.lora.rank is 0): nothing to merge"
         )
-    out = Path(out)
     run = RunDir(out)
-    if run.checkpoints.exists():
-        raise TpulabError(f"{out} already holds checkpoints; choose a new --out")
     t0 = time.perf_counter()
     merged = jax.block_until_ready(folded(src.model))
     merge_s = time.perf_counter() - t0
@@ -90,7 +95,7 @@ def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = 
         "max_relative_logit_diff": rel,
         "bound": MERGE_BOUND,
     }
-    atomic_write_json(out / "merge.json", record)
+    atomic_write_json(out / MERGE_RECORD, record)
     return record
 
 
@@ -110,6 +115,22 @@ def _fold(graphdef, state) -> nnx.State:
 def default_probe(seq_len: int) -> np.ndarray:
     """Fixed byte sequences (seeded), for the merge's logit comparison."""
     return np.random.default_rng(0).integers(0, 256, size=(4, seq_len), dtype=np.int32)
+
+
+def _same_merge(out: Path, adapters: str) -> dict | None:
+    """``out``'s merge record if it merged the adapter checkpoint ``adapters`` and its merged
+    checkpoint still verifies as the one the record names; else None."""
+    try:
+        record = read_json(out / MERGE_RECORD, None)
+    except (OSError, ValueError):  # not a record merge-lora wrote: in the way
+        return None
+    if not isinstance(record, dict) or record.get("source_checkpoint_digest") != adapters:
+        return None
+    found = scan(RunDir(out).checkpoints) if RunDir(out).checkpoints.is_dir() else None
+    if found is None or found.latest is None:
+        return None
+    held = manifest_digest(found.directory / str(found.latest))
+    return record if held == record.get("merged_checkpoint_digest") else None
 
 
 def _meta(r) -> dict:

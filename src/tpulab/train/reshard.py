@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpulab.checkpoint.compare import compare_trees
+from tpulab.checkpoint.files import check_out
 from tpulab.checkpoint.rundir import RunDir, read_json, write_json
 from tpulab.checkpoint.store import CheckpointStore, read_meta, read_state
 from tpulab.config import from_dict, to_dict
@@ -73,10 +74,9 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
     """Reshard checkpoint ``step`` (default: the newest valid one) of ``src_run`` into the new run
     dir ``dst_run``."""
     step_dir = checkpoint_dir(src_run, step)
-    dst_run = Path(dst_run)
+    # new or empty; under `tpulab launch` it already holds the launcher's own logs (launch/)
+    dst_run = check_out(dst_run, reuse=lambda d: [p.name for p in d.iterdir()] == ["launch"])
     dst = RunDir(dst_run)
-    if dst.checkpoints.exists() and any(dst.checkpoints.iterdir()):
-        raise TpulabError(f"--out {dst_run} already holds checkpoints; choose a new directory")
     meta = read_meta(step_dir)
     config = dataclasses.replace(from_dict(RunConfig, meta["config"]), mesh=mesh_cfg)
     mesh = make_mesh(mesh_cfg)  # an impossible layout fails here, before anything is written

@@ -9,6 +9,7 @@ from the run it started from and must be the checkpoint its digest names.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,68 @@ def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
     if not (ckpt_dir / str(step)).is_dir():
         raise CheckpointError(f"{ckpt_dir} has no checkpoint at step {step}")
     return ckpt_dir / str(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A run an objective reads (``objective.<key>``) whose newest step(s) fail verification, so
+    it is read at an older verified step."""
+
+    key: str  # init, reference or reward_model
+    run_dir: str
+    step: int  # the newest verified step, the one read
+    skipped: tuple[tuple[int, str], ...]  # (step, why), newest first
+
+    def line(self, refused: bool = False) -> str:
+        skipped = ", ".join(f"step {n} skipped ({why})" for n, why in self.skipped)
+        then = (
+            f"refusing its older step {self.step} (objective.init_fallback=refuse)"
+            if refused
+            else f"using step {self.step}"
+        )
+        return f"{self.key} run {self.run_dir}: {skipped}; {then}"
+
+    def record(self) -> dict:
+        return {
+            "key": self.key,
+            "run_dir": self.run_dir,
+            "step": self.step,
+            "skipped": [{"step": n, "reason": why} for n, why in self.skipped],
+            "warning": self.line(),
+        }
+
+
+def older_steps(config: RunConfig) -> list[Fallback]:
+    """Read-only: each run ``objective.init`` / ``reference`` / ``reward_model`` names that
+    ``checkpoint_dir`` would read at an older step than its newest (a run with no verified step
+    at all is left to the loader's own one-line error)."""
+    out, seen = [], set()
+    for key in ("init", "reference", "reward_model"):
+        run_dir = getattr(config.objective, key)
+        if run_dir is None or Path(run_dir).absolute() in seen:
+            continue
+        seen.add(Path(run_dir).absolute())
+        ckpts = RunDir(run_dir).checkpoints
+        found = scan(ckpts) if ckpts.is_dir() else None
+        if found is None or found.latest is None or not found.rejected:
+            continue
+        skipped = tuple(
+            (r.step, f"{'incomplete' if r.incomplete else 'corrupt'}: {r.reason.splitlines()[0]}")
+            for r in found.rejected
+        )
+        out.append(Fallback(key, str(run_dir), found.latest, skipped))
+    return out
+
+
+def check_older_steps(config: RunConfig) -> list[dict]:
+    """``older_steps`` under ``objective.init_fallback``: refused in one line (refuse), else one
+    ``warning:`` line each on stderr; their records, for env.json and the tracker."""
+    fallbacks = older_steps(config)
+    if fallbacks and config.objective.init_fallback == "refuse":
+        raise CheckpointError(fallbacks[0].line(refused=True))
+    for f in fallbacks:
+        print(f"warning: {f.line()}", file=sys.stderr, flush=True)
+    return [f.record() for f in fallbacks]
 
 
 def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
