@@ -20,7 +20,8 @@ demo: setup
 	$(BIN)/tpulab capstone --out runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 # The Debian packages the tests need (Chromium, umoci, skopeo, bubblewrap): installed when root with
-# apt-get, else one line names them and the command, and make stops before the suite.
+# apt-get, else one line names them and the command, and make stops before the suite (first, so a
+# machine that cannot pass is told in a second, not after the Python install).
 system-deps:
 	scripts/system-deps
 
@@ -31,7 +32,7 @@ system-deps:
 # this 2-core host at e34c235 (28.6 at 445bae3 on the earlier, slower host): CPU-bound, mostly
 # child processes starting (3.2 CPU-s to import the trainer, 1.2 of it ml_dtypes registering numpy
 # ufunc loops) and compiling; an MLflow-tracked child costs ~5.7 CPU-s more (proofs: --no-track).
-test: setup system-deps lint
+test: system-deps setup lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: setup

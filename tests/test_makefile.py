@@ -42,9 +42,9 @@ def test_make_test_runs_both_ruff_commands_before_pytest(tmp_path):
 def test_the_order_check_can_fail(tmp_path):
     """Negative control: the same Makefile with lint dropped from test's prerequisites fails."""
     text = (REPO / "Makefile").read_text()
-    assert "test: setup system-deps lint\n" in text
+    assert "test: system-deps setup lint\n" in text
     bad = tmp_path / "Makefile"
-    bad.write_text(text.replace("test: setup system-deps lint\n", "test: setup\n"))
+    bad.write_text(text.replace("test: system-deps setup lint\n", "test: setup\n"))
     assert not lint_first(planned(bad, "test", tmp_path))
     assert not lint_first(planned(REPO / "Makefile", "test-fast", tmp_path))
 
@@ -57,7 +57,9 @@ def deps_first(commands: list[str]) -> bool:
 def test_make_test_checks_the_system_packages_before_pytest(tmp_path):
     assert deps_first(planned(REPO / "Makefile", "test", tmp_path))
     bad = tmp_path / "Makefile"
-    bad.write_text((REPO / "Makefile").read_text().replace("setup system-deps lint", "setup lint"))
+    bad.write_text(
+        (REPO / "Makefile").read_text().replace("test: system-deps setup", "test: setup")
+    )
     assert not deps_first(planned(bad, "test", tmp_path))  # negative control
 
 
