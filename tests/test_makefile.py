@@ -108,7 +108,8 @@ def _fake(bin_dir, name: str, body: str) -> None:
 def system_deps(tmp_path, uid: int, have=(), apt: str | None = "ok"):
     """Runs the script with PATH = one directory of fakes: ``id -u`` says ``uid``, the tools in
     ``have`` exist, and apt-get (absent when ``apt`` is None) logs its arguments and, with "ok",
-    installs by creating the tools, with "fail" exits 100. -> (result, apt-get's calls)."""
+    installs by creating the tools, with "fail" exits 100, with "noop" installs nothing.
+    -> (result, apt-get's calls)."""
     bin_dir, log = tmp_path / "bin", tmp_path / "apt.log"
     bin_dir.mkdir()
     _fake(bin_dir, "id", f"echo {uid}")
@@ -121,7 +122,9 @@ def system_deps(tmp_path, uid: int, have=(), apt: str | None = "ok"):
             for tool, pkg in PACKAGES.items()
         )
         _fake(
-            bin_dir, "apt-get", f'echo "$*" >> {log}\n' + (creates if apt == "ok" else "exit 100")
+            bin_dir,
+            "apt-get",
+            f'echo "$*" >> {log}\n' + {"ok": creates, "fail": "exit 100", "noop": ""}[apt],
         )
     result = subprocess.run(
         ["/bin/bash", str(SCRIPT)],
@@ -169,3 +172,11 @@ def test_system_deps_fails_when_apt_get_fails(tmp_path):
     result, calls = system_deps(tmp_path, uid=0, have=("chromium", "umoci", "bwrap"), apt="fail")
     assert result.returncode != 0 and calls == ["update -q"]
     assert result.stderr.splitlines()[-1].startswith("error: apt-get could not install skopeo")
+
+
+def test_system_deps_fails_when_the_install_leaves_a_tool_missing(tmp_path):
+    result, calls = system_deps(tmp_path, uid=0, have=("chromium", "umoci", "skopeo"), apt="noop")
+    assert result.returncode != 0 and len(calls) == 2
+    assert result.stderr.splitlines()[-1] == (
+        "error: apt-get installed bubblewrap, but these still put no tool on PATH: bubblewrap"
+    )
