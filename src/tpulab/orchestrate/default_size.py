@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tpulab.evidence.provenance import hardware_label
 from tpulab.evidence.report_kit import table
 
 # in a checkout (src/tpulab/orchestrate/ -> the repo root); absent from an installed wheel
@@ -41,19 +42,13 @@ def headline(reward_accuracy: float, reward_pairs: int, wins: dict[str, dict]) -
     def rate(w):
         return f"{w['win_rate']:.3f} ({w['wins']} / {w['ties']} / {w['losses']} of {w['prompts']})"
 
-    return [
-        f"{reward_accuracy:.3f} ({reward_pairs} pairs)",
-        rate(d),
-        rate(p),
-        " / ".join(
-            f"{x:.3f}"
-            for x in (*(w["gold_mean"]["policy"] for w in (d, p)), d["gold_mean"]["against"])
-        ),
-        " / ".join(
-            f"{x:.3f}"
-            for x in (*(w["stop_rate"]["policy"] for w in (d, p)), d["stop_rate"]["against"])
-        ),
-    ]
+    def trio(field):  # DPO / PPO / SFT (SFT: the "against" of either comparison)
+        return " / ".join(
+            f"{x:.3f}" for x in (d[field]["policy"], p[field]["policy"], d[field]["against"])
+        )
+
+    reward = f"{reward_accuracy:.3f} ({reward_pairs} pairs)"
+    return [reward, rate(d), rate(p), trio("gold_mean"), trio("stop_rate")]
 
 
 ROWS = (
@@ -69,8 +64,11 @@ def committed_headline(results: dict) -> list[str]:
     """``headline`` of the default-size results file (its own layout: gold means and stop rates
     beside the win counts)."""
     wins = {
-        k: {**results["win_rate"][k], "gold_mean": results["gold_mean"][k]}
-        | {"stop_rate": results["stop_rate"][k]}
+        k: {
+            **results["win_rate"][k],
+            "gold_mean": results["gold_mean"][k],
+            "stop_rate": results["stop_rate"][k],
+        }
         for k in ("dpo", "ppo")
     }
     return headline(results["reward"]["val_accuracy"], results["pairs"]["eval"]["pairs"], wins)
@@ -80,16 +78,12 @@ def provenance(results: dict) -> str:
     """Where the default-size numbers come from: size, commits, date, hardware."""
     env = results["environment"]
     reused = sorted({r["git_commit"][:7] for r in results.get("reused", {}).values()})
+    earlier = f", earlier stages reused from commit `{'`, `'.join(reused)}`" if reused else ""
+    hardware = hardware_label(env["backend"], env["device_kind"], env["device_count"])
     return (
         f"Default size: `configs/default.yaml`, {results['steps']} steps a stage, PPO "
         f"{results['ppo']['rounds']} rounds; run at commit `{env['git_commit'][:7]}` on "
-        f"{env['time_utc'][:10]} ({env['backend']}, {env['device_kind']} x{env['device_count']})"
-        + (
-            f", earlier stages reused from commit {', '.join(f'`{c}`' for c in reused)}"
-            if reused
-            else ""
-        )
-        + f"; raw: `{RESULTS_NAME}` (and `.md`), read here as committed."
+        f"{env['time_utc'][:10]} ({hardware}){earlier}; raw: `{RESULTS_NAME}` (and `.md`)."
     )
 
 
