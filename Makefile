@@ -35,7 +35,7 @@ system-deps:
 test: system-deps setup lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-test-fast: setup
+test-fast: system-deps setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup

@@ -61,6 +61,7 @@ def test_make_test_checks_the_system_packages_before_pytest(tmp_path):
         (REPO / "Makefile").read_text().replace("test: system-deps setup", "test: setup")
     )
     assert not deps_first(planned(bad, "test", tmp_path))  # negative control
+    assert deps_first(planned(REPO / "Makefile", "test-fast", tmp_path))
 
 
 def test_ci_runs_make_test_and_installs_nothing_itself():
