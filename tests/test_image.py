@@ -32,9 +32,11 @@ TOOLS = ("skopeo", "umoci", "bwrap")
 def _need_tools():
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing and os.environ.get("CI"):
-        pytest.fail(f"{', '.join(missing)} missing in CI (.ci/run installs them)")
+        pytest.fail(
+            f"{', '.join(missing)} missing in CI (make test installs them: scripts/system-deps)"
+        )
     if missing:
-        pytest.skip(f"needs {', '.join(missing)} (apt-get install umoci skopeo bubblewrap)")
+        pytest.skip(f"needs {', '.join(missing)} (make test installs them: scripts/system-deps)")
 
 
 def _free_port() -> int:

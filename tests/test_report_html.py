@@ -1,6 +1,7 @@
 """report.html in a real headless Chromium: it loads with no console error, every image decodes,
 nothing is fetched from the network; and it says what report.md says. Chromium comes from Debian's
-packages, installed by the setup (.ci/run), never by a test; without it these tests fail."""
+packages, installed by `make test` (scripts/system-deps), never by a test; without it these tests
+fail."""
 
 import html
 import json
@@ -50,8 +51,8 @@ def chromium():
     path = shutil.which("chromium")
     if path is None:
         pytest.fail(
-            "chromium is not installed: .ci/run installs Debian's package "
-            "(apt-get install -y --no-install-recommends chromium); run that setup first"
+            "chromium is not installed: make test installs Debian's package (scripts/system-deps; "
+            "apt-get install -y --no-install-recommends chromium); run that setup first"
         )
     return path
 

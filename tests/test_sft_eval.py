@@ -224,6 +224,7 @@ def test_the_capstone_posttrain_stage_trains_tracks_merges_and_evaluates(
     d = tmp_path / "posttrain"
     assert section.startswith("## Post-training") and (d / "posttrain.md").read_text() == section
     assert "| full SFT | " in section and "| LoRA r8 | " in section and "LoRA r8 merged" in section
+    assert section.split("\n")[2].startswith("**A mechanics check, not a quality result.**")
     assert (d / "curves.png").stat().st_size > 10_000
     assert json.loads((d / "lora-merged" / "merge.json").read_text())["adapted_matrices"] == 8
     for name in ("sft", "lora"):
@@ -278,6 +279,8 @@ def test_the_preference_chain_section_is_what_its_runs_recorded(
     section = (out / "section.md").read_text()
     c = out / "posttrain" / "chain"
     assert (c / "chain.md").read_text() == section and section.startswith("## Preference chain")
+    assert "**A mechanics check, not a quality result.**" in section
+    assert "| default size (committed) |" in section and "0.754 (130 / 126 / 0 of 256)" in section
     record = json.loads((c / "chain.json").read_text())
     rows = record["identities"]
     assert len(rows) == 12 and all(r["unchanged"] for r in rows)

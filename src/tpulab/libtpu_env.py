@@ -18,8 +18,10 @@ and their compiles still work. On a GPU host ``JAX_PLATFORMS`` is left alone (it
 profiles there read device time); on a TPU VM, or where libtpu is not installed, nothing is touched.
 The names set are listed in ``TPULAB_PLACEHOLDERS`` (inherited by child processes), so a receipt can
 tell them from the environment that really decides the runtime; a caller that sets one of them on
-purpose uses ``set_explicitly``. Whatever is set is said once, in one line on stderr, by the process
-that set it (its children inherit the names, so they set and say nothing).
+purpose uses ``set_explicitly``. Nothing is printed: the names are evidence for the receipt
+(``tpulab_placeholders`` in receipt.json and its table), not news for a person's terminal, where a
+300-character line before every command's output (``--help`` and a one-line error included) read
+as a fault.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-import sys
 
 # comma-separated names this module set (not the user's, not the runtime's)
 MARKER = "TPULAB_PLACEHOLDERS"
@@ -54,9 +55,9 @@ def host_has_gpu() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
 
 
-def quiet_libtpu_off_tpu(environ=os.environ, announce: bool = True) -> dict[str, str]:
-    """Set the placeholders that are unset, off a TPU host; returns what it set (for provenance).
-    With ``announce`` (default) a non-empty result is also said on stderr (``announcement``)."""
+def quiet_libtpu_off_tpu(environ=os.environ) -> dict[str, str]:
+    """Set the placeholders that are unset, off a TPU host, and add their names to ``MARKER``;
+    returns what it set (for provenance)."""
     if host_has_tpu() or importlib.util.find_spec("libtpu") is None:
         return {}
     wanted = dict(_PLACEHOLDERS) if host_has_gpu() else {**_PLACEHOLDERS, "JAX_PLATFORMS": "cpu"}
@@ -65,20 +66,7 @@ def quiet_libtpu_off_tpu(environ=os.environ, announce: bool = True) -> dict[str,
     if added:
         names = [n for n in environ.get(MARKER, "").split(",") if n]
         environ[MARKER] = ",".join(sorted(set(names) | set(added)))
-        if announce:
-            print(announcement(added), file=sys.stderr, flush=True)
     return added
-
-
-def announcement(added: dict[str, str]) -> str:
-    """The one line that says what was set and why."""
-    hidden = "JAX_PLATFORMS" in added
-    return (
-        f"tpulab: set {' '.join(f'{k}={v}' for k, v in sorted(added.items()))}: this host has no "
-        f"TPU{' or GPU' if hidden else ''}, and the installed libtpu would print warnings, "
-        f"{'start a TPU backend and ' if hidden else ''}spin a core in its host profiler; "
-        f"recorded in {MARKER} and in receipts (set a name yourself to override it)"
-    )
 
 
 def placeholders(environ=None) -> set[str]:

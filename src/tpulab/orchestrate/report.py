@@ -19,6 +19,7 @@ from tpulab.evidence import report_kit
 from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.evidence.provenance import hardware_label
+from tpulab.orchestrate import default_size
 from tpulab.proofs.checks import table_markdown
 
 
@@ -366,6 +367,14 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
     return "\n".join(
         [
             "## Post-training: SFT and LoRA from the pretrained run",
+            "",
+            default_size.mechanics_label(
+                "full SFT and LoRA train from the pretrained run through the one loop, each "
+                "checkpoint naming its base; the LoRA merge reproduces the adapter's logits; the "
+                "held-out evaluation (response loss, stop rate, samples) runs end to end and is "
+                "logged to MLflow.",
+                "in the preference chain's section below, read from the committed results file",
+            ),
             "",
             f"Both runs start from step {sft['base']['step']} of `run/` (manifest "
             f"`{sft['base']['digest'][:16]}`, recorded in every checkpoint of theirs) and train "
