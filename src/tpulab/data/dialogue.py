@@ -34,9 +34,10 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from tpulab.data import jsonl
 from tpulab.data.config import DataConfig
 from tpulab.data.corpus import Corpus, Document
-from tpulab.data.pipeline import READ_OPTIONS, split_documents
+from tpulab.data.pipeline import READ_OPTIONS, process_batches, split_documents
 from tpulab.data.tokenizer import BOS, PAD
 from tpulab.errors import TpulabError
 
@@ -197,26 +198,9 @@ def from_jsonl(path: str | Path, cfg: DataConfig, eval_fraction: float = 0.1) ->
     The last ``ceil(eval_fraction * n)`` pairs (at least one) are held out for evaluation.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TpulabError(f"cannot read SFT data {path}: {e.strerror}") from None
+    raw = jsonl.read_bytes(path, "SFT data")
     pairs = []
-    for n, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            rec = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise TpulabError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x})") from None
-        except ValueError as e:
-            raise TpulabError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(rec, dict):
-            raise TpulabError(f"{where}: expected an object with 'prompt' and 'response'")
-        for key in ("prompt", "response"):
-            if not isinstance(rec.get(key), str):
-                raise TpulabError(f"{where}: '{key}' is missing or not a string")
+    for where, rec in jsonl.records(path, raw, ("prompt", "response")):
         pair = Pair(rec["prompt"].encode(), rec["response"].encode(), where)
         if not pair.response:
             raise TpulabError(f"{where}: the response is empty (nothing to learn)")
@@ -305,18 +289,10 @@ def train_dataset(
     process_count: int = 1,
     batch_fn=to_batch,
 ) -> grain.IterDataset:
-    """Shuffled (reshuffled each epoch), repeated batches of pairs; each process its own rows,
-    cut from the shuffled stream as ``tpulab.data.pipeline.train_dataset`` cuts windows.
+    """Shuffled (reshuffled each epoch), repeated batches of pairs; each process its own rows
+    (``tpulab.data.pipeline.process_batches``, as windows are cut).
     ``batch_fn`` turns a batch of rows into arrays (preference pairs bring their own)."""
-    if cfg.batch_size % process_count:
-        raise TpulabError(
-            f"data.batch_size={cfg.batch_size} is not divisible by {process_count} processes"
-        )
-    local = cfg.batch_size // process_count
-    ds = grain.MapDataset.source(rows).shuffle(seed=cfg.shuffle_seed).repeat()
-    ds = ds.batch(local, drop_remainder=True)
-    if process_count > 1:
-        ds = ds[process_index::process_count]
+    ds = process_batches(rows, cfg, process_index, process_count)
     return ds.map(batch_fn).to_iter_dataset(READ_OPTIONS)
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tpulab.data import dialogue
+from tpulab.data import dialogue, jsonl
 from tpulab.data.config import DataConfig
 from tpulab.data.corpus import Corpus
 from tpulab.data.pipeline import split_documents
@@ -202,26 +202,9 @@ def from_plays(corpus: Corpus, cfg: DataConfig, seed: int = 0) -> Preferences:
 
 def _read_lines(path: Path, cfg: DataConfig) -> tuple[bytes, list[Pref]]:
     """(file bytes, pairs) of a preference JSONL file; the first bad line is refused by number."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TpulabError(f"cannot read preference data {path}: {e.strerror}") from None
+    raw = jsonl.read_bytes(path, "preference data")
     prefs = []
-    for n, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            rec = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise TpulabError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x})") from None
-        except ValueError as e:
-            raise TpulabError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(rec, dict):
-            raise TpulabError(f"{where}: expected an object with 'prompt', 'chosen', 'rejected'")
-        for key in ("prompt", "chosen", "rejected"):
-            if not isinstance(rec.get(key), str):
-                raise TpulabError(f"{where}: '{key}' is missing or not a string")
+    for where, rec in jsonl.records(path, raw, ("prompt", "chosen", "rejected")):
         stops = []
         for key in ("chosen_stops", "rejected_stops"):
             value = rec.get(key, True)

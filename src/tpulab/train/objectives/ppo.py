@@ -60,7 +60,7 @@ from tpulab.config import from_dict, to_dict
 from tpulab.data import dialogue
 from tpulab.data.config import DataConfig
 from tpulab.data.contract import load_checked
-from tpulab.data.pipeline import READ_OPTIONS
+from tpulab.data.pipeline import READ_OPTIONS, process_batches
 from tpulab.data.preference import gold_reward
 from tpulab.data.tokenizer import BOS, PAD
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -166,14 +166,8 @@ def prompt_dataset(
     rows: np.ndarray, cfg: DataConfig, per_round: int, index: int = 0, count: int = 1
 ) -> grain.IterDataset:
     """Shuffled, repeated prompt batches, each given to the ``per_round`` steps of its round; each
-    process its own rows of every batch (as ``dialogue.train_dataset`` cuts them)."""
-    if cfg.batch_size % count:
-        raise TpulabError(f"data.batch_size={cfg.batch_size} is not divisible by {count} processes")
-    local = cfg.batch_size // count
-    batches = grain.MapDataset.source(rows).shuffle(seed=cfg.shuffle_seed).repeat()
-    batches = batches.batch(local, drop_remainder=True)
-    if count > 1:
-        batches = batches[index::count]
+    process its own rows of every batch (``tpulab.data.pipeline.process_batches``)."""
+    batches = process_batches(rows, cfg, index, count)
     steps = grain.MapDataset.range(len(batches)).map(lambda i: batches[i // per_round])
     return steps.map(prompt_batch).to_iter_dataset(READ_OPTIONS)
 
