@@ -31,8 +31,8 @@ import numpy as np
 from tpulab.data import preference
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives import losses
+from tpulab.train.objectives.frozen import load_base
 from tpulab.train.objectives.pairwise import Pairwise, pair_weights, sides
-from tpulab.train.objectives.sft import load_base
 from tpulab.train.step import gradient_steps, merge_model, transformer_graph, tree_digest
 
 
