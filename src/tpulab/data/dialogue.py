@@ -26,8 +26,6 @@ dataset's identity hashes the builder's version, its parameters and every pair's
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import re
 from pathlib import Path
 
@@ -37,6 +35,7 @@ import numpy as np
 from tpulab.data import jsonl
 from tpulab.data.config import DataConfig
 from tpulab.data.corpus import Corpus, Document
+from tpulab.data.heldout import HeldOutSet, hash_fields, identity_hash
 from tpulab.data.pipeline import READ_OPTIONS, process_batches, split_documents
 from tpulab.data.tokenizer import BOS, PAD
 from tpulab.errors import TpulabError
@@ -139,35 +138,24 @@ def check_no_delimiters(corpus: Corpus) -> None:
             )
 
 
-@dataclasses.dataclass(frozen=True)
-class Dialogue:
-    """The fitted train and evaluation pairs, and what they are."""
+class Dialogue(HeldOutSet):
+    """The fitted train and evaluation pairs (tuples of ``Pair``), and what they are."""
 
-    train: tuple[Pair, ...]
-    eval: tuple[Pair, ...]
-    params: dict  # the builder's parameters (part of the identity)
-    identity: str
+    builder, unit = BUILDER, "pairs"
 
-    def describe(self) -> dict:
+    def facts(self) -> dict:
         return {
-            "builder": BUILDER,
-            **self.params,
-            "identity": self.identity,
-            "train_pairs": len(self.train),
-            "eval_pairs": len(self.eval),
             "train_sources": sorted({p.source for p in self.train}),
             "eval_sources": sorted({p.source for p in self.eval}),
         }
 
 
 def identity_of(params: dict, train: list[Pair], evals: list[Pair]) -> str:
-    h = hashlib.sha256(json.dumps({"builder": BUILDER, **params}, sort_keys=True).encode())
+    h = identity_hash(BUILDER, params)
     for part, pairs in (("train", train), ("eval", evals)):
         h.update(part.encode())
         for p in pairs:
-            for field_bytes in (p.prompt, p.response):
-                h.update(len(field_bytes).to_bytes(8, "little"))
-                h.update(field_bytes)
+            hash_fields(h, (p.prompt, p.response))
     return h.hexdigest()
 
 
@@ -215,15 +203,7 @@ def from_jsonl(path: str | Path, cfg: DataConfig, eval_fraction: float = 0.1) ->
                 f"longer than the context (data.seq_len + 1 = {cfg.seq_len + 1})"
             )
         pairs.append(pair)
-    if len(pairs) < 2:
-        raise TpulabError(f"{path} holds {len(pairs)} usable pair(s); at least 2 are needed")
-    n_eval = max(1, int(np.ceil(eval_fraction * len(pairs))))
-    train, evals = pairs[:-n_eval], pairs[-n_eval:]
-    params = {
-        "source": "jsonl",
-        "file_sha256": hashlib.sha256(raw).hexdigest(),
-        "seq_len": cfg.seq_len,
-    }
+    train, evals, params = jsonl.held_out(path, raw, pairs, cfg.seq_len, eval_fraction)
     return checked(Dialogue(tuple(train), tuple(evals), params, identity_of(params, train, evals)))
 
 

@@ -3,12 +3,15 @@
 SFT pairs (``dialogue.from_jsonl``) and preference pairs (``preference.read_jsonl``, ``read_dir``)
 read through it, so a bad line is refused the same way everywhere: one line naming ``file:line``.
 Records are yielded one at a time, so a caller's own checks of line n run before line n + 1 is
-parsed and the first bad line in the file is the one refused.
+parsed and the first bad line in the file is the one refused. A file's last items are held out for
+evaluation the same way for both (``held_out``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,3 +48,13 @@ def records(path: Path, raw: bytes, fields: tuple[str, ...]) -> Iterator[tuple[s
             if not isinstance(rec.get(key), str):
                 raise TpulabError(f"{where}: '{key}' is missing or not a string")
         yield where, rec
+
+
+def held_out(path: Path, raw: bytes, items: list, seq_len: int, eval_fraction: float):
+    """(train, eval, params) of a file's items: the last ``ceil(eval_fraction * n)`` (at least one)
+    held out, at least two items in all; ``params`` names the file by its bytes' sha256."""
+    if len(items) < 2:
+        raise TpulabError(f"{path} holds {len(items)} usable pair(s); at least 2 are needed")
+    n_eval = max(1, math.ceil(eval_fraction * len(items)))
+    params = {"source": "jsonl", "file_sha256": hashlib.sha256(raw).hexdigest(), "seq_len": seq_len}
+    return items[:-n_eval], items[-n_eval:], params
