@@ -118,12 +118,17 @@ def load_reward_model(config: RunConfig) -> Frozen:
     return Frozen(jax.device_get(state.params), digest, record)
 
 
-def load_language_model(config: RunConfig, key: str) -> Frozen:
-    """A fresh host copy of the language model ``objective.<key>`` names (init, reference)."""
-    restored = named(key, lambda: load_base(config, key))
-    record = {
+def model_record(config: RunConfig, key: str, restored: Restored) -> dict:
+    """What a run records (documents.json) of the model ``objective.<key>`` names."""
+    return {
         "run_dir": str(getattr(config.objective, key) or config.objective.init),
         "step": restored.step,
         "checkpoint_digest": restored.checkpoint_digest,
     }
+
+
+def load_language_model(config: RunConfig, key: str) -> Frozen:
+    """A fresh host copy of the language model ``objective.<key>`` names (init, reference)."""
+    restored = named(key, lambda: load_base(config, key))
+    record = model_record(config, key, restored)
     return Frozen(jax.device_get(restored.plain_params()), restored.checkpoint_digest, record)

@@ -18,7 +18,7 @@ from tpulab.data import dialogue
 from tpulab.data.contract import load_checked
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives.base import DataSource, Objective
-from tpulab.train.objectives.frozen import load_base
+from tpulab.train.objectives.frozen import load_base, model_record
 from tpulab.train.step import gradient_steps, lm_eval, lm_loss, merge_model, transformer_graph
 
 
@@ -52,17 +52,12 @@ class SFT(Objective):
                 self.eval_rows, cfg.data.batch_size, cfg.train.eval_batches
             ),
             identity=self.dialogue.identity,
-            description={**self.dialogue.describe(), "base": self._base_record()},
+            description={
+                **self.dialogue.describe(),
+                "base": model_record(self.config, "init", self.base),
+            },
             check=dialogue.check_batch,
         )
-
-    def _base_record(self) -> dict:
-        b = self.base
-        return {
-            "run_dir": str(self.config.objective.init),
-            "step": b.step,
-            "checkpoint_digest": b.checkpoint_digest,
-        }
 
     def _base_params(self):
         """A fresh host read of the base's parameters (merged, if it was itself adapted)."""
