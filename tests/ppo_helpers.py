@@ -2,7 +2,7 @@
 for the refusals of the PPO and DPO tests, written through the checkpoint store.
 
 The reward objective (``objective.kind: reward``) is built elsewhere; until it lands these tests
-write its checkpoint layout themselves, as ``tpulab.train.objectives.ppo.load_reward_model``
+write its checkpoint layout themselves, as ``tpulab.train.objectives.frozen.load_reward_model``
 assumes it: a ``TrainState`` whose params are a ``ScalarHeadModel``'s (``body``: the SFT
 Transformer, ``score``: Dense(d_model, 1) + bias, float32), its Adam state, and the run's config
 (kind ``reward``), tokenizer and identities in the metadata.

@@ -31,7 +31,8 @@ from tpulab.evidence.ledger import read_ledger
 from tpulab.evidence.metrics import read_records
 from tpulab.train.loop import train
 from tpulab.train.objectives import build
-from tpulab.train.objectives.ppo import _gold_host, load_reward_model
+from tpulab.train.objectives.frozen import load_base, load_language_model, load_reward_model
+from tpulab.train.objectives.ppo import _gold_host
 from tpulab.train.objectives.ppo_state import RoundState, abstract_state
 from tpulab.train.restore import load_model
 from tpulab.train.step import make_mesh, tree_digest, words_digest
@@ -336,6 +337,27 @@ def test_bad_reference_or_reward_model_is_one_line(trained_run, reward_run, tmp_
     refused("valid", ref=corrupt_lm)
     # control: the same call with good inputs builds
     assert build(ppo_config(trained_run, reward_run)).identities()["reward_model"]
+
+
+def test_every_frozen_model_reader_ignores_remat_and_refuses_another_model(trained_run, tmp_path):
+    """One check (``frozen.check_same_model``) for the init, the reference and the reward model.
+    Its two copies once disagreed: SFT's ignored ``model.remat`` (it changes memory, not the
+    model), PPO's refused a reward model trained under another remat. A PPO run with remat on
+    reads all three models trained without it; control: a setting that does change the model
+    (``rope_base``, the same parameter shapes) is refused by all three, naming the field."""
+    rm = write_reward_model(trained_run, tmp_path / "rm")
+    readers = {
+        "init": lambda cfg: load_base(cfg),
+        "reference": lambda cfg: load_language_model(cfg, "reference"),
+        "reward_model": load_reward_model,
+    }
+    remat = ppo_config(trained_run, rm, "model.remat=block")
+    for name, read in readers.items():
+        assert read(remat), name
+    other = ppo_config(trained_run, rm, "model.remat=block", "model.rope_base=500.0")
+    for name, read in readers.items():
+        with pytest.raises(TpulabError, match=f"objective.{name} .*model.rope_base: 10000.0 there"):
+            read(other)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ directory they are written to. Each check has a negative control."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -75,6 +76,46 @@ def test_a_bad_preference_line_is_refused_with_its_file_and_line(tmp_path, line,
     assert f"{path}:2" in str(e.value)
     path.write_bytes(good + b"\n" + good + b"\n")  # control: the good lines alone load
     assert len(P.read_jsonl(path, tiny_config().data).train) == 1
+
+
+READERS = {
+    "sft": (D.from_jsonl, b'{"prompt": "Who?", "response": "Me."}', "SFT data"),
+    "preference": (
+        P.read_jsonl,
+        b'{"prompt": "Who?", "chosen": "Me.", "rejected": "You."}',
+        "preference data",
+    ),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        (b"{not json", r"not valid JSON \("),
+        (b'{"prompt": "a\xff"}', "not UTF-8 \\(byte 0xff\\)"),
+        (b'"a string"', "expected an object with 'prompt'"),
+        (b'{"prompt": 3}', "'prompt' is missing or not a string"),
+    ],
+)
+def test_both_jsonl_readers_refuse_a_malformed_line_in_the_same_words(tmp_path, reader, line, why):
+    """SFT and preference files go through one reader (``tpulab.data.jsonl``): the same bad line
+    is refused with the same ``file:line`` words by both; the first bad line is the one named,
+    even when a later line is malformed and the earlier one fails only the caller's own check."""
+    read, good, what = READERS[reader]
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(good + b"\n\n" + line + b"\n" + good + b"\n")
+    with pytest.raises(TpulabError, match=f"^{re.escape(str(path))}:3: {why}"):
+        read(path, tiny_config().data)
+    first = good.replace(b"Me.", b"You.") if reader == "preference" else good.replace(b"Me.", b"")
+    path.write_bytes(good + b"\n" + first + b"\n" + line + b"\n")
+    with pytest.raises(TpulabError, match=f"^{re.escape(str(path))}:2: "):
+        read(path, tiny_config().data)
+    missing = re.escape(str(tmp_path / "none"))
+    with pytest.raises(TpulabError, match=f"^cannot read {what} {missing}: "):
+        read(tmp_path / "none", tiny_config().data)
+    path.write_bytes(good + b"\n" + good + b"\n")  # control: the good lines alone load
+    assert len(read(path, tiny_config().data).train) == 1
 
 
 def test_an_empty_reply_that_stops_is_a_reply_and_its_mask_holds_the_stop_byte(tmp_path):

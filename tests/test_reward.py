@@ -141,7 +141,7 @@ def test_ppo_reads_the_reward_objectives_model_and_scores_as_it_does(reward_run,
     objective trained (one class, ``ScalarHeadModel.scores_at``): bitwise the reward model's own
     rewards; control: a read one position earlier differs."""
     from ppo_helpers import ppo_config
-    from tpulab.train.objectives.ppo import load_reward_model
+    from tpulab.train.objectives.frozen import load_reward_model
     from tpulab.train.objectives.ppo_state import value_graph
 
     cfg = ppo_config(sft_policy, reward_run)

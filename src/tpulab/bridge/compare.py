@@ -13,9 +13,9 @@ from tpulab.bridge.reference import float64_curve, rel_diffs
 from tpulab.checkpoint.files import atomic_write_json
 from tpulab.config import to_dict
 from tpulab.errors import TpulabError
-from tpulab.evidence.metrics import METRICS, curve, read_records
+from tpulab.evidence.metrics import curve, read_records
 from tpulab.evidence.report_kit import figure, table
-from tpulab.proofs.driver import run_to_completion
+from tpulab.proofs.driver import fresh_run_dir, run_to_completion
 
 # Relative difference of the final loss from the float64 reference. Measured over the default 200
 # steps: torch 9.2e-7, torchax eager 3.2e-7, torchax jit 4.3e-6 (its largest mid-run gap, 7.1e-5 at
@@ -43,10 +43,7 @@ def compare(
     pairs = runnable()
     curves, devices = {}, {}
     for backend, method in pairs:
-        d = run_dir / "runs" / f"{backend}-{method}"
-        if (d / METRICS).exists():
-            raise TpulabError(f"{d} already holds a run; use a fresh --run-dir")
-        d.mkdir(parents=True)
+        d = fresh_run_dir(run_dir / "runs" / f"{backend}-{method}")
         run_to_completion(
             train_argv(cfg, backend, method, d, track=track),
             run_dir / f"{backend}-{method}.log",

@@ -26,17 +26,17 @@ dataset's identity hashes the builder's version, its parameters and every pair's
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import re
 from pathlib import Path
 
 import grain
 import numpy as np
 
+from tpulab.data import jsonl
 from tpulab.data.config import DataConfig
 from tpulab.data.corpus import Corpus, Document
-from tpulab.data.pipeline import READ_OPTIONS, split_documents
+from tpulab.data.heldout import HeldOutSet, hash_fields, identity_hash
+from tpulab.data.pipeline import READ_OPTIONS, process_batches, split_documents
 from tpulab.data.tokenizer import BOS, PAD
 from tpulab.errors import TpulabError
 
@@ -138,35 +138,24 @@ def check_no_delimiters(corpus: Corpus) -> None:
             )
 
 
-@dataclasses.dataclass(frozen=True)
-class Dialogue:
-    """The fitted train and evaluation pairs, and what they are."""
+class Dialogue(HeldOutSet):
+    """The fitted train and evaluation pairs (tuples of ``Pair``), and what they are."""
 
-    train: tuple[Pair, ...]
-    eval: tuple[Pair, ...]
-    params: dict  # the builder's parameters (part of the identity)
-    identity: str
+    builder, unit = BUILDER, "pairs"
 
-    def describe(self) -> dict:
+    def facts(self) -> dict:
         return {
-            "builder": BUILDER,
-            **self.params,
-            "identity": self.identity,
-            "train_pairs": len(self.train),
-            "eval_pairs": len(self.eval),
             "train_sources": sorted({p.source for p in self.train}),
             "eval_sources": sorted({p.source for p in self.eval}),
         }
 
 
 def identity_of(params: dict, train: list[Pair], evals: list[Pair]) -> str:
-    h = hashlib.sha256(json.dumps({"builder": BUILDER, **params}, sort_keys=True).encode())
+    h = identity_hash(BUILDER, params)
     for part, pairs in (("train", train), ("eval", evals)):
         h.update(part.encode())
         for p in pairs:
-            for field_bytes in (p.prompt, p.response):
-                h.update(len(field_bytes).to_bytes(8, "little"))
-                h.update(field_bytes)
+            hash_fields(h, (p.prompt, p.response))
     return h.hexdigest()
 
 
@@ -197,26 +186,9 @@ def from_jsonl(path: str | Path, cfg: DataConfig, eval_fraction: float = 0.1) ->
     The last ``ceil(eval_fraction * n)`` pairs (at least one) are held out for evaluation.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TpulabError(f"cannot read SFT data {path}: {e.strerror}") from None
+    raw = jsonl.read_bytes(path, "SFT data")
     pairs = []
-    for n, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            rec = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise TpulabError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x})") from None
-        except ValueError as e:
-            raise TpulabError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(rec, dict):
-            raise TpulabError(f"{where}: expected an object with 'prompt' and 'response'")
-        for key in ("prompt", "response"):
-            if not isinstance(rec.get(key), str):
-                raise TpulabError(f"{where}: '{key}' is missing or not a string")
+    for where, rec in jsonl.records(path, raw, ("prompt", "response")):
         pair = Pair(rec["prompt"].encode(), rec["response"].encode(), where)
         if not pair.response:
             raise TpulabError(f"{where}: the response is empty (nothing to learn)")
@@ -231,15 +203,7 @@ def from_jsonl(path: str | Path, cfg: DataConfig, eval_fraction: float = 0.1) ->
                 f"longer than the context (data.seq_len + 1 = {cfg.seq_len + 1})"
             )
         pairs.append(pair)
-    if len(pairs) < 2:
-        raise TpulabError(f"{path} holds {len(pairs)} usable pair(s); at least 2 are needed")
-    n_eval = max(1, int(np.ceil(eval_fraction * len(pairs))))
-    train, evals = pairs[:-n_eval], pairs[-n_eval:]
-    params = {
-        "source": "jsonl",
-        "file_sha256": hashlib.sha256(raw).hexdigest(),
-        "seq_len": cfg.seq_len,
-    }
+    train, evals, params = jsonl.held_out(path, raw, pairs, cfg.seq_len, eval_fraction)
     return checked(Dialogue(tuple(train), tuple(evals), params, identity_of(params, train, evals)))
 
 
@@ -305,18 +269,10 @@ def train_dataset(
     process_count: int = 1,
     batch_fn=to_batch,
 ) -> grain.IterDataset:
-    """Shuffled (reshuffled each epoch), repeated batches of pairs; each process its own rows,
-    cut from the shuffled stream as ``tpulab.data.pipeline.train_dataset`` cuts windows.
+    """Shuffled (reshuffled each epoch), repeated batches of pairs; each process its own rows
+    (``tpulab.data.pipeline.process_batches``, as windows are cut).
     ``batch_fn`` turns a batch of rows into arrays (preference pairs bring their own)."""
-    if cfg.batch_size % process_count:
-        raise TpulabError(
-            f"data.batch_size={cfg.batch_size} is not divisible by {process_count} processes"
-        )
-    local = cfg.batch_size // process_count
-    ds = grain.MapDataset.source(rows).shuffle(seed=cfg.shuffle_seed).repeat()
-    ds = ds.batch(local, drop_remainder=True)
-    if process_count > 1:
-        ds = ds[process_index::process_count]
+    ds = process_batches(rows, cfg, process_index, process_count)
     return ds.map(batch_fn).to_iter_dataset(READ_OPTIONS)
 
 

@@ -116,17 +116,17 @@ def to_batch(windows: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-def train_dataset(
-    windows: np.ndarray, cfg: DataConfig, process_index: int = 0, process_count: int = 1
-) -> grain.IterDataset:
-    """Shuffled (reshuffled each epoch), repeated, batched windows; each process reads its own rows.
+def process_batches(
+    rows: np.ndarray, cfg: DataConfig, process_index: int = 0, process_count: int = 1
+) -> grain.MapDataset:
+    """The one per-process cut of a shuffled stream: this process's rows of every global batch.
 
-    The shuffled stream is cut into process-sized blocks and process p takes blocks p, p+P, p+2P,
-    ...: global batch g is blocks gP .. gP+P-1, so the processes' rows of a step are disjoint and
-    together are exactly the batch one process would draw (any process count, epoch boundaries
-    included), and each process reads only its own windows. Its position (``next_index`` = steps
-    taken) is the same in every process. The iterator's ``get_state``/``set_state`` is stored per
-    process by the checkpoint.
+    Shuffled (reshuffled each epoch) and repeated; the stream is cut into process-sized blocks and
+    process p takes blocks p, p+P, p+2P, ...: global batch g is blocks gP .. gP+P-1, so the
+    processes' rows of a step are disjoint and together are exactly the batch one process would
+    draw (any process count, epoch boundaries included), and each process reads only its own rows.
+    Windows, SFT and preference pairs and PPO's prompts are all cut by it; the caller maps each
+    block to its arrays.
     """
     if cfg.batch_size % process_count:
         raise TpulabError(
@@ -134,13 +134,25 @@ def train_dataset(
         )
     local = cfg.batch_size // process_count
     ds = (
-        grain.MapDataset.source(windows)
+        grain.MapDataset.source(rows)
         .shuffle(seed=cfg.shuffle_seed)
         .repeat()
         .batch(local, drop_remainder=True)
     )
     if process_count > 1:
         ds = ds[process_index::process_count]
+    return ds
+
+
+def train_dataset(
+    windows: np.ndarray, cfg: DataConfig, process_index: int = 0, process_count: int = 1
+) -> grain.IterDataset:
+    """Shuffled, repeated, batched windows; each process reads its own rows (``process_batches``).
+
+    Its position (``next_index`` = steps taken) is the same in every process. The iterator's
+    ``get_state``/``set_state`` is stored per process by the checkpoint.
+    """
+    ds = process_batches(windows, cfg, process_index, process_count)
     return ds.map(to_batch).to_iter_dataset(READ_OPTIONS)
 
 

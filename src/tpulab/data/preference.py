@@ -36,9 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tpulab.data import dialogue
+from tpulab.data import dialogue, jsonl
 from tpulab.data.config import DataConfig
 from tpulab.data.corpus import Corpus
+from tpulab.data.heldout import HeldOutSet, hash_fields, identity_hash
 from tpulab.data.pipeline import split_documents
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.data.tokenizer import PAD
@@ -159,32 +160,21 @@ def natural_pairs(docs, seq_len: int, seed: int) -> list[Pref]:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Preferences:
-    train: tuple[Pref, ...]
-    eval: tuple[Pref, ...]
-    params: dict
-    identity: str
+class Preferences(HeldOutSet):
+    """The train and evaluation pairs (tuples of ``Pref``), and what they are."""
 
-    def describe(self) -> dict:
-        return {
-            "builder": BUILDER,
-            **self.params,
-            "identity": self.identity,
-            "train_pairs": len(self.train),
-            "eval_pairs": len(self.eval),
-            "eval_gold_optimal_accuracy": gold_optimal_accuracy(list(self.eval)),
-        }
+    builder, unit = BUILDER, "pairs"
+
+    def facts(self) -> dict:
+        return {"eval_gold_optimal_accuracy": gold_optimal_accuracy(list(self.eval))}
 
 
 def identity_of(params: dict, train, evals) -> str:
-    h = hashlib.sha256(json.dumps({"builder": BUILDER, **params}, sort_keys=True).encode())
+    h = identity_hash(BUILDER, params)
     for part, prefs in (("train", train), ("eval", evals)):
         h.update(part.encode())
         for p in prefs:
-            for b in (p.prompt, p.chosen, p.rejected):
-                h.update(len(b).to_bytes(8, "little"))
-                h.update(b)
+            hash_fields(h, (p.prompt, p.chosen, p.rejected))
             h.update(bytes([p.chosen_stops, p.rejected_stops]))
     return h.hexdigest()
 
@@ -210,26 +200,9 @@ def from_plays(corpus: Corpus, cfg: DataConfig, seed: int = 0) -> Preferences:
 
 def _read_lines(path: Path, cfg: DataConfig) -> tuple[bytes, list[Pref]]:
     """(file bytes, pairs) of a preference JSONL file; the first bad line is refused by number."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TpulabError(f"cannot read preference data {path}: {e.strerror}") from None
+    raw = jsonl.read_bytes(path, "preference data")
     prefs = []
-    for n, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            rec = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise TpulabError(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x})") from None
-        except ValueError as e:
-            raise TpulabError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(rec, dict):
-            raise TpulabError(f"{where}: expected an object with 'prompt', 'chosen', 'rejected'")
-        for key in ("prompt", "chosen", "rejected"):
-            if not isinstance(rec.get(key), str):
-                raise TpulabError(f"{where}: '{key}' is missing or not a string")
+    for where, rec in jsonl.records(path, raw, ("prompt", "chosen", "rejected")):
         stops = []
         for key in ("chosen_stops", "rejected_stops"):
             value = rec.get(key, True)
@@ -270,16 +243,8 @@ def read_jsonl(
     joins the identity (a sampled set's policy digest and labeller seed)."""
     path = Path(path)
     raw, prefs = _read_lines(path, cfg)
-    if len(prefs) < 2:
-        raise TpulabError(f"{path} holds {len(prefs)} usable pair(s); at least 2 are needed")
-    n_eval = max(1, int(np.ceil(eval_fraction * len(prefs))))
-    train, evals = prefs[:-n_eval], prefs[-n_eval:]
-    params = {
-        "source": "jsonl",
-        "file_sha256": hashlib.sha256(raw).hexdigest(),
-        "seq_len": cfg.seq_len,
-        **(extra or {}),
-    }
+    train, evals, params = jsonl.held_out(path, raw, prefs, cfg.seq_len, eval_fraction)
+    params.update(extra or {})
     return checked(
         Preferences(tuple(train), tuple(evals), params, identity_of(params, train, evals))
     )

@@ -14,10 +14,10 @@ import jax
 import numpy as np
 
 from tpulab.inference.artifact_format import LOOP, artifact_name, check_inputs
-from tpulab.model.decode import batch_bucket, width_bucket
+from tpulab.model.decode import Buckets
 
 
-class ExportedEngine:
+class ExportedEngine(Buckets):
     """The Engine interface (``decode.Engine``) over one cache policy's three endpoints."""
 
     def __init__(
@@ -55,13 +55,6 @@ class ExportedEngine:
             self.root, artifact_name(LOOP, self.policy), self._loop, (self._host_params, *args)
         )
         return self._loop_jit(self._params, *args)
-
-    @staticmethod
-    def batch_for(n: int) -> int:
-        return batch_bucket(n)
-
-    def width_for(self, n: int) -> int:
-        return width_bucket(n, self.max_len)
 
     def compiled_variants(self) -> dict[str, int]:
         """Executables the jitted loop holds (one per batch and width bucket); prefill and decode

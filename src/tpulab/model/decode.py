@@ -291,7 +291,21 @@ class ModelFns:
         return params, cache, sds((batch,), jnp.int32), scalar
 
 
-class Decoder:
+class Buckets:
+    """The request batch and prompt width an Engine runs ``n`` rows or tokens at: the buckets,
+    each compiled once, that both engines share (``batch_bucket``, ``width_bucket``)."""
+
+    max_len: int
+
+    @staticmethod
+    def batch_for(n: int) -> int:
+        return batch_bucket(n)
+
+    def width_for(self, n: int) -> int:
+        return width_bucket(n, self.max_len)
+
+
+class Decoder(Buckets):
     """Jitted prefill/decode for one model, one cache policy and the model's own weights.
 
     Each compiles once (fixed shapes); decode donates the cache so XLA updates it in place.
@@ -338,13 +352,6 @@ class Decoder:
                 )
             ),
         )
-
-    @staticmethod
-    def batch_for(n: int) -> int:
-        return batch_bucket(n)
-
-    def width_for(self, n: int) -> int:
-        return width_bucket(n, self.max_len)
 
     def compiled_variants(self) -> dict[str, int]:
         """Executables each jitted endpoint holds (1 each; generate: one per batch and width

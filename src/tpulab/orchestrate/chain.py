@@ -225,7 +225,7 @@ def identity_rows(runs: dict[str, Path], configs: dict[str, RunConfig]) -> list[
     re-checks every file's sha256); PPO's prompts', rebuilt from the SFT data."""
     from tpulab.data import dialogue, preference
     from tpulab.data.contract import load_checked
-    from tpulab.train.objectives.ppo import build_prompts
+    from tpulab.train.objectives.ppo_prompts import build_prompts
 
     sft_config = load(RunConfig, RunDir(runs["sft"]).config)
     model = lambda run: manifest_digest(checkpoint_dir(run))  # noqa: E731

@@ -163,12 +163,8 @@ def run_chaos(
                     }
                 )  # by this lifetime
                 continue
-            try:
-                rc = proc.p.wait(timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - TimeoutExpired
-                raise TpulabError(
-                    f"the final victim process did not finish within {timeout_s:.0f}s"
-                ) from None
+            late = f"the final victim process did not finish within {timeout_s:.0f}s"
+            rc = proc.wait(timeout_s, late)
             if rc != ExitCode.OK:
                 raise TpulabError(
                     f"victim process {lifetime} exited with {rc}: {proc.tail(1)} (log: {log_path})"

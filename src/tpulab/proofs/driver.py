@@ -74,6 +74,13 @@ class Proc:
                 pass
         self.p.wait()
 
+    def wait(self, timeout_s: float, late: str) -> int:
+        """The exit code; a one-line refusal ``late`` when it runs past ``timeout_s``."""
+        try:
+            return self.p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TpulabError(late) from None
+
     def tail(self, n: int = 15) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()[-n:]
         return "\n".join(lines)
@@ -97,16 +104,21 @@ def kill_live() -> None:
         proc.kill()
 
 
+def fresh_run_dir(run_dir: Path, exist_ok: bool = False) -> Path:
+    """``run_dir``, made; refused in one line when it already holds a run."""
+    if (run_dir / METRICS).exists():
+        raise TpulabError(f"{run_dir} already holds a run; use a fresh --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=exist_ok)
+    return run_dir
+
+
 def run_to_completion(
     argv: list[str], log_path: Path, env: dict, timeout_s: float, what: str
 ) -> None:
     with Proc(argv, log_path, env) as proc:
-        try:
-            rc = proc.p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise TpulabError(
-                f"{what} did not finish within {timeout_s:.0f}s (log: {log_path})"
-            ) from None
+        rc = proc.wait(
+            timeout_s, f"{what} did not finish within {timeout_s:.0f}s (log: {log_path})"
+        )
         if rc != ExitCode.OK:
             raise TpulabError(f"{what} exited with {rc}: {proc.tail(1)} (log: {log_path})")
 
@@ -186,10 +198,7 @@ def prove_resume(
         resume_env = {**env, **cache.cache_env(resume_cache)}
 
     if reference_dir is None:
-        reference_dir = proof.reference.root
-        if (reference_dir / METRICS).exists():
-            raise TpulabError(f"{reference_dir} already holds a run; use a fresh --run-dir")
-        reference_dir.mkdir(parents=True)
+        reference_dir = fresh_run_dir(proof.reference.root)
         t0 = time.monotonic()
         run_to_completion(
             counted(command(reference_dir), "reference"),
@@ -201,10 +210,7 @@ def prove_resume(
         timings["reference_s"] = time.monotonic() - t0
     reference_dir = Path(reference_dir)
 
-    run_dir = proof.interrupted.root
-    if (run_dir / METRICS).exists():
-        raise TpulabError(f"{run_dir} already holds a run; use a fresh --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = fresh_run_dir(proof.interrupted.root, exist_ok=True)
     t0 = time.monotonic()
     kill_step = run_and_kill(
         counted(command(run_dir), "killed"),

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -43,6 +42,25 @@ LAYOUT_RTOL = 1e-4
 GRACE_S = 3.0  # launcher teardown grace in the proofs (SIGTERM -> SIGKILL)
 
 
+def launched(
+    log_dir: Path, *command, processes: int, devices: int, options: tuple = ()
+) -> list[str]:
+    """``tpulab launch`` of ``command`` (a tpulab subcommand and its arguments) on ``processes``
+    processes of ``devices`` devices each; ``options``: the launcher's own further flags."""
+    return tpulab_argv(
+        "launch",
+        "--processes",
+        processes,
+        "--devices-per-process",
+        devices,
+        *options,
+        "--log-dir",
+        log_dir,
+        "--",
+        *command,
+    )
+
+
 def launch_argv(
     config_path: Path,
     run_dir: Path,
@@ -52,24 +70,12 @@ def launch_argv(
     extra: tuple = (),
     grace_s: float = GRACE_S,
 ) -> list[str]:
-    return tpulab_argv(
-        "launch",
-        "--processes",
-        processes,
-        "--devices-per-process",
-        devices,
-        "--grace",
-        grace_s,
-        "--log-dir",
+    return launched(
         Path(run_dir) / "launch",
-        "--",
-        "train",
-        "--config",
-        config_path,
-        "--run-dir",
-        run_dir,
-        "--no-progress",
-        *extra,
+        *("train", "--config", config_path, "--run-dir", run_dir, "--no-progress", *extra),
+        processes=processes,
+        devices=devices,
+        options=("--grace", grace_s),
     )
 
 
@@ -210,12 +216,9 @@ def interrupt_one(
         t0 = time.monotonic()
 
         os.kill(pids[victim], signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
-        try:
-            code = proc.p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise TpulabError(
-                f"the launcher did not end within {timeout_s:.0f}s of the {mode}"
-            ) from None
+        code = proc.wait(
+            timeout_s, f"the launcher did not end within {timeout_s:.0f}s of the {mode}"
+        )
         took = time.monotonic() - t0
     alive = []
     for pid in pids:
@@ -362,66 +365,40 @@ def prove_reshard(
     out_dir = Path(out_dir)
     two = _with_mesh(config, 2, 2)
     cfg_path = write_child_config(two, out_dir / "p2d2.yaml")
+
+    def run(argv: list[str], log: str, what: str) -> None:
+        run_to_completion(argv, out_dir / log, dict(os.environ), timeout_s, what)
+
     if reference_dir is None:
         reference_dir = RunDir(out_dir).reference.root
-        run_to_completion(
+        run(
             launch_argv(cfg_path, reference_dir, processes=2, devices=2, extra=_no(track)),
-            out_dir / "reference.log",
-            dict(os.environ),
-            timeout_s,
+            "reference.log",
             "2-process reference",
         )
     src = Path(reference_dir)  # its checkpoint at ``at_step`` (kept: checkpoint.keep) is the source
     dst = out_dir / "resharded"
-    run_to_completion(
-        tpulab_argv(
-            "launch",
-            "--processes",
-            1,
-            "--devices-per-process",
-            2,
-            "--log-dir",
+    run(
+        launched(
             out_dir / "reshard-launch",
-            "--",
-            "reshard",
-            "--run-dir",
-            src,
-            "--out",
-            dst,
-            "--mesh",
-            "data=1,fsdp=2",
-            "--step",
-            at_step,
+            *("reshard", "--run-dir", src, "--out", dst, "--mesh", "data=1,fsdp=2"),
+            *("--step", at_step),
+            processes=1,
+            devices=2,
         ),
-        out_dir / "reshard.log",
-        dict(os.environ),
-        timeout_s,
+        "reshard.log",
         "reshard",
     )
     reshard_result = read_json(dst / "reshard.json")
-    run_to_completion(
-        tpulab_argv(
-            "launch",
-            "--processes",
-            1,
-            "--devices-per-process",
-            2,
-            "--log-dir",
+    run(
+        launched(
             dst / "launch",
-            "--",
-            "train",
-            "--config",
-            RunDir(dst).config,
-            "--run-dir",
-            dst,
-            "--no-progress",
-            "--steps",
-            config.train.steps,
-            *_no(track),
+            *("train", "--config", RunDir(dst).config, "--run-dir", dst, "--no-progress"),
+            *("--steps", config.train.steps, *_no(track)),
+            processes=1,
+            devices=2,
         ),
-        out_dir / "continued.log",
-        dict(os.environ),
-        timeout_s,
+        "continued.log",
         "continued 1-process run",
     )
     ref = curve(read_records(reference_dir))

@@ -31,8 +31,8 @@ import numpy as np
 from tpulab.data import preference
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives import losses
+from tpulab.train.objectives.frozen import load_base, model_record
 from tpulab.train.objectives.pairwise import Pairwise, pair_weights, sides
-from tpulab.train.objectives.sft import load_base
 from tpulab.train.step import gradient_steps, merge_model, transformer_graph, tree_digest
 
 
@@ -88,7 +88,7 @@ class DPO(Pairwise):
 
     def data(self):
         source = super().data()
-        source.description["reference"] = self._record(self.reference, "reference")
+        source.description["reference"] = model_record(self.config, "reference", self.reference)
         return source
 
     def _frozen(self) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tpulab.data import preference
 from tpulab.data.contract import load_checked
 from tpulab.train.objectives.base import DataSource, Objective
-from tpulab.train.objectives.sft import load_base
+from tpulab.train.objectives.frozen import load_base, model_record
 
 
 def pair_weights(mask_bt):
@@ -55,13 +55,9 @@ class Pairwise(Objective):
                 self.eval_rows, cfg.data.batch_size, cfg.train.eval_batches, len(self.train_rows)
             ),
             identity=self.prefs.identity,
-            description={**self.prefs.describe(), "base": self._record(self.base, "init")},
+            description={
+                **self.prefs.describe(),
+                "base": model_record(self.config, "init", self.base),
+            },
             check=preference.check_batch,
         )
-
-    def _record(self, restored, key: str) -> dict:
-        return {
-            "run_dir": str(getattr(self.config.objective, key) or self.config.objective.init),
-            "step": restored.step,
-            "checkpoint_digest": restored.checkpoint_digest,
-        }

@@ -18,18 +18,15 @@ largest gap between the two (``sampler_gap``, the cached decode path against the
 says the trainer scores the distribution the replies were drawn from (same temperature, no
 top-k). Dropout is off in every forward (a ratio under dropout would not be 1 at the start).
 
-Prompts are the SFT prompts (``tpulab.data.dialogue``; ``objective.data`` selects a JSONL), cut
-from the left to leave ``max_new`` reply bytes in ``data.seq_len``. The data source gives every
-step a batch, each prompt batch repeated for the ``epochs x minibatches`` steps of its round: a
-round's steps all see the prompts it sampled from (only its first reads them), no prompt is
-skipped, and the data position stays exactly the loop step.
+Prompts are the SFT prompts, cut to leave ``max_new`` reply bytes in ``data.seq_len``, each
+batch repeated for the steps of its round (``ppo_prompts``).
 
-Frozen, passed to every step (``Steps.frozen``), digest-checked at the end of the run: the
-reference (``objective.reference``, default: the init checkpoint, read as a separate copy) and the
-reward model (``objective.reward_model``). Identities (every checkpoint, refused on resume when
-changed): init, reference, reward model and dataset; the behaviour policy's sha256 (taken on the
-host at each round start, ``Train``) is in the round state and in every step's record
-(``behaviour_sha256``).
+Frozen, passed to every step (``Steps.frozen``), digest-checked at the end of the run, both read
+by ``frozen``: the reference (``objective.reference``, default: the init checkpoint, read as a
+separate copy) and the reward model (``objective.reward_model``). Identities (every checkpoint,
+refused on resume when changed): init, reference, reward model and dataset; the behaviour policy's
+sha256 (taken on the host at each round start, ``Train``) is in the round state and in every step's
+record (``behaviour_sha256``).
 
 Metrics: per step, the update's (loss, pg_loss, vf_loss, entropy, clip_frac, approx_kl,
 log_ratio_max, ...) and its round's (score: the proxy reward, kl, response_length, stop_rate,
@@ -41,11 +38,6 @@ runs inside a jitted program: they would keep it out of the persistent compilati
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,23 +46,23 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpulab.checkpoint.files import manifest_digest
-from tpulab.checkpoint.store import read_meta, read_state
-from tpulab.config import from_dict, to_dict
 from tpulab.data import dialogue
-from tpulab.data.config import DataConfig
 from tpulab.data.contract import load_checked
-from tpulab.data.pipeline import READ_OPTIONS
 from tpulab.data.preference import gold_reward
-from tpulab.data.tokenizer import BOS, PAD
-from tpulab.data.tokenizer import DEFINITION as TOKENIZER
-from tpulab.errors import TpulabError
+from tpulab.data.tokenizer import PAD
 from tpulab.model.decode import ModelFns
 from tpulab.model.sampling import token_logprobs
 from tpulab.train import sharding
-from tpulab.train.config import OptimConfig, RunConfig
+from tpulab.train.config import RunConfig
 from tpulab.train.objectives import ppo_losses as L
 from tpulab.train.objectives.base import DataSource, Objective
+from tpulab.train.objectives.frozen import load_language_model, load_reward_model
+from tpulab.train.objectives.ppo_prompts import (
+    build_prompts,
+    check_prompt_batch,
+    eval_prompt_batches,
+    prompt_dataset,
+)
 from tpulab.train.objectives.ppo_state import (
     PPOState,
     RoundState,
@@ -80,12 +72,9 @@ from tpulab.train.objectives.ppo_state import (
     start_state,
     value_graph,
 )
-from tpulab.train.objectives.sft import load_base
-from tpulab.train.restore import checkpoint_dir
 from tpulab.train.step import (
     Bound,
     Steps,
-    TrainState,
     digest_words,
     lr_schedule,
     optimizer,
@@ -93,203 +82,7 @@ from tpulab.train.step import (
     tree_digest,
 )
 
-PROMPT_BUILDER = "tpulab-ppo-prompts-v1"
 ROLLOUT_CACHE = "fp32"  # the sampler's cache precision: the nearest to the trainer's fp32 forward
-
-
-# --- prompts -------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompts:
-    """Prompt rows [P, W + 1]: BOS SOH prompt STX, PAD to width W, then the length."""
-
-    train: np.ndarray
-    eval: np.ndarray
-    params: dict
-    identity: str
-
-    def describe(self) -> dict:
-        return {
-            "builder": PROMPT_BUILDER,
-            **self.params,
-            "identity": self.identity,
-            "train_prompts": len(self.train),
-            "eval_prompts": len(self.eval),
-        }
-
-
-def prompt_rows(pairs, seq_len: int, max_new: int, cut: bool) -> np.ndarray:
-    """Distinct prompts that leave ``max_new`` reply tokens in ``seq_len`` positions (built-in
-    pairs are cut from the left, as ``dialogue.fit`` cuts them; a user's prompt is kept whole or
-    left out)."""
-    width = seq_len - max_new
-    rows, seen = [], set()
-    for pair in pairs:
-        room = dialogue.Pair(pair.prompt, b"x" * (max_new - 1), pair.source)
-        fitted = dialogue.fit(room, seq_len - 1) if cut else room
-        if fitted is None or fitted.prompt in seen:
-            continue
-        ids = [BOS, dialogue.PROMPT_START, *fitted.prompt, dialogue.RESPONSE_START]
-        if len(ids) > width:
-            continue
-        seen.add(fitted.prompt)
-        row = np.full(width + 1, PAD, np.int32)
-        row[: len(ids)], row[-1] = ids, len(ids)
-        rows.append(row)
-    return np.stack(rows) if rows else np.zeros((0, width + 1), np.int32)
-
-
-def build_prompts(source: dialogue.Dialogue, seq_len: int, max_new: int) -> Prompts:
-    cut = source.params.get("source") == "plays"
-    train = prompt_rows(source.train, seq_len, max_new, cut)
-    evals = prompt_rows(source.eval, seq_len, max_new, cut)
-    params = {"dialogue_identity": source.identity, "seq_len": seq_len, "max_new": max_new}
-    for part, rows in (("training", train), ("evaluation", evals)):
-        if not len(rows):
-            raise TpulabError(
-                f"no {part} prompt leaves objective.ppo.max_new={max_new} reply bytes in "
-                f"data.seq_len={seq_len}"
-            )
-    h = hashlib.sha256(json.dumps({"builder": PROMPT_BUILDER, **params}, sort_keys=True).encode())
-    for rows in (train, evals):
-        h.update(rows.tobytes())
-    return Prompts(train, evals, params, h.hexdigest())
-
-
-def prompt_batch(rows: np.ndarray) -> dict[str, np.ndarray]:
-    """Prompt rows -> ``inputs`` [B, W] (BOS SOH prompt STX, PAD after) and ``length`` [B]."""
-    return {"inputs": rows[:, :-1], "length": rows[:, -1]}
-
-
-def prompt_dataset(
-    rows: np.ndarray, cfg: DataConfig, per_round: int, index: int = 0, count: int = 1
-) -> grain.IterDataset:
-    """Shuffled, repeated prompt batches, each given to the ``per_round`` steps of its round; each
-    process its own rows of every batch (as ``dialogue.train_dataset`` cuts them)."""
-    if cfg.batch_size % count:
-        raise TpulabError(f"data.batch_size={cfg.batch_size} is not divisible by {count} processes")
-    local = cfg.batch_size // count
-    batches = grain.MapDataset.source(rows).shuffle(seed=cfg.shuffle_seed).repeat()
-    batches = batches.batch(local, drop_remainder=True)
-    if count > 1:
-        batches = batches[index::count]
-    steps = grain.MapDataset.range(len(batches)).map(lambda i: batches[i // per_round])
-    return steps.map(prompt_batch).to_iter_dataset(READ_OPTIONS)
-
-
-def eval_prompt_batches(rows: np.ndarray, batch_size: int, max_batches: int) -> list[dict]:
-    """The first ``max_batches`` batches of held-out prompts, with ``mask`` [B, W] 1 on each
-    prompt's tokens; a short last batch is filled with idle rows (mask 0: nothing sampled, nothing
-    counted)."""
-    rows = rows[: batch_size * max_batches]
-    live = np.ones(len(rows), np.float32)
-    short = -len(rows) % batch_size
-    if short:
-        filler = np.full((short, rows.shape[1]), PAD, np.int32)
-        filler[:, 0], filler[:, -1] = BOS, 1
-        rows, live = np.concatenate([rows, filler]), np.concatenate([live, np.zeros(short)])
-    out = []
-    for i in range(0, len(rows), batch_size):
-        b = prompt_batch(rows[i : i + batch_size])
-        on = np.arange(b["inputs"].shape[1])[None] < b["length"][:, None]
-        out.append({**b, "mask": (on * live[i : i + batch_size, None]).astype(np.float32)})
-    return out
-
-
-def check_prompt_batch(batch: dict[str, np.ndarray]) -> None:
-    width = batch["inputs"].shape[1]
-    lengths = batch["length"]
-    if (lengths < 4).any() or (lengths > width).any() or (batch["inputs"][:, 0] != BOS).any():
-        raise TpulabError(
-            f"a PPO prompt batch holds a row that is not BOS SOH prompt STX <= {width}"
-        )
-
-
-# --- the frozen models ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Frozen:
-    params: object  # host arrays
-    digest: str  # sha256 of the checkpoint's manifest
-    record: dict
-
-
-def check_same_model(what: str, path, saved: dict, config: RunConfig) -> None:
-    """A frozen model must have this run's shape, precision and tokenizer (its raw config)."""
-    for section in ("model", "precision"):
-        have, want = saved.get("config", {}).get(section, {}), to_dict(getattr(config, section))
-        diff = [
-            f"{section}.{k}: {have.get(k)!r} there, {v!r} here"
-            for k, v in want.items()
-            if have.get(k) != v
-        ]
-        if diff:
-            raise TpulabError(
-                f"{what} {path} holds a model of another shape ({'; '.join(diff[:3])})"
-            )
-    if saved.get("tokenizer") != TOKENIZER:
-        raise TpulabError(f"{what} {path} was trained with another tokenizer")
-
-
-def named(key: str, load):
-    """``load()``, with a refusal naming the field that pointed at the bad run dir."""
-    try:
-        return load()
-    except TpulabError as e:
-        if str(e).startswith(f"objective.{key}"):
-            raise
-        raise type(e)(f"objective.{key}: {e}", exit_code=e.exit_code) from None
-
-
-def load_reward_model(config: RunConfig) -> Frozen:
-    """The frozen reward model ``objective.reward_model`` names: the one place that reads one.
-
-    Assumed layout (the reward objective's, ``objective.kind: reward``): an ordinary run dir whose
-    newest verified checkpoint holds a ``TrainState`` whose params are a ``ScalarHeadModel``'s,
-    ``{"body": Transformer, "score": {"kernel": [d_model, 1], "bias": [1]}}`` in float32 for the
-    head, the optimizer state of its own ``optim`` config, and the run's config, tokenizer and
-    identities in the checkpoint metadata."""
-    path = config.objective.reward_model
-    step_dir = named("reward_model", lambda: checkpoint_dir(path))
-    meta = read_meta(step_dir)
-    kind = meta.get("config", {}).get("objective", {}).get("kind")
-    if kind != "reward":
-        raise TpulabError(
-            f"objective.reward_model {path} is not a reward model (objective.kind={kind})"
-        )
-    check_same_model("objective.reward_model", path, meta, config)
-    optim = from_dict(OptimConfig, meta["config"].get("optim", {}))
-    _, abstract_params = value_graph(config)
-    tx = optimizer(optim)
-    target = jax.eval_shape(
-        lambda: TrainState(
-            jnp.zeros((), jnp.int32),
-            abstract_params,
-            tx.init(abstract_params),
-            jax.random.PRNGKey(0),
-        )
-    )
-    replicated = NamedSharding(sharding.make_mesh(), P())
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), target
-    )
-    state = read_state(step_dir, target)
-    digest = manifest_digest(step_dir)
-    record = {"run_dir": str(path), "step": int(step_dir.name), "checkpoint_digest": digest}
-    return Frozen(jax.device_get(state.params), digest, record)
-
-
-def load_language_model(config: RunConfig, key: str) -> Frozen:
-    """A fresh host copy of the language model ``objective.<key>`` names (init, reference)."""
-    restored = named(key, lambda: load_base(config, key))
-    record = {
-        "run_dir": str(getattr(config.objective, key) or config.objective.init),
-        "step": restored.step,
-        "checkpoint_digest": restored.checkpoint_digest,
-    }
-    return Frozen(jax.device_get(restored.plain_params()), restored.checkpoint_digest, record)
 
 
 # --- the steps -----------------------------------------------------------------------------------
@@ -697,4 +490,4 @@ class PPO(Objective):
         }
 
 
-__all__ = ["PPO", "Fns", "load_reward_model", "build_prompts", "prompt_dataset"]
+__all__ = ["PPO", "Fns"]

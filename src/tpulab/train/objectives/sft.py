@@ -10,45 +10,16 @@ pretraining, with masks that cover each response and its stop byte only
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import jax
 
-from tpulab.checkpoint.store import read_meta
 from tpulab.data import dialogue
 from tpulab.data.contract import load_checked
-from tpulab.data.tokenizer import DEFINITION as TOKENIZER
-from tpulab.errors import TpulabError
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives.base import DataSource, Objective
-from tpulab.train.restore import Restored, load_model
+from tpulab.train.objectives.frozen import load_base, model_record
 from tpulab.train.step import gradient_steps, lm_eval, lm_loss, merge_model, transformer_graph
-
-
-def load_base(config, key: str = "init") -> Restored:
-    """The language model ``objective.<key>`` names (init; a DPO or PPO reference, default:
-    init), which must have this run's shape, precision and tokenizer."""
-    init = getattr(config.objective, key) or config.objective.init
-    base = load_model(init)
-    if base.config.objective.kind == "reward":
-        raise TpulabError(f"objective.{key} {init} is a reward model, not a language model")
-    if read_meta(base.checkpoint_dir).get("tokenizer") != TOKENIZER:
-        raise TpulabError(f"objective.{key} {init} was trained with another tokenizer")
-    for section in ("model", "precision"):
-        have, want = getattr(base.config, section), getattr(config, section)
-        if section == "model":  # rematerialisation changes memory, not the model
-            have = dataclasses.replace(have, remat=want.remat)
-        if have != want:
-            diff = [
-                f"{section}.{k}: {getattr(have, k)!r} there, {getattr(want, k)!r} here"
-                for k in have.__dataclass_fields__
-                if getattr(have, k) != getattr(want, k)
-            ]
-            raise TpulabError(
-                f"objective.{key} {init} holds a model of another shape ({'; '.join(diff[:3])})"
-            )
-    return base
 
 
 class SFT(Objective):
@@ -81,17 +52,12 @@ class SFT(Objective):
                 self.eval_rows, cfg.data.batch_size, cfg.train.eval_batches
             ),
             identity=self.dialogue.identity,
-            description={**self.dialogue.describe(), "base": self._base_record()},
+            description={
+                **self.dialogue.describe(),
+                "base": model_record(self.config, "init", self.base),
+            },
             check=dialogue.check_batch,
         )
-
-    def _base_record(self) -> dict:
-        b = self.base
-        return {
-            "run_dir": str(self.config.objective.init),
-            "step": b.step,
-            "checkpoint_digest": b.checkpoint_digest,
-        }
 
     def _base_params(self):
         """A fresh host read of the base's parameters (merged, if it was itself adapted)."""
