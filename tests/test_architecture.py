@@ -21,7 +21,7 @@ LAYERS = [
         "process_setup",
         "lazy",
     },
-    {"data"},
+    {"data", "envs"},
     {"model"},
     {"checkpoint"},
     {"evidence"},
