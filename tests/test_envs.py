@@ -197,10 +197,14 @@ def test_rollout_is_traced_once_per_shape():
     for _ in range(2):
         wider, _ = rollout(env, policy, 16, None, wider, params)
     assert traces == [(3, 4), (5, 4)]  # a new number of environments: exactly one more trace
+    heavier = params._replace(masspole=0.2)  # params are compile-time constants: one more trace
+    for _ in range(2):
+        rollout(env, policy, 16, None, carry, heavier)
+    assert len(traces) == 3
     # Control: the counter does count. A new function object per call is a new static argument.
     for _ in range(2):
         rollout(env, lambda *a: policy(*a), 16, None, carry, params)
-    assert len(traces) == 4
+    assert len(traces) == 5
 
 
 def test_rollout_equals_stepping_each_environment_in_python():
