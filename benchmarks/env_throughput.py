@@ -75,25 +75,37 @@ def _gymnax_case(num_envs: int, num_steps: int):
     return call
 
 
-def _measure(name: str, call, num_envs: int, num_steps: int, repeats: int) -> dict:
+def _measure(cases: dict, num_envs: int, num_steps: int, repeats: int) -> list[dict]:
+    """Each case's first call (trace, compile, run), then ``repeats`` rounds timing one call of
+    each, the order rotated every round, so a shared host's load shifts hit every case alike."""
     import jax
 
     from tpulab.perf.timing import summarize, time_steps
 
-    t0 = time.perf_counter()
-    jax.block_until_ready(call())
-    first_s = time.perf_counter() - t0  # trace + compile + one call
-    times = time_steps(call, jax.block_until_ready, repeats)
-    summary = summarize(times)
-    steps = num_envs * num_steps
-    return {
-        "impl": name,
-        "first_call_s": first_s,
-        "times_s": times,
-        **summary,
-        "steps_per_s_median": steps / summary["median_s"],
-        "steps_per_s_p10_p90": [steps / summary["p90_s"], steps / summary["p10_s"]],
-    }
+    first, times = {}, {name: [] for name in cases}
+    for name, call in cases.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        first[name] = time.perf_counter() - t0
+    names = list(cases)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name] += time_steps(cases[name], jax.block_until_ready, 1)
+    rows = []
+    for name in names:
+        summary = summarize(times[name])
+        steps = num_envs * num_steps
+        rows.append(
+            {
+                "impl": name,
+                "first_call_s": first[name],
+                "times_s": times[name],
+                **summary,
+                "steps_per_s_median": steps / summary["median_s"],
+                "steps_per_s_p10_p90": [steps / summary["p90_s"], steps / summary["p10_s"]],
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -108,30 +120,29 @@ def main() -> None:
 
     prepare()  # as the CLI does, before JAX starts its threads or a backend
     from tpulab.evidence import report_kit
-    from tpulab.evidence.provenance import describe_hardware
+    from tpulab.evidence.provenance import describe_hardware, package_versions
     from tpulab.perf.timing import benchmark_environment
 
-    cases = [("tpulab.envs", _tpulab_case)]
+    cases = {"tpulab.envs": _tpulab_case}
     try:
         import gymnax
 
-        cases.append(("gymnax", _gymnax_case))
+        cases["gymnax"] = _gymnax_case
         # Which gymnax ran: the installed distribution's version, or the source tree it came from.
-        version = benchmark_environment(extra_packages=("gymnax",))["packages"]["gymnax"]
+        version = package_versions(("gymnax",))["gymnax"]
         gymnax_note = f"gymnax: {version or 'no installed distribution'}, from {gymnax.__file__}"
     except ImportError as e:
         gymnax_note = f"gymnax: not measured, `import gymnax` failed ({e})"
 
-    rows = [
-        _measure(name, make_case(args.envs, args.steps), args.envs, args.steps, args.repeats)
-        for name, make_case in cases
-    ]
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    calls = {name: make_case(args.envs, args.steps) for name, make_case in cases.items()}
+    rows = _measure(calls, args.envs, args.steps, args.repeats)
     env = benchmark_environment(extra_packages=("gymnax",))
     head = (
         f"{describe_hardware(env)}; jax {env['packages']['jax']}; commit {env['git_commit']}; "
         f"CartPole, {args.envs} environments, random actions, {args.steps} steps per jitted "
-        f"scan, median of {args.repeats} calls; load average {env['load_avg_1m_5m_15m']} on "
-        f"{os.cpu_count()} host cores"
+        f"scan, median of {args.repeats} interleaved calls; load average {load_before} before, "
+        f"{env['load_avg_1m_5m_15m']} after, on {os.cpu_count()} host cores"
     )
     table = report_kit.table(
         ["implementation", "env steps/s (median)", "p10-p90", "s per call", "first call s"],
@@ -155,6 +166,7 @@ def main() -> None:
             "gymnax": gymnax_note,
             "config": vars(args) | {"out": str(args.out)},
             "environment": env,
+            "load_avg_before": load_before,
         }
         args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
         args.out.with_suffix(".md").write_text("\n".join(text) + "\n")
