@@ -242,3 +242,19 @@ def test_non_positive_or_non_integer_counts_are_refused(num_envs, num_steps):
     with pytest.raises(ConfigError, match="must be a positive integer"):
         carry = init_rollout(env, jax.random.key(0), num_envs, params)
         rollout(env, _scripted, num_steps, None, carry, params)
+
+
+def test_the_throughput_benchmark_times_the_rollout():
+    """benchmarks/env_throughput.py's timing at a tiny size (the script is run by hand)."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        "env_throughput", REPO / "benchmarks" / "env_throughput.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (row,) = bench._measure({"tpulab.envs": bench._tpulab_case(4, 8)}, 4, 8, 20)
+    assert row["impl"] == "tpulab.envs" and len(row["times_s"]) == 20
+    assert row["steps_per_s_median"] == 4 * 8 / row["median_s"] > 0
