@@ -2,13 +2,15 @@
 batching, model swaps, Prometheus metrics, request ids and a trace per request.
 
 Lifecycle. ``run_server`` listens at once, so ``/livez`` is 200 from the first moment. In the
-background the service calls its loader (which rehashes every file, deserializes and shape-checks
-every artifact and re-verifies the set against its checkpoint or a passing verification record;
-``tpulab.ops.serving`` adds the registry's checks), compiles the loop for every cache policy and
-batch bucket (each compile a real greedy generation), and sends one request through the batcher,
-whose tokens must equal the direct call's. Only then is ``/readyz`` (and ``/healthz``, its older
-name) 200. A failure at any stage leaves the server live and never ready, the reason on
-``/readyz``; a server not ready ``ready_timeout_s`` after it started exits 1 with that reason.
+background the service calls its loader (``trust.load_recorded``: rehashes every file,
+deserializes and shape-checks every artifact, requires a passing verification record and, given a
+run dir, re-verifies the set against its checkpoint; ``tpulab.ops.serving`` adds the registry's
+checks), compiles the loop for every cache policy and batch bucket (each compile a real greedy
+generation), and sends one request through the batcher, whose tokens must equal the direct call's.
+Only then is ``/readyz`` (and ``/healthz``, its older name) 200. A failure at any stage is
+permanent (nothing retries it): ``run_server`` stops on its next tick and exits 1 with the reason,
+at once rather than at the deadline. Still verifying or compiling is the only wait: a server not
+ready ``ready_timeout_s`` after it started exits 1 with the stage it was in.
 
 Stopping. SIGTERM (or SIGINT) closes the listener and drains: requests in flight finish, bounded
 by ``drain_timeout_s`` (past it, what is still waiting for its body or its batch is answered 503),
@@ -53,7 +55,6 @@ import json
 import math
 import re
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -75,7 +76,7 @@ from tpulab.data.drift import DriftWindow
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.inference.generate import Request as GenerationRequest
 from tpulab.inference.generate import decode_text, generate_batch
-from tpulab.inference.trust import load_verified
+from tpulab.inference.trust import load_recorded
 from tpulab.model import kvcache as kv
 from tpulab.model.decode import MAX_BATCH, batch_bucket
 from tpulab.model.policies import Policy
@@ -258,9 +259,10 @@ class Model:
 def artifacts_loader(
     artifacts: str | Path, run_dir: str | Path | None = None, key: bytes | None = None
 ) -> Callable[[], Model]:
-    """The loader of a plain artifacts dir: ``load_verified`` (every file rehashed, every artifact
-    deserialized and shape-checked, verified against the checkpoint or a passing record)."""
-    return lambda: Model.of(load_verified(artifacts, run_dir, key))
+    """The loader of a plain artifacts dir: ``load_recorded`` (every file rehashed, every artifact
+    deserialized and shape-checked, a passing record required, verified against the checkpoint
+    too when given ``run_dir``)."""
+    return lambda: Model.of(load_recorded(artifacts, run_dir, key))
 
 
 @dataclasses.dataclass
@@ -585,15 +587,9 @@ class Service:
             )
             for callback in self.on_ready:
                 callback()
-        except Exception as e:  # not swallowed: printed, on /readyz, and the exit status after the
-            self.failure = _reason(e)  # ready timeout; the server stays live meanwhile
+        except Exception as e:  # not swallowed: on /readyz, and ``run_server``'s one error line
+            self.failure = _reason(e)
             self.stage = "failed"
-            print(
-                f"error: not ready ({self.describe}): {self.failure}; live, exiting 1 "
-                f"{self.cfg.ready_timeout_s:g} s after start",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def probe_request(self, model: Model) -> GenerationRequest:
         new = max(1, min(4, model.max_len - 2))
@@ -616,6 +612,10 @@ class Service:
     def overdue(self) -> bool:
         """Not ready ``ready_timeout_s`` after start: the server should exit 1."""
         return not self.ready.is_set() and self.clock() - self.started_at > self.cfg.ready_timeout_s
+
+    def failed(self) -> bool:
+        """Bring-up failed: nothing will make it ready, so the server should exit 1 now."""
+        return self.stage == "failed"
 
     def not_ready_reason(self) -> str:
         return self.failure or f"{self.stage} ({self.clock() - self.started_at:.1f} s since start)"
@@ -950,11 +950,13 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
     class Server(uvicorn.Server):
         """uvicorn's server, except that a drained stop is a success (uvicorn re-raises the caught
         signal after its graceful shutdown: the process died of SIGTERM, exit 143), the service
-        learns when the drain begins, and a server not ready in time stops."""
+        learns when the drain begins, and a server whose bring-up failed, or that is not ready in
+        time, stops."""
 
         def __init__(self, config: uvicorn.Config, service: Service):
             super().__init__(config)
-            self.service, self.signals, self.overdue = service, [], False
+            self.service, self.signals = service, []
+            self.overdue = self.failed = False
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -985,7 +987,9 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
                 )
 
         async def on_tick(self, counter: int) -> bool:
-            if not self.should_exit and self.service.overdue():
+            if not self.should_exit and self.service.failed():
+                self.failed = self.should_exit = True
+            elif not self.should_exit and self.service.overdue():
                 self.overdue = self.should_exit = True
             return await super().on_tick(counter)
 
@@ -997,8 +1001,9 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
 
 
 def run_server(service: Service, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until SIGTERM/SIGINT (drained: returns; SIGINT then raises KeyboardInterrupt) or until
-    the ready deadline passes unready (TpulabError, exit 1)."""
+    """Serve until SIGTERM/SIGINT (drained: returns; SIGINT then raises KeyboardInterrupt), until
+    bring-up fails (TpulabError, exit 1, at once) or until the ready deadline passes unready
+    (TpulabError, exit 1)."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -1010,6 +1015,10 @@ def run_server(service: Service, host: str = "127.0.0.1", port: int = 8000) -> N
     )
     server = _server_class()(config, service)
     server.run()
+    if server.failed:
+        raise TpulabError(
+            f"not ready ({service.describe}): {service.failure}", exit_code=ExitCode.FAILED
+        )
     if server.overdue:
         raise TpulabError(
             f"not ready within {service.cfg.ready_timeout_s:g} s: {service.not_ready_reason()}",

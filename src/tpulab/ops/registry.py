@@ -1,17 +1,19 @@
 """The model registry: MLflow Model Registry versions on the project's own store, moved by evidence.
 
-``register`` makes a version of a verified export set (re-verified against its checkpoint here),
-tagged per ``tpulab.ops.tags`` with the digests, corpus, training run, resume verdict and behaviour
-scores. ``promote`` trusts none of those tags: it compares them with the files on disk, re-verifies
-the artifacts against their checkpoint (``inference.export.load_verified``), re-runs the behaviour
-suite on the candidate and on the alias's current holder, and refuses a regression beyond
-``behaviour.MARGINS``. ``rollback`` moves the alias to the version promoted before (re-verified;
-retired or deleted versions are skipped, and named). ``retire`` and ``delete`` refuse a version
-that holds an alias (MLflow would silently drop the alias on delete). Every action is a ledger
-entry (``ops.ledger``) beside the store; a broken chain, or a ledger that does not end where the
-store's ``LEDGER_HEAD`` tag says, refuses every command before anything changes. An alias moved or
-dropped outside tpulab (the store and the ledger disagree) is reported by every command and by
-``status``' exit code, and recorded in the next entry.
+``register`` makes a version of an export set verified against its checkpoint here as
+``verify-export`` does, its ``verification.json`` left for every later check
+(``inference.trust.verify_and_record``), tagged per ``tpulab.ops.tags`` with the digests, corpus,
+training run, resume verdict and behaviour scores. ``promote`` trusts none of those tags: it
+compares them with the files on disk, checks the record as ``serve`` and ``image build`` do and
+re-verifies the artifacts against their checkpoint (``inference.trust.load_recorded``), re-runs
+the behaviour suite on the candidate and on the alias's current holder, and refuses a regression
+beyond ``behaviour.MARGINS``. ``rollback`` moves the alias to the version promoted before
+(re-verified the same way; retired or deleted versions are skipped, and named). ``retire`` and
+``delete`` refuse a version that holds an alias (MLflow would silently drop the alias on
+delete). Every action is a ledger entry (``ops.ledger``) beside the store; a broken chain, or a
+ledger that does not end where the store's ``LEDGER_HEAD`` tag says, refuses every command before
+anything changes. An alias moved or dropped outside tpulab (the store and the ledger disagree) is
+reported by every command and by ``status``' exit code, and recorded in the next entry.
 
 Changes are committed under ``registry_ledger.lock`` (flock) beside the store, after checking
 that nothing changed while the artifacts were verified unlocked (``unchanged_since``); readers
@@ -401,12 +403,13 @@ def _claims_match_disk(mv) -> tuple[Path, dict, str]:
 
 
 def verify_version(mv) -> tuple[object, dict]:
-    """Tags against disk, then the artifacts re-verified against their checkpoint: (ArtifactSet,
-    the evidence a ledger entry records)."""
-    from tpulab.inference.trust import load_verified
+    """Tags against disk, then the artifacts' verification record checked as ``serve`` checks it
+    and the artifacts re-verified against their checkpoint: (ArtifactSet, the evidence a ledger
+    entry records)."""
+    from tpulab.inference.trust import load_recorded
 
     root, manifest, digest = _claims_match_disk(mv)
-    art = load_verified(root, manifest["source"]["run_dir"])
+    art = load_recorded(root, manifest["source"]["run_dir"])
     if art.manifest_sha256 != digest:
         raise TpulabError(f"artifacts {root} changed while they were verified; refused")
     return art, {
@@ -544,9 +547,10 @@ def register(
     out=print,
 ) -> dict:
     """A new version of ``name`` in the store ``uri`` from ``artifacts``, verified against their
-    checkpoint and evaluated. The only command that may create the store, and only once the
-    artifacts passed: bad artifacts leave no new file behind."""
-    from tpulab.inference.trust import load_verified
+    checkpoint (their ``verification.json`` written, or a passing one kept) and evaluated. The
+    only command that may create the store, and only once the artifacts passed: bad artifacts
+    leave no new file behind."""
+    from tpulab.inference.trust import verify_and_record
 
     check_name(name)
     if Path(uri[len("sqlite:///") :]).exists() or not uri.startswith("sqlite:///"):
@@ -556,7 +560,7 @@ def register(
     run_dir = Path(manifest["source"]["run_dir"])
     corpus = corpus_identity(run_dir)
     verdict = resume_verdict(run_dir, resume_verdict_path)
-    art = load_verified(root, run_dir)
+    art = verify_and_record(root)
     if art.manifest_sha256 != digest:
         raise TpulabError(f"artifacts {root} changed while they were verified; refused")
     out(

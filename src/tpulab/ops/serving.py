@@ -5,9 +5,11 @@ statistic at the training corpus.
 Before anything listens (one ``error:`` line otherwise): the model URI parses, the store exists
 (opening never creates one) and can be read, the alias names a version, and that version is not
 retired and carries the tags a served version needs (its ``source`` equal to its ``ARTIFACTS``
-tag). After the server listens, in the background, the loader re-verifies the artifacts on disk
-(``load_verified``) and compares their digests with the ``EXPORT_MANIFEST`` and ``CHECKPOINT`` tags:
-tags are claims, the files are the evidence. A mismatch leaves the server live and never ready.
+tag). After the server listens, in the background, the loader checks the artifacts on disk as
+the registry's own commands do (``load_recorded``: every file rehashed, the verification record
+``register`` left) and compares their digests with the ``EXPORT_MANIFEST`` and ``CHECKPOINT`` tags:
+tags are claims, the files are the evidence. A mismatch ends the service at once (nothing to wait
+for: ``serve.run_server``).
 
 A request's ``prompt_version`` is resolved against the prompt registry of the same store
 (``prompts.PromptResolver``; with ``--artifacts``, the store ``--tracking-uri`` names, else none:
@@ -40,7 +42,7 @@ from tpulab.inference.serve import (
     artifacts_loader,
     run_server,
 )
-from tpulab.inference.trust import load_verified, read_key
+from tpulab.inference.trust import load_recorded, read_key
 from tpulab.ops import prompts as P
 from tpulab.ops import registry as R
 from tpulab.ops import tags as T
@@ -140,9 +142,9 @@ def check_servable(reg: Registered) -> None:
 
 
 def load_registered(reg: Registered, run_dir=None, key: bytes | None = None) -> Model:
-    """``reg``'s artifacts verified on disk (``load_verified``), their digests equal to its tags."""
+    """``reg``'s artifacts verified on disk (``load_recorded``), their digests equal to its tags."""
     check_servable(reg)
-    art = load_verified(reg.source, run_dir, key)
+    art = load_recorded(reg.source, run_dir, key)
     on_disk = {
         T.EXPORT_MANIFEST: art.manifest_sha256,
         T.CHECKPOINT: art.manifest["source"]["checkpoint_manifest_sha256"],
