@@ -259,7 +259,8 @@ def register(sub) -> None:
         "--ready-timeout",
         type=float,
         default=600.0,
-        help="not ready (verified, compiled, probed) this long after start: exit 1 (s)",
+        help="still not ready (verified, compiled, probed) this long after start: exit 1 (s); "
+        "a failed start exits 1 at once",
     )
     p.add_argument(
         "--trace-log",

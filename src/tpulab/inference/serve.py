@@ -123,7 +123,7 @@ class ServeConfig:
         "after SIGTERM, how long requests in flight may take (then 503); under Kubernetes' "
         "default 30 s grace period, so the stop ends before a SIGKILL",
     )
-    ready_timeout_s: float = field(600.0, "not ready this long after start: exit 1")
+    ready_timeout_s: float = field(600.0, "still starting this long after start: exit 1")
 
     def __post_init__(self):
         check(

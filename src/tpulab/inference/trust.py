@@ -113,7 +113,7 @@ def require_verified(art: ArtifactSet, key: bytes | None = None) -> dict:
     with ``key`` when one is given); else raise."""
     path = art.root / VERIFICATION
     if not path.is_file():
-        refuse(art.root, f"not verified: no {VERIFICATION} (run: tpulab verify-export {art.root})")
+        refuse(art.root, f"not verified (run: tpulab verify-export {art.root})")
     try:
         record = json.loads(path.read_text())
         if not isinstance(record, dict):
