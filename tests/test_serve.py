@@ -505,7 +505,9 @@ def test_bad_artifacts_end_the_server_at_once_and_a_slow_start_waits_for_the_tim
     can end them; the held loader's server outlives them, answers /readyz 503 "verifying", and
     ends with "not ready within 20 s" once the clock passes the bound."""
     from tpulab.errors import TpulabError
-    from tpulab.inference.serve import ServeConfig, Service, artifacts_loader, run_server
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service, artifacts_loader
+    from tpulab.inference.serve_http import run_server
 
     now, cfg = [0.0], ServeConfig(ready_timeout_s=20)
     release = threading.Event()
@@ -575,7 +577,7 @@ def test_bad_artifacts_end_the_server_at_once_and_a_slow_start_waits_for_the_tim
 def in_process(service):
     import uvicorn
 
-    from tpulab.inference.serve import create_app
+    from tpulab.inference.serve_http import create_app
 
     port = free_port()
     server = uvicorn.Server(
@@ -629,7 +631,8 @@ def test_ready_only_after_verification_and_a_real_inference(loaded_model):
     """/readyz stays 503 (and /livez 200, /v1/generate 503) while the loader has not returned and
     while the engines' first generation is held; it turns 200 only after every compile-time
     generation and the probe through the batcher have run (3 policies x bucket 1, + 1)."""
-    from tpulab.inference.serve import ServeConfig, Service
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service
 
     verified, gate, calls = threading.Event(), threading.Event(), []
 
@@ -669,7 +672,8 @@ def test_ready_only_after_verification_and_a_real_inference(loaded_model):
 def test_a_probe_that_disagrees_with_the_direct_call_is_not_ready(loaded_model):
     """Negative control of the probe check: an engine that answers the batcher's probe with other
     tokens than the compile-time call leaves the service failed, never ready."""
-    from tpulab.inference.serve import ServeConfig, Service
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service
 
     real = lambda: loaded_model  # noqa: E731
 
@@ -691,7 +695,8 @@ def test_a_probe_that_disagrees_with_the_direct_call_is_not_ready(loaded_model):
 
 
 def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(loaded_model):
-    from tpulab.inference.serve import ServeConfig, Service
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service
 
     class Broken:
         max_len = 32
@@ -719,8 +724,9 @@ def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(lo
 
 
 def test_a_request_past_its_deadline_expires_in_the_queue_on_the_injected_clock():
+    from tpulab.inference.config import ServeConfig
     from tpulab.inference.generate import Request as GenerationRequest
-    from tpulab.inference.serve import Batcher, ServeConfig
+    from tpulab.inference.serve_batcher import Batcher
     from tpulab.model.sampling import SamplingConfig
 
     now = [100.0]
@@ -753,7 +759,8 @@ class _SlowEngine(_Gated):
 
 @pytest.fixture(scope="module")
 def slow_server(verified_artifacts, trained_run):
-    from tpulab.inference.serve import ServeConfig, Service, artifacts_loader
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service, artifacts_loader
 
     cfg = ServeConfig(
         max_batch=1, batch_window_ms=0, max_queue=3, request_timeout_s=1.0, retry_after_s=2

@@ -86,7 +86,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from tpulab.inference.serve import ServeConfig
+    from tpulab.inference.config import ServeConfig
     from tpulab.ops.serving import serve
 
     cfg = ServeConfig(

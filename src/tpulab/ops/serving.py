@@ -9,7 +9,7 @@ tag). After the server listens, in the background, the loader checks the artifac
 the registry's own commands do (``load_recorded``: every file rehashed, the verification record
 ``register`` left) and compares their digests with the ``EXPORT_MANIFEST`` and ``CHECKPOINT`` tags:
 tags are claims, the files are the evidence. A mismatch ends the service at once (nothing to wait
-for: ``serve.run_server``).
+for: ``serve_http.run_server``).
 
 A request's ``prompt_version`` is resolved against the prompt registry of the same store
 (``prompts.PromptResolver``; with ``--artifacts``, the store ``--tracking-uri`` names, else none:
@@ -34,17 +34,14 @@ from pathlib import Path
 from tpulab.checkpoint.rundir import RunDir, read_json
 from tpulab.data.drift import byte_histogram
 from tpulab.errors import TpulabError
-from tpulab.inference.serve import (
-    Model,
-    ServeConfig,
-    Service,
-    TraceLog,
-    artifacts_loader,
-    run_server,
-)
+from tpulab.inference.config import ServeConfig
+from tpulab.inference.serve import Service, artifacts_loader
+from tpulab.inference.serve_batcher import Model
+from tpulab.inference.serve_http import run_server
+from tpulab.inference.serve_telemetry import TraceLog
 from tpulab.inference.trust import load_recorded, read_key
 from tpulab.ops import prompts as P
-from tpulab.ops import registry as R
+from tpulab.ops import registry_store as R
 from tpulab.ops import tags as T
 
 _MODEL_URI = re.compile(
@@ -117,7 +114,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def resolve(registry: R.Registry, ref: ModelRef) -> Registered:
-    """What the registry says ``ref`` is now (``registry.read_version``: one reader for the
+    """What the registry says ``ref`` is now (``registry_store.read_version``: one reader for the
     commands and the service)."""
     mv = R.read_version(registry, ref.name, version=ref.version, alias=ref.alias)
     return Registered(
