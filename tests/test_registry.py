@@ -192,7 +192,8 @@ def _verdict(**dirs) -> dict:
 
 
 def test_resume_verdict_and_training_run_are_found_only_for_this_run(tmp_path):
-    from tpulab.ops.registry import open_registry, resume_verdict, training_run_id
+    from tpulab.ops.registry_evidence import resume_verdict, training_run_id
+    from tpulab.ops.registry_store import open_registry
     from tpulab.tracking.store import RUN_FILE
 
     run = tmp_path / "out" / "run"
@@ -346,7 +347,8 @@ def test_moves_made_outside_tpulab_are_reported(store):
 
 
 def test_a_change_made_while_a_command_verified_refuses_its_commit(store):
-    from tpulab.ops.registry import consistent_ledger, open_registry, unchanged_since
+    from tpulab.ops.registry_check import consistent_ledger, unchanged_since
+    from tpulab.ops.registry_store import open_registry
 
     reg = open_registry(_uri(store))
     entries, _, model = consistent_ledger(reg, NAME)
@@ -420,7 +422,7 @@ def test_the_cli_process_prints_one_line_and_no_mlflow_chatter(store, tmp_path):
 
 def test_prompts_are_versioned_by_content_hash(tmp_path):
     from tpulab.ops.prompts import PromptResolver, load_prompt, prompt_sha256
-    from tpulab.ops.registry import open_registry
+    from tpulab.ops.registry_store import open_registry
 
     uri = _uri(tmp_path)
     open_registry(uri, create=True)
@@ -457,7 +459,7 @@ def test_a_prompt_version_resolves_to_what_the_registry_holds(tmp_path):
     unknown names, versions and aliases, and other texts, are refused (one line)."""
     from tpulab.errors import TpulabError
     from tpulab.ops.prompts import PromptResolver, prompt_sha256, rendered_from
-    from tpulab.ops.registry import open_registry
+    from tpulab.ops.registry_store import open_registry
 
     uri = _uri(tmp_path)
     open_registry(uri, create=True)

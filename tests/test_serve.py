@@ -1,6 +1,6 @@
 """The HTTP service, driven by a real client on loopback; every server process group is reaped.
 
-Readiness (never before verification and a real inference; live but never ready on bad artifacts),
+Readiness (never before verification and a real inference; bad artifacts end the server at once),
 the request contract, batching, backpressure, metrics, request ids and traces, the SIGTERM drain,
 a slow body and a client that leaves mid-body. Registry serving is in test_serve_registry.py.
 """
@@ -492,40 +492,47 @@ def _damaged(verified_artifacts, tmp_path, name) -> Path:
     return art
 
 
-def test_bad_artifacts_leave_the_server_live_never_ready_and_exit_1_after_the_timeout(
+def test_bad_artifacts_end_the_server_at_once_and_a_slow_start_waits_for_the_timeout(
     verified_artifacts, tmp_path
 ):
-    """The negative control of readiness: on unverified, tampered, corrupt or swapped artifacts the
-    server answers /livez, never /readyz 200 (the reason is on it), and fails at the timeout.
+    """A permanent failure (unverified, tampered, corrupt or swapped artifacts: nothing would make
+    them ready) ends the server at once, exit 1, one line with the reason; only a start still in
+    progress waits for the ready timeout (the negative control: a loader held on purpose).
 
-    "corrupt" runs the CLI in a real process: exit 1 at the 20 s bound, the reason its last line.
-    The other three run serve's own server (``run_server``: real uvicorn on loopback) in threads
-    of this process, meanwhile, saving a process start (~3.5 CPU-s) each; their ready deadline is
-    an injected clock, held until every reason was seen on /readyz, then moved past the bound (on
-    a real clock, three loads sharing this process under load could pass the bound before a
-    verification failed: the reason is then "verifying", not the damage)."""
+    "corrupt" runs the CLI in a real process with the default 600 s ready timeout: it must end far
+    sooner. The other three run serve's own server (``run_server``: real uvicorn on loopback) in
+    threads of this process, their ready deadline an injected clock held at 0, so only the failure
+    can end them; the held loader's server outlives them, answers /readyz 503 "verifying", and
+    ends with "not ready within 20 s" once the clock passes the bound."""
     from tpulab.errors import TpulabError
-    from tpulab.inference.serve import ServeConfig, Service, artifacts_loader, run_server
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service, artifacts_loader
+    from tpulab.inference.serve_http import run_server
 
-    now, cfg, threads = (
-        [0.0],
-        ServeConfig(ready_timeout_s=20),
-        ("unverified", "tampered", "swapped"),
-    )
-    ports, runs, seen = {}, {}, {name: set() for name in BAD_ARTIFACTS}
+    now, cfg = [0.0], ServeConfig(ready_timeout_s=20)
+    release = threading.Event()
+
+    def held():
+        release.wait(120)
+        raise TpulabError("released")
+
+    loaders = {name: artifacts_loader(_damaged(verified_artifacts, tmp_path, name))
+               for name in ("unverified", "tampered", "swapped")}  # fmt: skip
+    loaders["held"] = held
+    runs = {}
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(tmp_path / "corrupt.log", "wb"))
-        ports["corrupt"] = free_port()
         args = ("--artifacts", str(_damaged(verified_artifacts, tmp_path, "corrupt")))
-        proc = start_server(log, *args, "--ready-timeout", "20", port=ports["corrupt"])
+        t0 = time.monotonic()
+        proc = start_server(log, *args, "--ready-timeout", "600", port=free_port())
         stack.callback(reap, proc)
-        for name in threads:
-            art = _damaged(verified_artifacts, tmp_path, name)
-            service = Service(artifacts_loader(art), cfg, describe=name, clock=lambda: now[0])
+        stack.callback(release.set)
+        for name, loader in loaders.items():
+            service = Service(loader, cfg, describe=name, clock=lambda: now[0])
             service.start()
-            ports[name], ended = free_port(), {}
+            port, ended = free_port(), {}
 
-            def serve(service=service, port=ports[name], ended=ended):
+            def serve(service=service, port=port, ended=ended):
                 try:
                     run_server(service, "127.0.0.1", port)
                     ended["error"] = None
@@ -534,42 +541,33 @@ def test_bad_artifacts_leave_the_server_live_never_ready_and_exit_1_after_the_ti
 
             thread = threading.Thread(target=serve, daemon=True)
             thread.start()
-            runs[name] = (service, thread, ended)
-
-        def stop_threads():
-            now[0] = 1e9  # whatever failed, no server thread outlives the test
-            for _, thread, _ in runs.values():
-                thread.join(timeout=60)
-
-        stack.callback(stop_threads)
-        t0 = time.monotonic()
-        while proc.poll() is None or any((200, 503, True) not in seen[n] for n in threads):
-            assert time.monotonic() - t0 < 300, seen
-            for name, port in ports.items():
-                if name == "corrupt" and proc.poll() is not None:
-                    continue
-                with contextlib.suppress(httpx.TransportError):
-                    live = httpx.get(f"http://127.0.0.1:{port}/livez", timeout=5).status_code
-                    ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
-                    reason = BAD_ARTIFACTS[name][1] in ready.json()["status"]
-                    seen[name].add((live, ready.status_code, reason))
-            time.sleep(0.2)
-        assert all(thread.is_alive() for _, thread, _ in runs.values())  # live until the deadline
-        now[0] = 20.5  # past the bound: each in-process server stops on its next tick
-        for name, (service, thread, _) in runs.items():
-            thread.join(timeout=60)
-            assert not thread.is_alive() and service.overdue(), name
+            runs[name] = (service, thread, ended, port)
+        for name in ("unverified", "tampered", "swapped"):
+            runs[name][1].join(timeout=240)
+        rc = proc.wait(timeout=240)
+        took = time.monotonic() - t0
+        failed = [n for n in runs if n != "held"]
+        assert not any(runs[n][1].is_alive() for n in failed)  # ended with the clock at 0
+        service, thread, ended, port = runs["held"]
+        assert thread.is_alive() and not ended  # still verifying: a wait, not a failure
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
+        assert ready.status_code == 503 and "verifying" in ready.json()["status"], ready.text
+        now[0] = 20.5  # past the bound: the held server stops on its next tick
+        thread.join(timeout=60)
     out = (tmp_path / "corrupt.log").read_text().strip()
-    assert proc.returncode == ExitCode.FAILED and out.splitlines()[-1].startswith(
-        "error: not ready within 20 s"
-    ), out
-    assert BAD_ARTIFACTS["corrupt"][1] in out.splitlines()[-1] and "Traceback" not in out, out
-    for name, (_, _, ended) in runs.items():
-        err = ended["error"]
-        assert isinstance(err, TpulabError) and err.exit_code == ExitCode.FAILED, (name, err)
-        assert str(err).startswith("not ready within 20 s") and BAD_ARTIFACTS[name][1] in str(err)
-    for name in BAD_ARTIFACTS:
-        assert (200, 503, True) in seen[name] and all(r == 503 for _, r, _ in seen[name]), seen
+    assert rc == ExitCode.FAILED and took < 200, (rc, took, out)  # not the 600 s timeout
+    last = out.splitlines()[-1]
+    assert last.startswith("error: not ready (artifacts ") and BAD_ARTIFACTS["corrupt"][1] in last
+    assert sum(x.startswith("error: ") for x in out.splitlines()) == 1 and "Traceback" not in out
+    for name, (_, thread, ended, _) in runs.items():
+        err = ended.get("error")
+        assert not thread.is_alive() and isinstance(err, TpulabError), (name, err)
+        assert err.exit_code == ExitCode.FAILED, (name, err)
+        if name == "held":
+            assert str(err).startswith("not ready within 20 s: verifying"), err
+        else:
+            assert str(err).startswith(f"not ready ({name}): "), err
+            assert BAD_ARTIFACTS[name][1] in str(err), err
 
 
 # --- In-process servers (real uvicorn on loopback) with injected loaders and engines --------------
@@ -579,7 +577,7 @@ def test_bad_artifacts_leave_the_server_live_never_ready_and_exit_1_after_the_ti
 def in_process(service):
     import uvicorn
 
-    from tpulab.inference.serve import create_app
+    from tpulab.inference.serve_http import create_app
 
     port = free_port()
     server = uvicorn.Server(
@@ -633,7 +631,8 @@ def test_ready_only_after_verification_and_a_real_inference(loaded_model):
     """/readyz stays 503 (and /livez 200, /v1/generate 503) while the loader has not returned and
     while the engines' first generation is held; it turns 200 only after every compile-time
     generation and the probe through the batcher have run (3 policies x bucket 1, + 1)."""
-    from tpulab.inference.serve import ServeConfig, Service
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service
 
     verified, gate, calls = threading.Event(), threading.Event(), []
 
@@ -673,7 +672,8 @@ def test_ready_only_after_verification_and_a_real_inference(loaded_model):
 def test_a_probe_that_disagrees_with_the_direct_call_is_not_ready(loaded_model):
     """Negative control of the probe check: an engine that answers the batcher's probe with other
     tokens than the compile-time call leaves the service failed, never ready."""
-    from tpulab.inference.serve import ServeConfig, Service
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service
 
     real = lambda: loaded_model  # noqa: E731
 
@@ -695,7 +695,8 @@ def test_a_probe_that_disagrees_with_the_direct_call_is_not_ready(loaded_model):
 
 
 def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(loaded_model):
-    from tpulab.inference.serve import ServeConfig, Service
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service
 
     class Broken:
         max_len = 32
@@ -723,8 +724,9 @@ def test_failed_warm_up_is_live_never_ready_and_overdue_on_the_injected_clock(lo
 
 
 def test_a_request_past_its_deadline_expires_in_the_queue_on_the_injected_clock():
+    from tpulab.inference.config import ServeConfig
     from tpulab.inference.generate import Request as GenerationRequest
-    from tpulab.inference.serve import Batcher, ServeConfig
+    from tpulab.inference.serve_batcher import Batcher
     from tpulab.model.sampling import SamplingConfig
 
     now = [100.0]
@@ -757,7 +759,8 @@ class _SlowEngine(_Gated):
 
 @pytest.fixture(scope="module")
 def slow_server(verified_artifacts, trained_run):
-    from tpulab.inference.serve import ServeConfig, Service, artifacts_loader
+    from tpulab.inference.config import ServeConfig
+    from tpulab.inference.serve import Service, artifacts_loader
 
     cfg = ServeConfig(
         max_batch=1, batch_window_ms=0, max_queue=3, request_timeout_s=1.0, retry_after_s=2

@@ -85,7 +85,7 @@ def test_model_uris_parse_or_are_one_line_errors():
 
 
 def test_a_missing_store_is_refused_and_not_created(tmp_path):
-    from tpulab.ops.registry import open_registry
+    from tpulab.ops.registry_store import open_registry
 
     with pytest.raises(TpulabError, match="no registry store at"):
         open_registry(f"sqlite:///{tmp_path}/none/mlruns.db")
@@ -96,7 +96,7 @@ def test_a_missing_store_is_refused_and_not_created(tmp_path):
 
 def test_resolution_refusals(store, art40):
     from tpulab.ops import tags as T
-    from tpulab.ops.registry import open_registry
+    from tpulab.ops.registry_store import open_registry
     from tpulab.ops.serving import ModelRef, check_servable, resolve
 
     uri, client = store
@@ -127,7 +127,7 @@ def test_tags_are_checked_against_the_verified_files(store, art40, art20):
     verification (the tags are claims); with honest tags it loads, its identity from the files."""
     from tpulab.checkpoint.files import sha256_file
     from tpulab.ops import tags as T
-    from tpulab.ops.registry import open_registry
+    from tpulab.ops.registry_store import open_registry
     from tpulab.ops.serving import ModelRef, load_registered, resolve
 
     uri, client = store
@@ -346,7 +346,7 @@ def test_the_watcher_swaps_refuses_once_and_retries_after_the_alias_moves(store,
     reloaded on every poll, but is tried again once the alias has named another version."""
     from types import SimpleNamespace
 
-    from tpulab.ops.registry import open_registry
+    from tpulab.ops.registry_store import open_registry
     from tpulab.ops.serving import AliasWatcher, ModelRef, resolve
 
     uri, client = store

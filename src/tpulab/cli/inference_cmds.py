@@ -90,7 +90,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from tpulab.inference.serve import ServeConfig
+    from tpulab.inference.config import ServeConfig
     from tpulab.ops.serving import serve
 
     cfg = ServeConfig(
@@ -263,7 +263,8 @@ def register(sub) -> None:
         "--ready-timeout",
         type=float,
         default=600.0,
-        help="not ready (verified, compiled, probed) this long after start: exit 1 (s)",
+        help="still not ready (verified, compiled, probed) this long after start: exit 1 (s); "
+        "a failed start exits 1 at once",
     )
     p.add_argument(
         "--trace-log",

@@ -10,7 +10,7 @@ from tpulab.errors import ExitCode, TpulabError
 
 
 def _open(args):
-    from tpulab.ops.registry import open_registry, store_uri
+    from tpulab.ops.registry_store import open_registry, store_uri
 
     return open_registry(store_uri(args.tracking_uri))
 
@@ -29,7 +29,8 @@ def _err(line: str) -> None:
 
 def cmd_register(args) -> int:
     from tpulab.inference.artifact_format import ARTIFACT_MANIFEST
-    from tpulab.ops.registry import register, store_uri
+    from tpulab.ops.registry import register
+    from tpulab.ops.registry_store import store_uri
 
     artifacts = checked_path(args.artifacts, "--artifacts")
     verdict = checked_path(args.resume_verdict, "--resume-verdict") if args.resume_verdict else None

@@ -7,8 +7,13 @@ restores the checkpoint (verified by its own manifest) and compares weights and 
 checked and where the checkpoint came from: the run dir, and whether the user named it or it was
 read from the set's own manifest. Signing (an HMAC with a key) needs a run dir the user named: the
 manifest's was written by whoever wrote the artifacts, and a forged set checked against its own
-forged checkpoint passes every comparison. ``load_verified`` is what ``serve`` and ``generate``
-call: the set re-checked against a checkpoint, or matched against a passing record.
+forged checkpoint passes every comparison. ``load_verified`` is what ``generate`` calls: the set
+re-checked against a checkpoint, or matched against a passing record.
+
+One verification for every consumer of a set that was verified: ``load_recorded`` (the record,
+always; the checkpoint too when given) is what ``serve``, ``image build`` and the registry's
+``promote`` and ``rollback`` load, and ``verify_and_record`` is ``register``: it verifies exactly
+as ``verify_export`` does and leaves the same record, so what one accepts the others accept.
 """
 
 from __future__ import annotations
@@ -72,10 +77,20 @@ def verify_export(
             "was chosen by whoever wrote the artifacts",
         )
     art = open_artifacts(root)
+    result = _check(art, run_dir)
+    if key is not None:
+        result["hmac_sha256"] = _sign(result, key)
+    atomic_write_json(art.root / VERIFICATION, result)
+    return result
+
+
+def _check(art: ArtifactSet, run_dir: str | Path | None) -> dict:
+    """The record ``verify_export`` writes: ``art`` compared with its checkpoint (in ``run_dir``,
+    else the run dir its manifest names)."""
     given_by = USER if run_dir is not None else MANIFEST_RUN_DIR
     source_dir = Path(run_dir if run_dir is not None else art.manifest["source"]["run_dir"])
     rows, restored = check_against_checkpoint(art, source_dir)
-    result = {
+    return {
         "manifest_sha256": art.manifest_sha256,
         "files_sha256": art.file_sha256,
         "platform": current_platform(),
@@ -91,10 +106,6 @@ def verify_export(
         "rows": rows,
         **jax_versions(),
     }
-    if key is not None:
-        result["hmac_sha256"] = _sign(result, key)
-    atomic_write_json(art.root / VERIFICATION, result)
-    return result
 
 
 def require_verified(art: ArtifactSet, key: bytes | None = None) -> dict:
@@ -159,39 +170,104 @@ def require_verified(art: ArtifactSet, key: bytes | None = None) -> dict:
     return record
 
 
+def _checkpoint_summary(art: ArtifactSet, run_dir: str | Path) -> dict:
+    """``art`` re-verified against the checkpoint in ``run_dir`` (refused unless every row passed):
+    what ``art.verification`` says of it."""
+    rows, restored = check_against_checkpoint(art, run_dir)
+    failed = [r["artifact"] for r in rows if not r["passed"]]
+    if failed:
+        refuse(
+            art.root,
+            f"outputs differ from checkpoint step {restored.step}: {', '.join(failed)}",
+        )
+    return {
+        "mode": "checkpoint",
+        "run_dir": str(Path(run_dir).resolve()),
+        "checkpoint_step": restored.step,
+        "checkpoint_manifest_sha256": restored.checkpoint_digest,
+        "weights": "bitwise equal to the checkpoint",
+        "endpoints_passed": len(rows),
+    }
+
+
+def _record_summary(art: ArtifactSet, record: dict, key: bytes | None) -> dict:
+    return {
+        "mode": "record+hmac" if key is not None else "record",
+        "record": VERIFICATION,
+        "files_rehashed": len(art.file_sha256),
+        "signed": "hmac_sha256" in record,
+        "signature_checked": key is not None,
+        "checkpoint_source": record.get("checkpoint_source"),
+    }
+
+
+def _record_sha256(art: ArtifactSet) -> str:
+    return hashlib.sha256((art.root / VERIFICATION).read_bytes()).hexdigest()
+
+
 def load_verified(
     root: str | Path, run_dir: str | Path | None = None, key: bytes | None = None
 ) -> ArtifactSet:
-    """What ``serve`` and ``generate`` run: an artifact set whose every file was rehashed just now
-    and either re-verified against the checkpoint in ``run_dir`` (weights bitwise, outputs
-    compared) or matched against a passing verification record (signed with ``key`` when given).
-    Every artifact is deserialized and shape-checked first. ``art.verification`` says which of
-    these happened."""
+    """What ``generate`` runs: an artifact set whose every file was rehashed just now and either
+    re-verified against the checkpoint in ``run_dir`` (weights bitwise, outputs compared) or
+    matched against a passing verification record (signed with ``key`` when given). Every
+    artifact is deserialized and shape-checked first. ``art.verification`` says which of these
+    happened."""
     art = open_artifacts(root)
     if run_dir is not None:
-        rows, restored = check_against_checkpoint(art, run_dir)
-        failed = [r["artifact"] for r in rows if not r["passed"]]
-        if failed:
-            refuse(
-                art.root,
-                f"outputs differ from checkpoint step {restored.step}: {', '.join(failed)}",
-            )
-        art.verification = {
-            "mode": "checkpoint",
-            "run_dir": str(Path(run_dir).resolve()),
-            "checkpoint_step": restored.step,
-            "checkpoint_manifest_sha256": restored.checkpoint_digest,
-            "weights": "bitwise equal to the checkpoint",
-            "endpoints_passed": len(rows),
-        }
+        art.verification = _checkpoint_summary(art, run_dir)
     else:
-        record = require_verified(art, key)
-        art.verification = {
-            "mode": "record+hmac" if key is not None else "record",
-            "record": VERIFICATION,
-            "files_rehashed": len(art.file_sha256),
-            "signed": "hmac_sha256" in record,
-            "signature_checked": key is not None,
-            "checkpoint_source": record.get("checkpoint_source"),
-        }
+        art.verification = _record_summary(art, require_verified(art, key), key)
+    return art
+
+
+def load_recorded(
+    root: str | Path, run_dir: str | Path | None = None, key: bytes | None = None
+) -> ArtifactSet:
+    """The one check of a verified set, for every consumer of one (``serve`` with ``--artifacts``
+    or ``--model``, ``image build``, the registry's ``promote`` and ``rollback``): every file
+    rehashed and deserialized, the verification record required (``require_verified``: present,
+    valid JSON, signed with ``key`` when given, these files' sha256, this platform, passed) and,
+    with ``run_dir``, the set re-verified against that checkpoint too. A record missing or
+    corrupt is refused here, whatever the checkpoint says, so no consumer accepts what another
+    refuses."""
+    art = open_artifacts(root)
+    record = require_verified(art, key)
+    summary = _record_summary(art, record, key)
+    if run_dir is not None:
+        summary = {**_checkpoint_summary(art, run_dir), "record": summary}
+    art.verification = {**summary, "record_sha256": _record_sha256(art)}
+    return art
+
+
+def verify_and_record(root: str | Path) -> ArtifactSet:
+    """``registry register``: the set verified against its checkpoint exactly as ``verify_export``
+    does (the run dir its manifest names), then its record left as every later check reads it
+    (``load_recorded``): a passing record for exactly these files is kept (it may be signed),
+    else the new one is written. Refused, with nothing written, unless every row passed."""
+    art = open_artifacts(root)
+    result = _check(art, None)
+    failed = [r["artifact"] for r in result["rows"] if not r["passed"]]
+    if failed:
+        refuse(
+            art.root,
+            f"outputs differ from checkpoint step {result['checkpoint_step']}: "
+            + ", ".join(failed),
+        )
+    try:
+        record = require_verified(art)
+    except TpulabError:
+        atomic_write_json(art.root / VERIFICATION, result)
+        record = require_verified(art)  # what serve, promote and image build will read
+    src = result["checkpoint_source"]
+    art.verification = {
+        "mode": "checkpoint",
+        "run_dir": src["run_dir"],
+        "checkpoint_step": result["checkpoint_step"],
+        "checkpoint_manifest_sha256": result["checkpoint_manifest_sha256"],
+        "weights": "bitwise equal to the checkpoint",
+        "endpoints_passed": len(result["rows"]),
+        "record": _record_summary(art, record, None),
+        "record_sha256": _record_sha256(art),
+    }
     return art

@@ -1,6 +1,6 @@
 """An OCI image of the generation service, written without a daemon, a registry or root.
 
-``build_image`` refuses unverified artifacts (``load_verified``: every file rehashed, a passing
+``build_image`` refuses unverified artifacts (``load_recorded``: every file rehashed, a passing
 verification record) before it writes anything, then writes an OCI image layout
 (``ops.image_layout``) of five layers (``ops.image_layers``: reproducible tar and gzip):
 
@@ -287,7 +287,7 @@ def build_image(
     """Verify ``artifacts``, then write the OCI layout ``out``; returns the build summary."""
     from tpulab.evidence.provenance import git_commit
     from tpulab.inference.artifact_format import ARTIFACT_MANIFEST, VERIFICATION
-    from tpulab.inference.trust import load_verified, read_key
+    from tpulab.inference.trust import load_recorded, read_key
 
     t0 = time.monotonic()
     out = Path(out)
@@ -296,7 +296,7 @@ def build_image(
     _check_out(out)
     root = Path(artifacts)
     record_before = (root / VERIFICATION).read_bytes() if (root / VERIFICATION).is_file() else b""
-    art = load_verified(root, key=read_key(key_file))  # refuses unverified artifacts: one line
+    art = load_recorded(root, key=read_key(key_file))  # refuses unverified artifacts: one line
     record = (root / VERIFICATION).read_bytes()
     if record != record_before:
         raise TpulabError(f"{root / VERIFICATION} changed while it was being checked")

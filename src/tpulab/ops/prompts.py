@@ -25,7 +25,7 @@ import time
 
 from tpulab.errors import TpulabError
 from tpulab.model.sampling import MAX_PROMPT_CHARS
-from tpulab.ops import registry as R
+from tpulab.ops import registry_store as R
 from tpulab.ops import tags as T
 from tpulab.tracking.store import cause
 

@@ -5,9 +5,11 @@ statistic at the training corpus.
 Before anything listens (one ``error:`` line otherwise): the model URI parses, the store exists
 (opening never creates one) and can be read, the alias names a version, and that version is not
 retired and carries the tags a served version needs (its ``source`` equal to its ``ARTIFACTS``
-tag). After the server listens, in the background, the loader re-verifies the artifacts on disk
-(``load_verified``) and compares their digests with the ``EXPORT_MANIFEST`` and ``CHECKPOINT`` tags:
-tags are claims, the files are the evidence. A mismatch leaves the server live and never ready.
+tag). After the server listens, in the background, the loader checks the artifacts on disk as
+the registry's own commands do (``load_recorded``: every file rehashed, the verification record
+``register`` left) and compares their digests with the ``EXPORT_MANIFEST`` and ``CHECKPOINT`` tags:
+tags are claims, the files are the evidence. A mismatch ends the service at once (nothing to wait
+for: ``serve_http.run_server``).
 
 A request's ``prompt_version`` is resolved against the prompt registry of the same store
 (``prompts.PromptResolver``; with ``--artifacts``, the store ``--tracking-uri`` names, else none:
@@ -32,17 +34,14 @@ from pathlib import Path
 from tpulab.checkpoint.rundir import RunDir, read_json
 from tpulab.data.drift import byte_histogram
 from tpulab.errors import TpulabError
-from tpulab.inference.serve import (
-    Model,
-    ServeConfig,
-    Service,
-    TraceLog,
-    artifacts_loader,
-    run_server,
-)
-from tpulab.inference.trust import load_verified, read_key
+from tpulab.inference.config import ServeConfig
+from tpulab.inference.serve import Service, artifacts_loader
+from tpulab.inference.serve_batcher import Model
+from tpulab.inference.serve_http import run_server
+from tpulab.inference.serve_telemetry import TraceLog
+from tpulab.inference.trust import load_recorded, read_key
 from tpulab.ops import prompts as P
-from tpulab.ops import registry as R
+from tpulab.ops import registry_store as R
 from tpulab.ops import tags as T
 
 _MODEL_URI = re.compile(
@@ -115,7 +114,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def resolve(registry: R.Registry, ref: ModelRef) -> Registered:
-    """What the registry says ``ref`` is now (``registry.read_version``: one reader for the
+    """What the registry says ``ref`` is now (``registry_store.read_version``: one reader for the
     commands and the service)."""
     mv = R.read_version(registry, ref.name, version=ref.version, alias=ref.alias)
     return Registered(
@@ -140,9 +139,9 @@ def check_servable(reg: Registered) -> None:
 
 
 def load_registered(reg: Registered, run_dir=None, key: bytes | None = None) -> Model:
-    """``reg``'s artifacts verified on disk (``load_verified``), their digests equal to its tags."""
+    """``reg``'s artifacts verified on disk (``load_recorded``), their digests equal to its tags."""
     check_servable(reg)
-    art = load_verified(reg.source, run_dir, key)
+    art = load_recorded(reg.source, run_dir, key)
     on_disk = {
         T.EXPORT_MANIFEST: art.manifest_sha256,
         T.CHECKPOINT: art.manifest["source"]["checkpoint_manifest_sha256"],

@@ -1,0 +1,68 @@
+"""The service's configuration: batching, queueing, time limits, readiness and drain bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tpulab.config import check, field
+from tpulab.model.decode import MAX_BATCH, batch_bucket
+
+MAX_BODY_BYTES = 64 * 1024  # a /v1/generate body past this is answered 413
+DRAIN_MARGIN_S = 0.5  # answers cut by the drain are written this long before uvicorn's own bound
+
+
+def _seconds(value: float, name: str, lo: float = 0.0) -> None:
+    check(
+        isinstance(value, (int, float)) and math.isfinite(value) and lo < value <= 3600,
+        f"{name}={value} must be in ({lo:g}, 3600] seconds",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """Batching, queueing, time limits, readiness and drain bounds of the service."""
+
+    max_batch: int = field(16, f"requests decoded together, at most (1..{MAX_BATCH})")
+    batch_window_ms: float = field(
+        0.0,
+        "how long the first request of a batch waits for company (requests "
+        "arriving while a batch runs join the next one anyway)",
+    )
+    max_queue: int = field(64, "requests waiting beyond this are answered 503 with Retry-After")
+    request_timeout_s: float = field(60.0, "server-side time limit of one request (504 after it)")
+    retry_after_s: int = field(1, "the Retry-After a 503 carries")
+    body_timeout_s: float = field(
+        10.0, f"time a client has to send its whole body (at most {MAX_BODY_BYTES} bytes): 408"
+    )
+    drain_timeout_s: float = field(
+        20.0,
+        "after SIGTERM, how long requests in flight may take (then 503); under Kubernetes' "
+        "default 30 s grace period, so the stop ends before a SIGKILL",
+    )
+    ready_timeout_s: float = field(600.0, "still starting this long after start: exit 1")
+
+    def __post_init__(self):
+        check(
+            isinstance(self.max_batch, int) and 1 <= self.max_batch <= MAX_BATCH,
+            f"max_batch={self.max_batch} must be in [1, {MAX_BATCH}]",
+        )
+        check(
+            math.isfinite(self.batch_window_ms) and 0 <= self.batch_window_ms <= 1000,
+            f"batch_window_ms={self.batch_window_ms} must be in [0, 1000]",
+        )
+        check(
+            isinstance(self.max_queue, int) and 1 <= self.max_queue <= 100_000,
+            f"max_queue={self.max_queue} must be in [1, 100000]",
+        )
+        _seconds(self.request_timeout_s, "request_timeout")
+        check(
+            1 <= self.retry_after_s <= 3600,
+            f"retry_after_s={self.retry_after_s} must be in [1, 3600]",
+        )
+        _seconds(self.body_timeout_s, "body_timeout")
+        _seconds(self.drain_timeout_s, "drain_timeout", lo=2 * DRAIN_MARGIN_S)
+        _seconds(self.ready_timeout_s, "ready_timeout")
+
+    def buckets(self) -> list[int]:
+        return sorted({batch_bucket(n) for n in range(1, self.max_batch + 1)})
