@@ -333,8 +333,9 @@ class ObjectiveConfig:
         None,
         "when a run that init, reference or reward_model names has a newest checkpoint that fails "
         "verification: warn (start from its newest verified step, with a warning line recorded "
-        "in env.json and MLflow) | refuse (one line, nothing written) | null (warn; refuse in "
-        "the trainers that prove-resume, chaos, scaleout, posttrain and the capstone start)",
+        "in the run's environment record and MLflow) | refuse (one line, nothing written) | "
+        "null (warn; refuse in the trainers that prove-resume, chaos, scaleout, posttrain and "
+        "the capstone start)",
         resume_mutable=True,
     )
     lora: LoraConfig = nested(LoraConfig)
