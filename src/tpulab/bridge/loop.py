@@ -57,12 +57,28 @@ def train(
     (the state is torch's, not a pytree to replace) and no ``on_eval`` (no validation set).
 
     Every check that can refuse the run (backend, method, torch_xla, checkpoint integrity and
-    identity) happens before anything is written to ``run_dir``.
+    identity) happens before anything is written to ``run_dir``. Every hook's ``close()`` is
+    called once when this returns or raises.
     """
+    hooks = HookList(hooks)
+    try:
+        return _train(cfg, backend, method, run_dir, force, restore_rng, hooks)
+    finally:
+        hooks.close()
+
+
+def _train(
+    cfg: BridgeConfig,
+    backend: str,
+    method: str,
+    run_dir: str | Path,
+    force: bool,
+    restore_rng: bool,
+    hooks: HookList,
+) -> RunSummary:
     check_backend_method(backend, method)
     if backend == "torch_xla" and (problem := torch_xla_problem()):
         raise TpulabError(problem)
-    hooks = HookList(hooks)
     run_dir = Path(run_dir)
     # The MLP is tiny: a second intra-op thread only adds synchronisation (20x slower per step on a
     # busy 2-core machine). One thread also keeps CPU reductions in one fixed order.

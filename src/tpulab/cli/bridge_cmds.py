@@ -143,20 +143,15 @@ def cmd_train(args) -> int:
     hooks = ([tracker] if tracker else []) + (
         [HoldAfter(args.hold_after_step)] if args.hold_after_step else []
     )
-    try:
-        out = train(
-            cfg,
-            args.backend,
-            args.method,
-            args.run_dir,
-            force=args.force,
-            restore_rng=args.restore_rng,
-            hooks=hooks,
-        )
-    except BaseException:
-        if tracker is not None:
-            tracker.close(status="FAILED")
-        raise
+    out = train(  # closes every hook: a tracker's MLflow run ends FAILED when this raises
+        cfg,
+        args.backend,
+        args.method,
+        args.run_dir,
+        force=args.force,
+        restore_rng=args.restore_rng,
+        hooks=hooks,
+    )
     how = (
         f"resumed from step {out.resumed_from}" if out.resumed_from is not None else "from scratch"
     )

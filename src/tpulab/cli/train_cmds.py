@@ -102,25 +102,16 @@ def cmd_train(args) -> int:
     tracker = tracker_for(args, run_dir)
     if tracker is not None:
         hooks.insert(0, tracker)
-    try:
-        summary = train(
-            config,
-            run_dir,
-            force=args.force,
-            skip_restore=tuple(args.skip_restore),
-            progress=False if args.no_progress else None,
-            compile_cache_dir=args.compile_cache,
-            hooks=hooks,
-            preemption=preemption,
-        )
-    finally:
-        for h in hooks:
-            if hasattr(h, "close") and h is not tracker:
-                h.close()  # the watchdog thread: a run that raised gets no on_end
-        if tracker is not None:
-            tracker.close(
-                status="FAILED"
-            )  # no-op after a normal end (the tracker closed itself then)
+    summary = train(  # closes every hook, whether it returns or raises
+        config,
+        run_dir,
+        force=args.force,
+        skip_restore=tuple(args.skip_restore),
+        progress=False if args.no_progress else None,
+        compile_cache_dir=args.compile_cache,
+        hooks=hooks,
+        preemption=preemption,
+    )
     preemption.finished()
     verb = "preempted at" if summary.preempted else "trained to"
     print(

@@ -188,11 +188,16 @@ class MlflowTracker(Hooks):
             return
         self.flush_all()
         self._submit(Finish(summary.to_dict()))
-        self.close()
+        self._finish(None)
 
-    def close(self, status: str | None = None) -> None:
-        """Drain and wait for the helper (bounded). ``status`` (e.g. FAILED) marks a run that ended
-        by an error."""
+    def close(self) -> None:
+        """The protocol's last call: after ``on_end`` nothing is left to do; without one the run
+        raised, and its MLflow run ends FAILED."""
+        self._finish("FAILED")
+
+    def _finish(self, status: str | None) -> None:
+        """Drain and wait for the helper (bounded). ``status`` (FAILED) marks a run that ended by
+        an error."""
         if self._worker is None or self._ended:
             return
         self._ended = True

@@ -240,15 +240,43 @@ def train(
     ``objective`` defaults to the one ``config.objective.kind`` names. Nothing on disk changes
     before the resume is accepted: the objective verifies what it reads, the checkpoint dir is
     scanned read-only, the newest verified step's identity is checked, and only then are refused
-    steps moved aside.
+    steps moved aside. Every hook's ``close()`` is called once when this returns or raises.
     """
+    hooks = HookList(hooks)
+    try:
+        return _train(
+            config,
+            run_dir,
+            force=force,
+            skip_restore=skip_restore,
+            progress=progress,
+            compile_cache_dir=compile_cache_dir,
+            hooks=hooks,
+            preemption=preemption,
+            objective=objective,
+        )
+    finally:
+        hooks.close()
+
+
+def _train(
+    config: RunConfig,
+    run_dir: str | Path,
+    *,
+    force: bool,
+    skip_restore: tuple[str, ...],
+    progress: bool | None,
+    compile_cache_dir: str | Path | None,
+    hooks: HookList,
+    preemption: Preemption | None,
+    objective: objectives.Objective | None,
+) -> RunSummary:
     bad = sorted(set(skip_restore) - set(SKIPPABLE))
     if bad:
         raise TpulabError(
             f"unknown part to skip on restore: {bad[0]} (known: {', '.join(SKIPPABLE)})"
         )
     clock = PhaseClock()
-    hooks = HookList(hooks)
     check_fits_host(config)  # bad input is refused before anything is created
     # A mesh that does not fit the devices, or a batch it cannot split: refused before any write.
     mesh = make_mesh(config)
