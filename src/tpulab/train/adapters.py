@@ -16,7 +16,7 @@ from flax import nnx
 from tpulab.model import lora
 from tpulab.train import sharding
 from tpulab.train.config import RunConfig
-from tpulab.train.step import TrainState, optimizer
+from tpulab.train.step import TrainState, initial_state, optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,19 +33,8 @@ class LoraGraph:
     def abstract_state(self, mesh) -> TrainState:
         """Shapes and shardings of a LoRA run's TrainState on ``mesh`` (the restore target)."""
         tx = optimizer(self.config.optim)
-
-        def state():
-            params = self.init_adapters()
-            return TrainState(
-                jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params), jax.random.PRNGKey(0)
-            )
-
-        shapes = jax.eval_shape(state)
-        return jax.tree.map(
-            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-            shapes,
-            sharding.state_shardings(shapes, mesh),
-        )
+        shapes = jax.eval_shape(lambda: initial_state(tx, self.init_adapters(), self.config.seed))
+        return sharding.placed_shapes(shapes, mesh)
 
     def _args(self):
         c = self.config

@@ -118,6 +118,15 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     )
 
 
+def placed_shapes(shapes: Any, mesh: Mesh, shardings: Any = None) -> Any:
+    """``shapes`` (``jax.eval_shape`` of a state) with each leaf's sharding from this table (or
+    ``shardings``, when already computed): a restore target, nothing computed or read."""
+    shardings = state_shardings(shapes, mesh) if shardings is None else shardings
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
 def layout_table(abstract_state: Any, mesh: Mesh) -> list[dict]:
     """One row per leaf: path, shape, PartitionSpec, per-device shape, the rule that decided it."""
     rows = []

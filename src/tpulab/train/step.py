@@ -3,13 +3,15 @@
 ``TrainState`` is the whole training state as one pytree: step, the trained parameters, optimizer
 state (both Adam moments and the count) and the dropout RNG key, which is split every step and
 carried, like a torch generator, so it must come back on resume for the masks to match.
-``gradient_steps`` builds the steps of every objective that takes one gradient step on a loss per
-batch (pretraining, SFT, LoRA, ...): the objective gives the loss, the evaluation sums, what trains
-(the state's params) and what stays frozen (passed to every step as an argument, never donated and
-never part of the optimizer state). ``make_steps`` is pretraining's. Everything is jitted once with
-explicit shardings from the one table in ``tpulab.train.sharding`` (parameters and Adam moments over
-``fsdp``, the batch over ``data`` x ``fsdp``), so the same code runs on one CPU, several devices or
-several processes. The train step donates the incoming state.
+Every objective's steps are built from two pieces: ``Update`` (value and gradients of a loss, the
+optimizer with its clipping, the step counted, the shared metrics) and ``compile_steps`` (every
+function jitted once with explicit shardings from the one table in ``tpulab.train.sharding``:
+parameters and Adam moments over ``fsdp``, the batch over ``data`` x ``fsdp``; the train step
+donates the incoming state), so the same code runs on one CPU, several devices or several
+processes. ``gradient_steps`` is one ``Update`` per batch (pretraining, SFT, LoRA, reward, DPO):
+the objective gives the loss, the evaluation sums, what trains (the state's params) and what stays
+frozen (passed to every step as an argument, never donated and never part of the optimizer state).
+PPO drives the same ``Update`` from its rollouts and minibatches. ``make_steps`` is pretraining's.
 """
 
 from __future__ import annotations
@@ -131,11 +133,7 @@ class Steps:
         """Shapes, dtypes and shardings of the state without computing (or reading) it: the
         restore target."""
         shapes = self.state_shapes if self.state_shapes is not None else jax.eval_shape(self.init)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            shapes,
-            self.state_sharding,
-        )
+        return sharding.placed_shapes(shapes, self.mesh, self.state_sharding)
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows of the global batch (all rows on one process) -> global arrays."""
@@ -174,54 +172,75 @@ Loss = Callable[[Any, Any, dict, jax.Array], tuple[jax.Array, dict]]
 Eval = Callable[[Any, Any, dict], dict[str, tuple[jax.Array, jax.Array]]]
 
 
-def gradient_steps(
-    *,
-    mesh: Mesh,
-    optim: OptimConfig,
-    seed: int,
-    graphdef: Any,
-    init_params: Callable[[], Any],
-    loss: Loss,
-    evaluate: Eval,
-    merge: Callable[[Any, Any], nnx.Module],
-    load_params: Callable[[], Any] | None = None,
-    frozen: Any = None,
-) -> Steps:
-    """The steps of an objective that takes one optimizer step on ``loss`` per batch.
-
-    ``init_params()`` builds the trained parameters inside the init program (a random init); it
-    also defines their structure. ``load_params()``, when given, supplies their starting values
-    instead (a checkpoint's arrays, read on the host each time the state is initialised, so no
-    caller's buffer is ever donated). ``loss(params, frozen, batch, key) -> (loss, metrics)``: the
-    metrics (device scalars) join ``loss``, ``grad_norm`` and ``lr`` in every step's record.
-    ``evaluate(params, frozen, batch) -> {name: (sum, weight)}``. ``merge(params, frozen)`` is the
-    model those parameters run in. ``frozen`` is placed with the same sharding rules as the state
-    and passed to every step; its bytes never change (checked by the loop at the end of a run).
-    """
-    tx = optimizer(optim)
-    schedule = lr_schedule(optim)
+def initial_state(tx: optax.GradientTransformation, params, seed: int) -> TrainState:
+    """Step 0 of any objective's state: ``params``, a fresh optimizer state and the run's key
+    (``fold_in(PRNGKey(seed), 1)``); a state with more fields (PPO's round) extends these four."""
     rng = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng)
 
-    def start(params) -> TrainState:
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng)
 
-    def train_step(state: TrainState, frozen, batch):
-        rng, dropout_key = jax.random.split(state.rng)
-        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(
-            state.params, frozen, batch, dropout_key
-        )
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """One optimizer step on a loss: the piece every objective's train step is built from.
+
+    ``loss(params, *args) -> (loss, metrics)``; ``update(state, *args) -> (state, metrics)`` takes
+    its value and gradients, applies the run's optimizer (``optimizer``: global-norm clipping, then
+    AdamW on the schedule) and counts the step; the record is ``loss``, ``grad_norm``, ``lr`` and
+    the loss's own metrics. ``state`` is any NamedTuple with ``step``, ``params`` and
+    ``opt_state``; its other fields (the key, PPO's round) are the caller's to carry.
+    """
+
+    loss: Callable[..., tuple[jax.Array, dict]]
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+
+    @classmethod
+    def of(cls, loss: Callable[..., tuple[jax.Array, dict]], optim: OptimConfig) -> Update:
+        return cls(loss, optimizer(optim), lr_schedule(optim))
+
+    def __call__(self, state, *args):
+        (value, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, *args)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": value,
             "grad_norm": optax.tree.norm(grads),
-            "lr": schedule(state.step),
+            "lr": self.schedule(state.step),
             **aux,
         }
-        return TrainState(state.step + 1, params, opt_state, rng), metrics
+        return state._replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+
+def compile_steps(
+    *,
+    mesh: Mesh,
+    graphdef: Any,
+    tx: optax.GradientTransformation,
+    shapes: Any,
+    start: Callable[[Any], Any],
+    train_step: Callable[..., tuple[Any, dict]],
+    evaluate: Callable[..., Any],
+    merge: Callable[[Any, Any], nnx.Module],
+    init_params: Callable[[], Any] | None = None,
+    load_params: Callable[[], Any] | None = None,
+    frozen: Any = None,
+    host_args: int = 0,
+    host_train: Callable[[Any], Any] | None = None,
+    host_eval: Callable[[Any], Any] | None = None,
+) -> Steps:
+    """Every objective's steps, jitted once with shardings from the one table
+    (``tpulab.train.sharding``): the state's (``shapes``, from ``jax.eval_shape``), the batch's
+    over ``data`` x ``fsdp``, the frozen arrays' by the state's rules; the train step donates the
+    incoming state; ``all_finite`` is the loop's guard before a state is saved.
+
+    ``train_step(state, frozen, batch, *extra)`` with ``host_args`` extra replicated arguments
+    (PPO's behaviour digest); ``evaluate(params, frozen, batch)``; ``start(params) -> state``, run
+    inside the init program on ``init_params()`` (traced: a random init) or on ``load_params()``
+    (host arrays, read each time the state is initialised, so no caller's buffer is donated).
+    ``host_train`` / ``host_eval`` wrap a jitted function with the host work around it (PPO's
+    digest at a round start, its gold reward).
+    """
     replicated = NamedSharding(mesh, P())
-    shapes = jax.eval_shape(lambda: start(init_params()))
     state_sharding = sharding.state_shardings(shapes, mesh)
     batch_sharding = NamedSharding(mesh, sharding.BATCH_SPEC)
     frozen_sharding = sharding.state_shardings(frozen, mesh) if frozen is not None else None
@@ -236,7 +255,7 @@ def gradient_steps(
         init = lambda: started(load_params())  # noqa: E731
     train = jax.jit(
         train_step,
-        in_shardings=(state_sharding, frozen_sharding, batch_sharding),
+        in_shardings=(state_sharding, frozen_sharding, batch_sharding) + (replicated,) * host_args,
         out_shardings=(state_sharding, replicated),
         donate_argnums=0,
     )
@@ -250,8 +269,8 @@ def gradient_steps(
         tx=tx,
         mesh=mesh,
         init=init,
-        train=Bound(train, frozen),
-        eval=Bound(evaluation, frozen),
+        train=Bound(host_train(train) if host_train else train, frozen),
+        eval=Bound(host_eval(evaluation) if host_eval else evaluation, frozen),
         state_sharding=state_sharding,
         batch_sharding=batch_sharding,
         all_finite=jax.jit(
@@ -260,6 +279,69 @@ def gradient_steps(
         model=lambda params: merge(params, frozen),
         frozen=frozen,
         state_shapes=shapes,
+    )
+
+
+def gradient_steps(
+    config: RunConfig,
+    mesh: Mesh,
+    *,
+    graphdef: Any,
+    init_params: Callable[[], Any],
+    loss: Loss,
+    evaluate: Eval,
+    merge: Callable[[Any, Any], nnx.Module] | None = None,
+    load_params: Callable[[], Any] | None = None,
+    frozen: Any = None,
+) -> Steps:
+    """The steps of an objective that takes one optimizer step on ``loss`` per batch, with the
+    run's optimizer (``config.optim``) and key (``config.seed``).
+
+    ``init_params()`` builds the trained parameters inside the init program (a random init); it
+    also defines their structure. ``load_params()``, when given, supplies their starting values
+    instead (a checkpoint's arrays). ``loss(params, frozen, batch, key) -> (loss, metrics)``: the
+    metrics (device scalars) join ``loss``, ``grad_norm`` and ``lr`` in every step's record
+    (``Update``). ``evaluate(params, frozen, batch) -> {name: (sum, weight)}``.
+    ``merge(params, frozen)`` is the model those parameters run in (default: ``graphdef`` merged
+    with both). ``frozen`` is placed with the same sharding rules as the state and passed to every
+    step; its bytes never change (checked by the loop at the end of a run). The key is split every
+    step: one half carried, one for dropout.
+    """
+    update = Update.of(loss, config.optim)
+
+    def start(params) -> TrainState:
+        return initial_state(update.tx, params, config.seed)
+
+    def train_step(state: TrainState, frozen, batch):
+        rng, dropout_key = jax.random.split(state.rng)
+        return update(state._replace(rng=rng), frozen, batch, dropout_key)
+
+    return compile_steps(
+        mesh=mesh,
+        graphdef=graphdef,
+        tx=update.tx,
+        shapes=jax.eval_shape(lambda: start(init_params())),
+        start=start,
+        train_step=train_step,
+        evaluate=evaluate,
+        merge=merge or (lambda params, frozen: merge_model(graphdef, params, frozen)),
+        init_params=init_params,
+        load_params=load_params,
+        frozen=frozen,
+    )
+
+
+def lm_steps(config: RunConfig, mesh: Mesh, graphdef, init_params, **kwargs) -> Steps:
+    """A language model's steps: ``gradient_steps`` on the masked next-token loss of ``graphdef``
+    and its ``val_loss`` (pretraining, SFT and LoRA; ``kwargs``: ``load_params``, ``frozen``)."""
+    return gradient_steps(
+        config,
+        mesh,
+        graphdef=graphdef,
+        init_params=init_params,
+        loss=lm_loss(graphdef),
+        evaluate=lm_eval(graphdef),
+        **kwargs,
     )
 
 
@@ -307,14 +389,4 @@ def make_steps(config: RunConfig, mesh: Mesh | None = None) -> Steps:
     """Pretraining's steps: the Transformer from a random init, every parameter trained."""
     mesh = mesh or make_mesh(config)
     sharding.check_batch(config.data.batch_size, mesh)
-    graphdef, init_params = transformer_graph(config)
-    return gradient_steps(
-        mesh=mesh,
-        optim=config.optim,
-        seed=config.seed,
-        graphdef=graphdef,
-        init_params=init_params,
-        loss=lm_loss(graphdef),
-        evaluate=lm_eval(graphdef),
-        merge=lambda params, frozen: merge_model(graphdef, params, frozen),
-    )
+    return lm_steps(config, mesh, *transformer_graph(config))

@@ -141,9 +141,8 @@ class DPO(Pairwise):
             return out
 
         return gradient_steps(
-            mesh=mesh,
-            optim=cfg.optim,
-            seed=cfg.seed,
+            cfg,
+            mesh,
             graphdef=graphdef,
             init_params=init_params,
             load_params=load_params,

@@ -41,10 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from tpulab.data import dialogue
 from tpulab.data.contract import load_checked
@@ -52,7 +49,6 @@ from tpulab.data.preference import gold_reward
 from tpulab.data.tokenizer import PAD
 from tpulab.model.decode import ModelFns
 from tpulab.model.sampling import token_logprobs
-from tpulab.train import sharding
 from tpulab.train.config import RunConfig
 from tpulab.train.objectives import ppo_losses as L
 from tpulab.train.objectives.base import DataSource, Objective
@@ -72,15 +68,7 @@ from tpulab.train.objectives.ppo_state import (
     start_state,
     value_graph,
 )
-from tpulab.train.step import (
-    Bound,
-    Steps,
-    digest_words,
-    lr_schedule,
-    optimizer,
-    tree_all_finite,
-    tree_digest,
-)
+from tpulab.train.step import Steps, Update, compile_steps, digest_words, tree_digest
 
 ROLLOUT_CACHE = "fp32"  # the sampler's cache precision: the nearest to the trainer's fp32 forward
 
@@ -111,7 +99,7 @@ class Fns:
         self.graphdef, self.abstract_params = value_graph(config)
         self.body_def = body_graph(config)
         self.gen = ModelFns(nnx.merge(self.body_def, self.abstract_params["body"]))
-        self.tx, self.schedule = optimizer(config.optim), lr_schedule(config.optim)
+        self.update = Update.of(self.loss, config.optim)
         self.eval_key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 2)
 
     # forward passes (dropout off) ----------------------------------------------------------
@@ -276,19 +264,10 @@ class Fns:
         rng, rnd = jax.lax.cond(
             state.round.position == 0, begin, lambda _: (state.rng, state.round), None
         )
-        rows = self.rows_at(rnd)
-        (value, aux), grads = jax.value_and_grad(self.loss, has_aux=True)(state.params, rnd, rows)
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": value,
-            "grad_norm": optax.tree.norm(grads),
-            "lr": self.schedule(state.step),
-            **aux,
-            **self.round_stats(rnd),
-        }
+        state, metrics = self.update(state, rnd, self.rows_at(rnd))
+        metrics = {**metrics, **self.round_stats(rnd)}  # the round at this update's position
         rnd = rnd._replace(position=(rnd.position + 1) % self.z.per_round)
-        return PPOState(state.step + 1, params, opt_state, rng, rnd), metrics
+        return state._replace(rng=rng, round=rnd), metrics
 
     # evaluation ---------------------------------------------------------------------------
 
@@ -323,46 +302,23 @@ class Fns:
     # jitted, with shardings ----------------------------------------------------------------
 
     def steps(self, mesh, load_params, frozen) -> Steps:
-        """``load_params()``: a fresh host copy of the starting parameters (read each time the
-        state is initialised, so no caller's buffer is donated); ``frozen``: host arrays."""
+        """``load_params()``: a fresh host copy of the starting parameters; ``frozen``: host
+        arrays (the reference and the reward model)."""
         cfg = self.config
-        replicated = NamedSharding(mesh, P())
-        shapes = jax.eval_shape(lambda: start_state(cfg, self.abstract_params))
-        state_sharding = sharding.state_shardings(shapes, mesh)
-        batch_sharding = NamedSharding(mesh, sharding.BATCH_SPEC)
-        frozen_sharding = sharding.state_shardings(frozen, mesh)
-        frozen = jax.device_put(frozen, frozen_sharding)
-        started = jax.jit(
-            lambda params: start_state(cfg, params),
-            in_shardings=(state_sharding.params,),
-            out_shardings=state_sharding,
-        )
-        train = jax.jit(
-            self.train_step,
-            in_shardings=(state_sharding, frozen_sharding, batch_sharding, replicated),
-            out_shardings=(state_sharding, replicated),
-            donate_argnums=0,
-        )
-        evaluation = jax.jit(
-            self.evaluate,
-            in_shardings=(state_sharding.params, frozen_sharding, batch_sharding),
-            out_shardings=replicated,
-        )
-        return Steps(
-            graphdef=self.graphdef,
-            tx=self.tx,
+        return compile_steps(
             mesh=mesh,
-            init=lambda: started(load_params()),
-            train=Bound(Train(train, self.z.per_round), frozen),
-            eval=Bound(Evaluate(evaluation), frozen),
-            state_sharding=state_sharding,
-            batch_sharding=batch_sharding,
-            all_finite=jax.jit(
-                tree_all_finite, in_shardings=(state_sharding,), out_shardings=replicated
-            ),
-            model=lambda params: policy_module(cfg, params),
+            graphdef=self.graphdef,
+            tx=self.update.tx,
+            shapes=jax.eval_shape(lambda: start_state(cfg, self.abstract_params)),
+            start=lambda params: start_state(cfg, params),
+            train_step=self.train_step,
+            evaluate=self.evaluate,
+            merge=lambda params, frozen: policy_module(cfg, params),
+            load_params=load_params,
             frozen=frozen,
-            state_shapes=shapes,
+            host_args=1,
+            host_train=lambda fn: Train(fn, self.z.per_round),
+            host_eval=Evaluate,
         )
 
 

@@ -18,7 +18,7 @@ from tpulab.model.transformer import Transformer
 from tpulab.model.value import scalar_head_graph
 from tpulab.train import sharding
 from tpulab.train.config import RunConfig
-from tpulab.train.step import optimizer
+from tpulab.train.step import initial_state, optimizer
 
 
 class RoundState(NamedTuple):
@@ -123,23 +123,16 @@ def body_graph(config: RunConfig) -> Any:
 
 
 def start_state(config: RunConfig, params) -> PPOState:
-    """The state at step 0 from the policy's starting parameters (traced inside the init)."""
-    rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
-    tx = optimizer(config.optim)
-    return PPOState(
-        jnp.zeros((), jnp.int32), params, tx.init(params), rng, empty_round(Sizes.of(config))
-    )
+    """The state at step 0 from the policy's starting parameters (traced inside the init): every
+    objective's four fields, then the empty round."""
+    first = initial_state(optimizer(config.optim), params, config.seed)
+    return PPOState(*first, round=empty_round(Sizes.of(config)))
 
 
 def abstract_state(config: RunConfig, mesh: Mesh) -> PPOState:
     """Shapes, dtypes and shardings of the state (a restore target), from the config alone."""
     _, params = value_graph(config)
-    shapes = jax.eval_shape(lambda: start_state(config, params))
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        shapes,
-        sharding.state_shardings(shapes, mesh),
-    )
+    return sharding.placed_shapes(jax.eval_shape(lambda: start_state(config, params)), mesh)
 
 
 def policy_module(config: RunConfig, params) -> Transformer:

@@ -68,15 +68,13 @@ class Reward(Pairwise):
             }
 
         return gradient_steps(
-            mesh=mesh,
-            optim=cfg.optim,
-            seed=cfg.seed,
+            cfg,
+            mesh,
             graphdef=graphdef,
             init_params=init_params,
             load_params=self._start_params,
             loss=train_loss,
             evaluate=evaluate,
-            merge=lambda params, frozen: merge_model(graphdef, params),
         )
 
     def describe(self, steps, state) -> dict:

@@ -19,7 +19,7 @@ from tpulab.data.contract import load_checked
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives.base import DataSource, Objective
 from tpulab.train.objectives.frozen import load_base, model_record
-from tpulab.train.step import gradient_steps, lm_eval, lm_loss, merge_model, transformer_graph
+from tpulab.train.step import lm_steps, transformer_graph
 
 
 class SFT(Objective):
@@ -64,31 +64,12 @@ class SFT(Objective):
         return jax.device_get(load_base(self.config).plain_params())
 
     def steps(self, mesh):
-        cfg = self.config
         if self.lora is None:  # the same model and state as pretraining's, from the base
-            graphdef, init_params = transformer_graph(cfg)
-            return gradient_steps(
-                mesh=mesh,
-                optim=cfg.optim,
-                seed=cfg.seed,
-                graphdef=graphdef,
-                init_params=init_params,
-                load_params=self._base_params,
-                loss=lm_loss(graphdef),
-                evaluate=lm_eval(graphdef),
-                merge=lambda params, frozen: merge_model(graphdef, params, frozen),
-            )
+            graphdef, init_params = transformer_graph(self.config)
+            return lm_steps(self.config, mesh, graphdef, init_params, load_params=self._base_params)
         graph = self.lora
-        return gradient_steps(
-            mesh=mesh,
-            optim=cfg.optim,
-            seed=cfg.seed,
-            graphdef=graph.graphdef,
-            init_params=graph.init_adapters,
-            loss=lm_loss(graph.graphdef),
-            evaluate=lm_eval(graph.graphdef),
-            merge=lambda params, frozen: merge_model(graph.graphdef, params, frozen),
-            frozen=self._base_params(),
+        return lm_steps(
+            self.config, mesh, graph.graphdef, graph.init_adapters, frozen=self._base_params()
         )
 
     def describe(self, steps, state) -> dict:
