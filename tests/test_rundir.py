@@ -330,6 +330,35 @@ def test_a_run_env_reads_back_what_the_loop_wrote_and_refuses_other_records(trai
         refused(run, R.ENV, bad, run.read_env, words)
 
 
+def test_a_run_env_records_the_libtpu_placeholders_as_the_receipt_does(trained_run, monkeypatch):
+    """env.json lists the libtpu variables tpulab set off a TPU, read from ``libtpu_env`` (the one
+    place that knows them) as the receipt reads them: a reader tells them from the user's own."""
+    import importlib.util
+
+    from tpulab import libtpu_env
+    from tpulab.checkpoint.rundir import RunEnv
+    from tpulab.errors import TpulabError
+    from tpulab.evidence import provenance, receipt
+
+    assert provenance.placeholders is libtpu_env.placeholders is receipt.placeholders
+    env = RunDir(trained_run).read_env()  # the loop's own file
+    assert env.tpulab_placeholders == sorted(libtpu_env.placeholders())
+    if importlib.util.find_spec("libtpu") is not None and not libtpu_env.host_has_tpu():
+        assert "ALLOW_MULTIPLE_LIBTPU_LOAD" in env.tpulab_placeholders  # conftest quieted libtpu
+    # control: a name set on purpose is the user's, no longer listed; none set, none listed
+    monkeypatch.setenv(libtpu_env.MARKER, "JAX_PLATFORMS,TPU_WORKER_ID")
+    mine = libtpu_env.set_explicitly(dict(os.environ), {"JAX_PLATFORMS": "cpu"})
+    monkeypatch.setenv(libtpu_env.MARKER, mine[libtpu_env.MARKER])
+    assert provenance.environment(with_jax=False)["tpulab_placeholders"] == ["TPU_WORKER_ID"]
+    monkeypatch.delenv(libtpu_env.MARKER)
+    assert provenance.environment(with_jax=False)["tpulab_placeholders"] == []
+    on_disk = json.loads(RunDir(trained_run).env.read_text())
+    with pytest.raises(TpulabError, match=r"missing \['tpulab_placeholders'\]"):
+        RunEnv.from_dict({k: v for k, v in on_disk.items() if k != "tpulab_placeholders"})
+    with pytest.raises(TpulabError, match=r"wrong types: tpulab_placeholders=\[1\]"):
+        RunEnv.from_dict({**on_disk, "tpulab_placeholders": [1]})
+
+
 def _reshard(**over) -> dict:
     """verdict.json as proofs.scaleout.prove_reshard writes it."""
     return {

@@ -385,6 +385,7 @@ class RunEnv(_Flat):
     git_commit: str | None  # '-dirty' when the tree had changes; None: not a git checkout
     time_utc: str
     host_allocator: str
+    tpulab_placeholders: list[str]  # libtpu_env's names set off a TPU (as the receipt lists them)
     backend: str
     device_kind: str
     device_kinds: list[str]
@@ -423,7 +424,7 @@ _ENV_TYPES: dict[str, tuple] = {
     **dict.fromkeys(("process_count", "param_count", "trained_param_count"), (int,)),
     "optimizer_state_bytes": (int,),
     "git_commit": (str, type(None)),
-    "device_kinds": (list[str],),
+    **dict.fromkeys(("device_kinds", "tpulab_placeholders"), (list[str],)),
     "is_tpu": (bool,),
     **dict.fromkeys(("packages", "identities", "precision", "shapes", "details"), (dict,)),
 }

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tpulab.checkpoint.rundir import RunDir, RunEnv
 from tpulab.hostmem import allocator
+from tpulab.libtpu_env import placeholders
 
 BASE_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy")
 
@@ -76,6 +77,8 @@ def environment(packages=BASE_PACKAGES, *, with_jax: bool = True) -> dict:
         "git_commit": git_commit(),
         "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host_allocator": allocator(),
+        # the libtpu variables tpulab set off a TPU, not the user: the runtime read them too
+        "tpulab_placeholders": sorted(placeholders()),
     }
     if with_jax:
         env.update(jax_devices())
