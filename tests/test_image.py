@@ -29,6 +29,17 @@ from tpulab.ops.image_layers import Layer, fresh_pyc, write_layer
 TOOLS = ("skopeo", "umoci", "bwrap")
 
 
+def umoci_unpack(layout: Path, root: Path, timeout: int) -> subprocess.CompletedProcess:
+    """umoci, an independent reader of the layout, unpacks its ``latest`` image into ``root``
+    (every blob's digest checked); the caller judges the outcome."""
+    return subprocess.run(
+        ["umoci", "raw", "unpack", "--image", f"{layout}:latest", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _need_tools():
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing and os.environ.get("CI"):
@@ -352,12 +363,7 @@ def test_run_starts_an_untampered_image_and_refuses_it_tampered(tmp_path):
     process = {"User": "65534:65534", "Entrypoint": ["/usr/bin/echo"], "Cmd": ["default"]}
     layout = _small_layout(tmp_path / "oci", layers, process)
     rootfs = tmp_path / "rootfs"
-    unpack = subprocess.run(
-        ["umoci", "raw", "unpack", "--image", f"{layout}:latest", str(rootfs)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    unpack = umoci_unpack(layout, rootfs, timeout=300)
     assert unpack.returncode == 0, unpack.stderr
 
     def run(lay):
@@ -496,12 +502,7 @@ def test_layout_validates_and_labels_carry_the_digests(image, verified_artifacts
     blob.write_bytes(bytes(data))
     r = run_main(capfd, "image", "verify", bad)
     assert r.returncode != 0 and "does not match its digest" in r.stderr, r.stderr
-    umoci = subprocess.run(
-        ["umoci", "raw", "unpack", "--image", f"{bad}:latest", str(tmp_path / "never")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    umoci = umoci_unpack(bad, tmp_path / "never", timeout=600)
     err = umoci.stderr.lower()
     assert umoci.returncode != 0 and ("digest" in err or "checksum" in err), err[-500:]
 
@@ -511,12 +512,7 @@ def rootfs(image, tmp_path_factory):
     """The image unpacked by umoci (an independent reader of the layout, digests checked)."""
     out, _ = image
     root = tmp_path_factory.mktemp("rootfs") / "rootfs"
-    proc = subprocess.run(
-        ["umoci", "raw", "unpack", "--image", f"{out}:latest", str(root)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = umoci_unpack(out, root, timeout=900)
     assert proc.returncode == 0, proc.stderr
     return root
 

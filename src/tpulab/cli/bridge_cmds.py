@@ -7,7 +7,12 @@ import argparse
 from pathlib import Path
 
 from tpulab.checkpoint.rundir import ResumeVerdict, RunDir
-from tpulab.cli.train_cmds import add_warm_resume_cache_arg, checked_path, path_arg
+from tpulab.cli.args import (
+    add_children_no_track_arg,
+    add_proof_children_args,
+    add_run_dir,
+    verdict_exit,
+)
 from tpulab.errors import ExitCode
 
 BACKEND_HELP = (
@@ -59,7 +64,7 @@ def register(sub) -> None:
     p = bsub.add_parser("train", help="train (or resume) one run in --run-dir")
     p.add_argument("--backend", required=True, help=BACKEND_HELP)
     p.add_argument("--method", default="eager", help=METHOD_HELP + " [eager]")
-    p.add_argument("--run-dir", required=True, type=path_arg)
+    add_run_dir(p)
     p.add_argument(
         "--force",
         action="store_true",
@@ -73,7 +78,7 @@ def register(sub) -> None:
     )  # the proof driver's fixed kill point
     p.add_argument("--cache-stats", type=Path, help=argparse.SUPPRESS)  # the proof driver's
     _config_args(p)
-    from tpulab.cli.train_cmds import add_tracking_args
+    from tpulab.cli.args import add_tracking_args
 
     add_tracking_args(p, stall=False)
     p.set_defaults(handler=cmd_train)
@@ -83,7 +88,7 @@ def register(sub) -> None:
     )
     p.add_argument("--backend", required=True, help=BACKEND_HELP)
     p.add_argument("--method", default="eager", help=METHOD_HELP + " [eager]")
-    p.add_argument("--run-dir", required=True, type=path_arg)
+    add_run_dir(p)
     p.add_argument(
         "--kill-at",
         type=int,
@@ -96,35 +101,25 @@ def register(sub) -> None:
     p.add_argument(
         "--no-restore-rng", dest="restore_rng", action="store_false", help=argparse.SUPPRESS
     )
-    add_warm_resume_cache_arg(p)
-    _no_track_children_arg(p)
+    add_proof_children_args(p, reference=False, trainer="bridge train")
     _config_args(p)
     p.set_defaults(handler=cmd_prove_resume)
 
     p = bsub.add_parser(
         "compare", help="train the same seed and shapes on every available backend and method"
     )
-    p.add_argument("--run-dir", required=True, type=path_arg)
+    add_run_dir(p)
     p.add_argument(
         "--timeout", type=float, default=600, help="seconds allowed per child process [600]"
     )
-    _no_track_children_arg(p)
+    add_children_no_track_arg(p, "bridge train")
     _config_args(p)
     p.set_defaults(handler=cmd_compare)
 
 
-def _no_track_children_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-track",
-        action="store_true",
-        help="the child runs log no MLflow runs (by default each does, as `bridge train`)",
-    )
-
-
 def cmd_train(args) -> int:
-    args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.loop import train
-    from tpulab.cli.train_cmds import tracker_for
+    from tpulab.cli.args import tracker_for
     from tpulab.config import to_dict
     from tpulab.train.hooks import HoldAfter
 
@@ -163,7 +158,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_prove_resume(args) -> int:
-    args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.prove import prove
 
     v = prove(
@@ -178,17 +172,15 @@ def cmd_prove_resume(args) -> int:
         track=not args.no_track,
     )
     v = ResumeVerdict.from_dict(v)
-    print(
-        f"{args.backend}/{args.method}: {'IDENTICAL' if v.identical else 'NOT IDENTICAL'}: "
-        f"{v.summary}; killed after step {v.kill_step}, resumed from "
-        f"{v.resumed_from_step}; see {RunDir(args.run_dir).proof}"
+    return verdict_exit(  # as `tpulab prove-resume`: FAILED whenever not identical
+        v,
+        f"{v.summary}; killed after step {v.kill_step}, resumed from {v.resumed_from_step}; "
+        f"see {RunDir(args.run_dir).proof}",
+        subject=f"{args.backend}/{args.method}",
     )
-    # as `tpulab prove-resume`: FAILED whenever not identical
-    return ExitCode.OK if v.identical else ExitCode.FAILED
 
 
 def cmd_compare(args) -> int:
-    args.run_dir = checked_path(args.run_dir, "--run-dir")
     from tpulab.bridge.compare import compare
 
     result = compare(_config(args), args.run_dir, timeout_s=args.timeout, track=not args.no_track)

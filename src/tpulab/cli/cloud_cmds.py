@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tpulab.checkpoint.rundir import METRICS, read_json
+from tpulab.cli.args import add_repeatable
 from tpulab.errors import ExitCode
 
 CLOUD_CONFIG_COPY = "cloud_config.yaml"
@@ -203,13 +204,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         type=Path,
         help="YAML with a cloud: section (default: the copy in DIR/cloud/)",
     )
-    p.add_argument(
+    add_repeatable(
+        p,
         "--set",
+        "override a cloud config value, e.g. --set project=my-proj --set zone=us-central1-a",
         dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a cloud config value, e.g. --set project=my-proj --set zone=us-central1-a",
     )
 
 
@@ -246,19 +245,12 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--run-name", default="run", help="run directory name on the workers (runs/NAME)"
     )
-    p.add_argument(
-        "--env",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="env var for the job on all workers",
-    )
-    p.add_argument(
+    add_repeatable(p, "--env", "env var for the job on all workers", "NAME=VALUE")
+    add_repeatable(
+        p,
         "--worker-env",
-        action="append",
-        default=[],
-        metavar="I:NAME=VALUE",
-        help="env var for worker I only (switches to one ssh per worker, in parallel)",
+        "env var for worker I only (switches to one ssh per worker, in parallel)",
+        "I:NAME=VALUE",
     )
     p.add_argument(
         "--preempt-at",

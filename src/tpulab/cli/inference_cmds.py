@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tpulab.cli.train_cmds import path_arg, paths_checked
+from tpulab.cli.args import path_arg
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.model.policies import POLICIES as _POLICIES
 
@@ -150,7 +150,7 @@ def register(sub) -> None:
     p.add_argument(
         "--out", type=path_arg, default=None, help="output dir (default: RUN_DIR/kvcache)"
     )
-    p.set_defaults(handler=paths_checked(cmd_kvcache))
+    p.set_defaults(handler=cmd_kvcache)
 
     p = sub.add_parser(
         "export", help="serialize prefill/decode endpoints (jax.export) for cpu, tpu and cuda"
@@ -159,7 +159,7 @@ def register(sub) -> None:
     p.add_argument("--out", type=path_arg, required=True)
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest valid)")
     p.add_argument("--batch", type=int, default=1, help="batch size the endpoints are lowered for")
-    p.set_defaults(handler=paths_checked(cmd_export))
+    p.set_defaults(handler=cmd_export)
 
     p = sub.add_parser(
         "verify-export", help="check an artifact set's hashes and outputs against its checkpoint"
@@ -175,7 +175,7 @@ def register(sub) -> None:
     p.add_argument(
         "--key-file", type=path_arg, default=None, help="sign verification.json with this HMAC key"
     )
-    p.set_defaults(handler=paths_checked(cmd_verify_export))
+    p.set_defaults(handler=cmd_verify_export)
 
     p = sub.add_parser(
         "generate", help="stream text from a checkpoint or from verified exported endpoints"
@@ -199,7 +199,7 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
-    p.set_defaults(handler=paths_checked(cmd_generate))
+    p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser(
         "serve",
@@ -279,7 +279,7 @@ def register(sub) -> None:
         help="text file or dir of *.txt the prompt drift statistic compares against (default: "
         "the training documents of the artifacts' run dir)",
     )
-    p.set_defaults(handler=paths_checked(cmd_serve))
+    p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser(
         "serve-bench", help="capacity table: the real service over loopback, 1/4/16 clients"
@@ -292,7 +292,7 @@ def register(sub) -> None:
     p.add_argument("--prompt", default="ROMEO:")
     p.add_argument("--cache", choices=_POLICIES, default="fp32")
     _batching_args(p)
-    p.set_defaults(handler=paths_checked(cmd_serve_bench))
+    p.set_defaults(handler=cmd_serve_bench)
 
 
 def _batching_args(p) -> None:

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args) or ExitCode.OK)
+        from tpulab.cli.args import check_paths
+
+        return int(args.handler(check_paths(args)) or ExitCode.OK)
     except TpulabError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from tpulab.checkpoint.rundir import PROOF, VERDICT, read_json
-from tpulab.cli.train_cmds import checked_path, path_arg
+from tpulab.cli.args import checked_path, path_arg
 from tpulab.errors import ExitCode, TpulabError
 
 
@@ -32,16 +32,15 @@ def cmd_register(args) -> int:
     from tpulab.ops.registry import register
     from tpulab.ops.registry_store import store_uri
 
-    artifacts = checked_path(args.artifacts, "--artifacts")
     verdict = checked_path(args.resume_verdict, "--resume-verdict") if args.resume_verdict else None
-    try:  # the trainer's store is beside the run dir the artifacts came from
-        run_dir = read_json(artifacts / ARTIFACT_MANIFEST)["source"]["run_dir"]
+    try:  # the trainer's store is beside the run dir the args.artifacts came from
+        run_dir = read_json(args.artifacts / ARTIFACT_MANIFEST)["source"]["run_dir"]
     except (OSError, ValueError, KeyError, TypeError):
         run_dir = None  # register() names the problem
     _compiles_cached()
     r = register(
         store_uri(args.tracking_uri, run_dir),
-        artifacts,
+        args.artifacts,
         args.name,
         resume_verdict_path=verdict,
         reason=args.reason,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tpulab.cli.train_cmds import checked_path, path_arg, paths_checked
+from tpulab.cli.args import checked_path, path_arg
 from tpulab.errors import ExitCode
 
 
@@ -15,16 +15,15 @@ def cmd_contract_record(args) -> int:
     from tpulab.data.corpus import load_corpus
     from tpulab.errors import TpulabError
 
-    out = checked_path(args.out, "--out")
     checked_path(args.data, "--data")  # "" would silently mean the current directory
-    check_out(out, file=True)  # before reading the corpus: a contract is never overwritten
-    if not out.parent.is_dir():
-        raise TpulabError(f"directory {out.parent} does not exist")
+    check_out(args.out, file=True)  # before reading the corpus: a contract is never overwritten
+    if not args.out.parent.is_dir():
+        raise TpulabError(f"directory {args.out.parent} does not exist")
     c = contract.record(load_corpus(args.data), args.size_tolerance, args.entropy_tolerance)
-    atomic_write_bytes(out, contract.dumps(c))
+    atomic_write_bytes(args.out, contract.dumps(c))
     r = c.recorded_from
     print(
-        f"recorded {out}: {c.documents} documents, {len(c.byte_values)} byte values, "
+        f"recorded {args.out}: {c.documents} documents, {len(c.byte_values)} byte values, "
         f"{r['total_bytes']} bytes, entropy {r['entropy_bits_per_byte']:.4f} bits/byte "
         f"(band {c.entropy_bits_per_byte[0]:.4f}..{c.entropy_bits_per_byte[1]:.4f})"
     )
@@ -110,7 +109,7 @@ def register(sub) -> None:
     b.add_argument("--tag", default="latest", help="the image's ref name in index.json")
     b.add_argument("--key-file", help="HMAC key the verification record must be signed with")
     b.add_argument("--json", action="store_true", help="print the build summary as JSON")
-    b.set_defaults(handler=paths_checked(cmd_image_build))
+    b.set_defaults(handler=cmd_image_build)
     v = isub.add_parser("verify", help="rehash every blob of an OCI layout against its digest")
     v.add_argument("layout", help="OCI layout dir")
     v.set_defaults(handler=cmd_image_verify)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpulab.cli.train_cmds import add_config_args, load_run_config
+from tpulab.cli.args import (
+    add_config_args,
+    add_repeatable,
+    add_run_dir,
+    load_run_config,
+)
 from tpulab.errors import ExitCode
 
 
@@ -48,7 +53,7 @@ def cmd_bench(args) -> int:
 
 
 def _default_config():
-    from tpulab.cli.train_cmds import DEFAULT_CONFIG
+    from tpulab.cli.args import DEFAULT_CONFIG
 
     return DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
 
@@ -110,7 +115,7 @@ def register(sub) -> None:
         help="compile, first step and synchronized steady-state step time; "
         "utilization vs this host's matmul rate at the step's GEMM shapes",
     )
-    p.add_argument("--run-dir", required=True, type=Path, help="results go to RUN_DIR/bench/")
+    add_run_dir(p, "results go to RUN_DIR/bench/")
     add_config_args(p)
     p.add_argument(
         "--timed-steps", type=int, default=20, help="synchronized steady-state steps (>= 20)"
@@ -123,25 +128,20 @@ def register(sub) -> None:
     p = sub.add_parser(
         "profile", help="trace K warmed train steps of a trained run; top-ops table from the trace"
     )
-    p.add_argument(
-        "--run-dir",
-        required=True,
-        type=Path,
-        help="a trained run (its newest checkpoint and config)",
-    )
+    add_run_dir(p, "a trained run (its newest checkpoint and config)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps (default: %(default)s)")
     p.set_defaults(handler=cmd_profile)
 
     p = sub.add_parser(
         "precision", help="fp32 / bf16 / int8 policies of a trained run against fp32, one table"
     )
-    p.add_argument("--run-dir", required=True, type=Path, help="a trained fp32 run")
+    add_run_dir(p, "a trained fp32 run")
     p.set_defaults(handler=cmd_precision)
 
     p = sub.add_parser(
         "hypothesis", help="test one predicted speed-up: baseline and changed config side by side"
     )
-    p.add_argument("--run-dir", required=True, type=Path, help="results go to RUN_DIR/hypothesis/")
+    add_run_dir(p, "results go to RUN_DIR/hypothesis/")
     add_config_args(p)
     p.add_argument(
         "--change", required=True, metavar="KEY=VALUE", help="the config switch under test"
@@ -181,12 +181,10 @@ def register(sub) -> None:
     p.add_argument(
         "--target", default="v5e:2x2,v5p:2x2x1,v6e:2x2", help="TPU targets for the budget"
     )
-    p.add_argument(
+    add_repeatable(
+        p,
         "--target-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override for the target model of the budget (default: the run's model), repeatable",
+        "override for the target model of the budget (default: the run's model), repeatable",
     )
     p.set_defaults(handler=cmd_dossier)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tpulab.cli.train_cmds import checked_path, path_arg
+from tpulab.cli.args import checked_path, path_arg
 from tpulab.errors import ExitCode
 
 
@@ -24,10 +24,9 @@ def cmd_pairs(args) -> int:
         train_prompts=args.train_prompts,
         eval_prompts=args.eval_prompts,
     )
-    out = checked_path(args.out, "--out")
-    record = make_pairs(checked_path(args.policy, "--policy"), out, cfg)
+    record = make_pairs(checked_path(args.policy, "--policy"), args.out, cfg)
     print(summary_line(record))
-    print(f"wrote {out}/pairs.jsonl, eval.jsonl, dataset.json")
+    print(f"wrote {args.out}/pairs.jsonl, eval.jsonl, dataset.json")
     return ExitCode.OK
 
 
@@ -36,17 +35,16 @@ def cmd_win_rate(args) -> int:
     from tpulab.checkpoint.files import atomic_write_json, check_out, json_with
     from tpulab.posttrain.winrate import win_rate
 
-    out = checked_path(args.out, "--out") if args.out else None
-    if out is not None:  # an earlier win-rate record is replaced; any other file is in the way
-        check_out(out, file=True, reuse=json_with("policy", "against", "win_rate"))
+    if args.out is not None:  # an earlier win-rate record is replaced; any other file is in the way
+        check_out(args.out, file=True, reuse=json_with("policy", "against", "win_rate"))
     compile_cache.enable()
     result = win_rate(
-        checked_path(args.run_dir, "--run-dir"),
+        args.run_dir,
         checked_path(args.against, "--against"),
         args.max_prompts,
     )
-    if out is not None:
-        atomic_write_json(out, result)
+    if args.out is not None:
+        atomic_write_json(args.out, result)
     print(json.dumps({k: result[k] for k in ("prompts", "wins", "ties", "losses", "win_rate")}))
     return ExitCode.OK
 
@@ -56,9 +54,8 @@ def cmd_posttrain(args) -> int:
     from tpulab.orchestrate.chain import run_chain
 
     cache = compile_cache.enable(args.compile_cache)
-    out = checked_path(args.out, "--out")
-    run_chain(checked_path(args.sft, "--sft"), out, compile_cache=cache)
-    print(f"wrote {out}/chain.md and chain.json")
+    run_chain(checked_path(args.sft, "--sft"), args.out, compile_cache=cache)
+    print(f"wrote {args.out}/chain.md and chain.json")
     return ExitCode.OK
 
 

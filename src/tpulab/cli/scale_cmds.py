@@ -82,7 +82,7 @@ def cmd_reshard(args) -> int:
 
 
 def cmd_prove_layouts(args) -> int:
-    from tpulab.cli.train_cmds import load_run_config
+    from tpulab.cli.args import load_run_config
 
     config = load_run_config(args)
     from tpulab.proofs.scaleout import prove_layouts
@@ -93,7 +93,7 @@ def cmd_prove_layouts(args) -> int:
 
 
 def cmd_prove_reshard(args) -> int:
-    from tpulab.cli.train_cmds import load_run_config
+    from tpulab.cli.args import load_run_config
 
     config = load_run_config(args)
     from tpulab.checkpoint.rundir import ReshardVerdict
@@ -111,19 +111,19 @@ def cmd_prove_reshard(args) -> int:
 
 
 def register(sub) -> None:
-    from tpulab.cli.train_cmds import add_config_args
+    from tpulab.cli.args import add_config_args, add_run_dir
 
     p = sub.add_parser(
         "prove-layouts", help="same run on 1x1, 1 proc x 4 dev and 2 proc x 2 dev: loss table"
     )
-    p.add_argument("--run-dir", required=True, type=Path)
+    add_run_dir(p)
     add_config_args(p)
     p.set_defaults(handler=cmd_prove_layouts)
 
     p = sub.add_parser(
         "prove-reshard", help="2 proc x 2 dev checkpoint resharded onto 1 proc x 2 dev, trained on"
     )
-    p.add_argument("--run-dir", required=True, type=Path)
+    add_run_dir(p)
     add_config_args(p)
     p.add_argument("--at-step", type=int, required=True, help="reshard the checkpoint of this step")
     p.set_defaults(handler=cmd_prove_reshard)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tpulab.cli.args import add_run_dir
 from tpulab.errors import ExitCode
 
 
@@ -77,7 +78,7 @@ def register(sub) -> None:
         "report",
         help="write report.md and a self-contained report.html from a run, proof or capstone dir",
     )
-    p.add_argument("--run-dir", required=True, type=Path)
+    add_run_dir(p)
     p.add_argument(
         "--no-track", action="store_true", help="do not attach the report to the run's MLflow run"
     )

@@ -3,74 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 from pathlib import Path
 
 from tpulab.checkpoint.rundir import ResumeVerdict, RunDir
+from tpulab.cli.args import (
+    add_config_args,
+    add_proof_children_args,
+    add_run_dir,
+    add_tracking_args,
+    checked_path,
+    load_run_config,
+    path_arg,
+    proof_children,
+    tracker_for,
+    verdict_exit,
+)
 from tpulab.errors import ExitCode
-
-DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "default.yaml"
-
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=path_arg, help="YAML config (default: configs/default.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config value, e.g. --set model.d_model=256 (repeatable)",
-    )
-    p.add_argument("--steps", type=int, help="train until this step (train.steps)")
-    p.add_argument("--data", help="text file or directory of *.txt to train on (data.path)")
-    p.add_argument("--compile-cache", type=Path, help="JAX persistent compilation cache dir")
-
-
-def path_arg(value: str) -> Path | str:
-    """argparse type: ``Path(value)``; an empty value stays ``""`` (``Path("")`` means ``.``)."""
-    return Path(value) if value else value
-
-
-def checked_path(value: Path | str, flag: str) -> Path:
-    """The path of ``flag``, or a one-line error if it is empty or too long for the OS."""
-    from tpulab.config import check_path
-
-    check_path(str(value), flag)
-    return Path(value)
-
-
-def paths_checked(handler):
-    """Every path flag given as "" or too long is one error line before the handler runs
-    (``Path("")`` would silently mean the current directory)."""
-
-    @functools.wraps(handler)
-    def run(args) -> int:
-        for name in ("run_dir", "out", "artifacts", "key_file", "trace_log", "drift_reference"):
-            value = getattr(args, name, None)
-            if value is not None:
-                setattr(args, name, checked_path(value, "--" + name.replace("_", "-")))
-        return handler(args)
-
-    return run
-
-
-def load_run_config(args):
-    from tpulab import load_config
-
-    overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
-    if args.data is not None:
-        overrides.append(
-            f"data.path={json.dumps(args.data)}"
-        )  # quoted: a path, never YAML (null, yes, 1e3)
-    if args.config is not None:
-        path = checked_path(args.config, "--config")
-    else:
-        path = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
-    return load_config(path, overrides)
 
 
 def cmd_train(args) -> int:
@@ -79,7 +27,6 @@ def cmd_train(args) -> int:
     preemption = (
         AgreedPreemption()
     )  # first: a SIGTERM from now until exit is a preemption notice, never a kill
-    run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)  # before the heavy imports: a bad config fails fast
     from tpulab.train.memory import check_fits_host
 
@@ -96,15 +43,15 @@ def cmd_train(args) -> int:
     joined = initialize_from_env(
         args.init_timeout
     )  # a launched or TPU-slice process joins its job; otherwise a no-op
-    hooks = run_health_hooks(args, run_dir, distributed=joined["distributed"])
+    hooks = run_health_hooks(args, args.run_dir, distributed=joined["distributed"])
     if args.hold_after_step:
         hooks.append(HoldAfter(args.hold_after_step))
-    tracker = tracker_for(args, run_dir)
+    tracker = tracker_for(args, args.run_dir)
     if tracker is not None:
         hooks.insert(0, tracker)
     summary = train(  # closes every hook, whether it returns or raises
         config,
-        run_dir,
+        args.run_dir,
         force=args.force,
         skip_restore=tuple(args.skip_restore),
         progress=False if args.no_progress else None,
@@ -121,90 +68,6 @@ def cmd_train(args) -> int:
         flush=True,
     )
     return ExitCode.OK
-
-
-def add_tracking_args(p: argparse.ArgumentParser, stall: bool = True) -> None:
-    g = p.add_argument_group("tracking and run health")
-    g.add_argument(
-        "--tracking-uri",
-        help="MLflow tracking store (default: $MLFLOW_TRACKING_URI, else "
-        "sqlite:///<parent of --run-dir>/mlruns.db)",
-    )
-    g.add_argument("--no-track", action="store_true", help="no MLflow tracking")
-    g.add_argument(
-        "--require-tracking",
-        action="store_true",
-        help="fail before training when the tracking store cannot be opened or written "
-        "(default: warn, train on)",
-    )
-    if not stall:
-        return
-    from tpulab.train.watchdog import STARTUP_S  # no jax: --help stays quick
-
-    g.add_argument(
-        "--stall-timeout",
-        type=float,
-        metavar="S",
-        help="seconds without a completed step that count as a stall, from the first step on "
-        "(default: 20x the median step time, at least 120 s; 300 s with several processes)",
-    )
-    g.add_argument(
-        "--stall-startup-timeout",
-        type=float,
-        metavar="S",
-        default=STARTUP_S,
-        help="seconds allowed for start-up: restore, compile and the first step (default: "
-        f"{STARTUP_S:g})",
-    )
-    g.add_argument(
-        "--stall-exit",
-        action="store_true",
-        help=f"on a stall, exit with code {int(ExitCode.STALLED)} after dumping stacks "
-        "(so a supervisor restarts the run)",
-    )
-
-
-def add_warm_resume_cache_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--warm-resume-cache",
-        action="store_true",
-        help="let each resumed process share the compilation cache of the runs before it (faster); "
-        "by default it gets a fresh, empty one, as after a preemption onto a new machine",
-    )
-
-
-def add_children_no_track_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-track",
-        action="store_true",
-        help="no MLflow tracking of the child trainers (default: each tracks, as `tpulab train`)",
-    )
-
-
-def add_reference_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--reference",
-        type=path_arg,
-        help="reuse this finished, uninterrupted run of the same config as the reference "
-        "(read only) instead of training one",
-    )
-
-
-def tracker_for(args, run_dir: Path, **kwargs):
-    """The MLflow tracker a command's flags ask for, or None. --require-tracking opens the store
-    and writes to it now, so a store that cannot take the run's records stops it before step 0."""
-    if args.no_track:
-        if args.require_tracking:
-            from tpulab.errors import TpulabError
-
-            raise TpulabError("--no-track and --require-tracking contradict each other")
-        return None
-    from tpulab.tracking.hook import MlflowTracker
-
-    tracker = MlflowTracker(run_dir, args.tracking_uri, **kwargs)
-    if args.require_tracking:
-        tracker.check()
-    return tracker
 
 
 def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
@@ -232,7 +95,6 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
 
 
 def cmd_prove_resume(args) -> int:
-    run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
     if args.processes and (args.reference or args.no_track):
         from tpulab.errors import TpulabError
@@ -254,69 +116,58 @@ def cmd_prove_resume(args) -> int:
             )
         )
         event = v.details["event"]
-        ok = v.identical and v.details["teardown_ok"]
-        print(
-            f"{'IDENTICAL' if v.identical else 'NOT IDENTICAL'}: process "
-            f"{event['victim_process']} of {args.processes} got {v.signal} after step "
+        return verdict_exit(
+            v,
+            f"process {event['victim_process']} of {args.processes} got {v.signal} after step "
             f"{event['last_logged_step']}; the job ended in {event['job_end_s']:.1f}s "
             f"with exit {event['launcher_exit_code']} (expected "
             f"{v.details['expected_exit_code']}); resumed from step {v.resumed_from_step}; curves "
             f"{'bitwise identical' if v.curves_identical else 'differ'}, final state "
             f"{'bitwise identical' if v.final_state_identical else 'differs'} -> "
-            f"{Path(args.run_dir) / ('proof-' + ('stall' if args.stall else 'kill'))}"
+            f"{Path(args.run_dir) / ('proof-' + ('stall' if args.stall else 'kill'))}",
+            ok=v.identical and v.details["teardown_ok"],
         )
-        return ExitCode.OK if ok else ExitCode.FAILED
     from tpulab.proofs.transformer import prove_transformer_resume
 
     v = prove_transformer_resume(
         config,
-        run_dir,
+        args.run_dir,
         kill_at=args.kill_at,
-        reference_dir=args.reference and checked_path(args.reference, "--reference"),
         skip_restore=tuple(args.skip_restore),
-        compile_cache=args.compile_cache,
-        warm_resume_cache=args.warm_resume_cache,
-        track=not args.no_track,
+        **proof_children(args),
     )
     v = ResumeVerdict.from_dict(v)
-    print(
-        f"{'IDENTICAL' if v.identical else 'NOT IDENTICAL'}: {v.summary}; killed ({v.signal}) "
-        f"after step {v.kill_step}, resumed from step {v.resumed_from_step} -> "
-        f"{RunDir(run_dir).proof}"
+    return verdict_exit(
+        v,
+        f"{v.summary}; killed ({v.signal}) after step {v.kill_step}, resumed from step "
+        f"{v.resumed_from_step} -> {RunDir(args.run_dir).proof}",
     )
-    return ExitCode.OK if v.identical else ExitCode.FAILED
 
 
 def cmd_chaos(args) -> int:
-    run_dir = checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
     from tpulab.proofs.chaos import run_chaos
 
     v = run_chaos(
         config,
-        run_dir,
+        args.run_dir,
         kills=args.kills,
         seed=args.seed,
-        compile_cache=args.compile_cache,
-        warm_resume_cache=args.warm_resume_cache,
-        reference_dir=args.reference and checked_path(args.reference, "--reference"),
-        track=not args.no_track,
+        **proof_children(args),
     )
     v = ResumeVerdict.from_dict(v)
     d = v.details
-    print(
-        f"{'IDENTICAL' if v.identical else 'NOT IDENTICAL'}: {d['kills']} random "
-        f"SIGKILLs ({d['kills_during_save']} while a save was in flight), "
-        f"{d['segments']} process lifetimes; {v.summary} -> {RunDir(run_dir).chaos}"
+    return verdict_exit(
+        v,
+        f"{d['kills']} random SIGKILLs ({d['kills_during_save']} while a save was in flight), "
+        f"{d['segments']} process lifetimes; {v.summary} -> {RunDir(args.run_dir).chaos}",
     )
-    return ExitCode.OK if v.identical else ExitCode.FAILED
 
 
 def cmd_sft_eval(args) -> int:
     from tpulab.errors import TpulabError
 
-    run_dir = checked_path(args.run_dir, "--run-dir")
-    out = checked_path(args.out, "--out") if args.out is not None else run_dir / "sft_eval.json"
+    out = args.out if args.out is not None else args.run_dir / "sft_eval.json"
     from tpulab.checkpoint.files import check_out, json_with
 
     check_out(out, file=True, reuse=json_with("models", "stop"))  # its own record: replaced
@@ -327,7 +178,7 @@ def cmd_sft_eval(args) -> int:
     from tpulab.checkpoint.files import atomic_write_json
     from tpulab.posttrain import evaluate_sft
 
-    r = evaluate_sft(run_dir, merged=merged, max_new=args.max_new, prompts=args.prompts)
+    r = evaluate_sft(args.run_dir, merged=merged, max_new=args.max_new, prompts=args.prompts)
     atomic_write_json(out, r)
     base, sft, stop = r["models"]["base"], r["models"]["sft"], r["stop"]
 
@@ -344,23 +195,21 @@ def cmd_sft_eval(args) -> int:
 
 
 def cmd_check(args) -> int:
-    run_dir = None if args.run_dir is None else checked_path(args.run_dir, "--run-dir")
     config = load_run_config(args)
     from tpulab.proofs.checks import print_table, run_checks
 
-    results = run_checks(config, run_dir=run_dir)
+    results = run_checks(config, run_dir=args.run_dir)
     print_table(results)
     return ExitCode.OK if all(r["passed"] for r in results) else ExitCode.FAILED
 
 
 def cmd_capstone(args) -> int:
-    out = checked_path(args.out, "--out")
     config = load_run_config(args)
     from tpulab.orchestrate.capstone import CapstoneOptions, run_capstone
 
     report = run_capstone(
         config,
-        out,
+        args.out,
         CapstoneOptions(
             skip_bridge=args.skip_bridge,
             skip_inference=args.skip_inference,
@@ -386,21 +235,19 @@ def cmd_capstone(args) -> int:
 
 
 def cmd_merge_lora(args) -> int:
-    run_dir = checked_path(args.run_dir, "--run-dir")
-    out = checked_path(args.out, "--out")
     from tpulab.train.merge import merge_lora
 
-    r = merge_lora(run_dir, out)
+    r = merge_lora(args.run_dir, args.out)
     if r.get("reused"):
         print(
-            f"{out} already holds the merge of step {r['step']}'s adapters (checkpoint "
+            f"{args.out} already holds the merge of step {r['step']}'s adapters (checkpoint "
             f"{r['merged_checkpoint_digest'][:12]}); nothing written"
         )
         return ExitCode.OK
     print(
         f"merged {r['adapted_matrices']} adapted matrices of step {r['step']} in "
         f"{r['merge_seconds']:.3f} s; merged logits within {r['max_relative_logit_diff']:.2g} "
-        f"(relative) of the adapter model's -> {out} "
+        f"(relative) of the adapter model's -> {args.out} "
         f"(checkpoint {r['merged_checkpoint_digest'][:12]})"
     )
     return ExitCode.OK
@@ -411,7 +258,7 @@ def register(sub) -> None:
         "train",
         help="train the Transformer (resumes from the newest valid checkpoint in --run-dir)",
     )
-    p.add_argument("--run-dir", required=True, type=path_arg)
+    add_run_dir(p)
     add_config_args(p)
     p.add_argument(
         "--force", action="store_true", help="resume even if the config or corpus changed"
@@ -437,7 +284,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "prove-resume", help="reference run, SIGKILL'd run, fresh-process resume, overlaid curves"
     )
-    p.add_argument("--run-dir", required=True, type=path_arg)
+    add_run_dir(p)
     add_config_args(p)
     p.add_argument(
         "--kill-at",
@@ -446,7 +293,7 @@ def register(sub) -> None:
         "checkpoints, about 60%% of the way)",
     )
     p.add_argument("--skip-restore", action="append", default=[], help=argparse.SUPPRESS)
-    add_reference_arg(p)
+    add_proof_children_args(p)
     p.add_argument(
         "--processes",
         type=int,
@@ -464,28 +311,24 @@ def register(sub) -> None:
     p.add_argument(
         "--stall-timeout", type=float, default=10.0, help="with --processes: watchdog timeout (s)"
     )
-    add_warm_resume_cache_arg(p)
-    add_children_no_track_arg(p)
     p.set_defaults(handler=cmd_prove_resume)
 
     p = sub.add_parser(
         "chaos", help="SIGKILL a run at random moments, resume each time, compare the whole state"
     )
-    p.add_argument("--run-dir", required=True, type=path_arg)
+    add_run_dir(p)
     add_config_args(p)
     p.add_argument(
         "--kills", type=int, default=5, help="random SIGKILLs before the run may finish (default 5)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
-    add_reference_arg(p)
-    add_warm_resume_cache_arg(p)
-    add_children_no_track_arg(p)
+    add_proof_children_args(p)
     p.set_defaults(handler=cmd_chaos)
 
     p = sub.add_parser(
         "merge-lora", help="fold a LoRA run's adapters into its base: a plain model run dir"
     )
-    p.add_argument("--run-dir", required=True, type=path_arg, help="the LoRA run")
+    add_run_dir(p, "the LoRA run")
     p.add_argument("--out", required=True, type=path_arg, help="run dir to write the model to")
     p.set_defaults(handler=cmd_merge_lora)
 
@@ -493,7 +336,7 @@ def register(sub) -> None:
         "sft-eval",
         help="an SFT run against its base on the held-out plays: response loss, stop rate, samples",
     )
-    p.add_argument("--run-dir", required=True, type=path_arg, help="the SFT (or LoRA) run")
+    add_run_dir(p, "the SFT (or LoRA) run")
     p.add_argument("--merged", type=path_arg, help="its merge-lora output, compared too")
     p.add_argument(
         "--max-new",
@@ -508,11 +351,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "check", help="independent checks (causality, valid-token loss, disjoint data) as a table"
     )
-    p.add_argument(
-        "--run-dir",
-        type=path_arg,
-        help="check this run's trained weights and data (default: fresh init)",
-    )
+    add_run_dir(p, "check this run's trained weights and data (default: fresh init)", False)
     add_config_args(p)
     p.set_defaults(handler=cmd_check)
 
