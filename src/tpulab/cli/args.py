@@ -9,6 +9,7 @@ Path flags use ``path_arg`` and are checked before use (``check_paths``, for eve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -72,6 +73,21 @@ def load_run_config(args):
     else:
         path = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
     return load_config(path, overrides)
+
+
+def from_flags(cls, args: argparse.Namespace, **flag_of: str):
+    """The config dataclass ``cls`` with every field that has a flag of its name set from it (or
+    from the flag ``flag_of`` names for it, which must exist); the others keep their defaults, and
+    the config's own checks run as usual."""
+    missing = sorted(name for name in flag_of.values() if not hasattr(args, name))
+    if missing:
+        raise AttributeError(f"{cls.__name__}: no flag {missing[0]} among the parsed arguments")
+    values = {}
+    for f in dataclasses.fields(cls):
+        flag = flag_of.get(f.name, f.name)
+        if hasattr(args, flag):
+            values[f.name] = getattr(args, flag)
+    return cls(**values)
 
 
 def add_run_dir(p: argparse.ArgumentParser, help: str | None = None, required: bool = True):
@@ -178,7 +194,9 @@ def proof_children(args) -> dict:
     ``prove_transformer_resume`` and ``run_chaos`` share: the reference run to reuse, the
     compilation cache and whether a resumed child shares it, tracking."""
     return {
-        "reference_dir": args.reference and checked_path(args.reference, "--reference"),
+        "reference_dir": (
+            None if args.reference is None else checked_path(args.reference, "--reference")
+        ),  # "" is an error, never "no reference"
         "compile_cache": args.compile_cache,
         "warm_resume_cache": args.warm_resume_cache,
         "track": not args.no_track,

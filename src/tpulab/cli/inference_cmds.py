@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tpulab.cli.args import path_arg
+from tpulab.cli.args import from_flags, path_arg
 from tpulab.errors import ExitCode, TpulabError
 from tpulab.model.policies import POLICIES as _POLICIES
 
@@ -93,14 +93,13 @@ def cmd_serve(args) -> int:
     from tpulab.inference.config import ServeConfig
     from tpulab.ops.serving import serve
 
-    cfg = ServeConfig(
-        max_batch=args.max_batch,
-        batch_window_ms=args.batch_window_ms,
-        max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout,
-        body_timeout_s=args.body_timeout,
-        drain_timeout_s=args.drain_timeout,
-        ready_timeout_s=args.ready_timeout,
+    cfg = from_flags(  # the time limits' flags are named without the unit
+        ServeConfig,
+        args,
+        request_timeout_s="request_timeout",
+        body_timeout_s="body_timeout",
+        drain_timeout_s="drain_timeout",
+        ready_timeout_s="ready_timeout",
     )
     serve(
         artifacts=args.artifacts,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tpulab.cli.args import checked_path, path_arg
+from tpulab.cli.args import checked_path, from_flags, path_arg
 from tpulab.errors import ExitCode
 
 
@@ -16,14 +16,7 @@ def cmd_pairs(args) -> int:
     from tpulab.posttrain.pairs import PairsConfig, make_pairs, summary_line
 
     compile_cache.enable()
-    cfg = PairsConfig(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
-        labeller_seed=args.labeller_seed,
-        train_prompts=args.train_prompts,
-        eval_prompts=args.eval_prompts,
-    )
+    cfg = from_flags(PairsConfig, args)
     record = make_pairs(checked_path(args.policy, "--policy"), args.out, cfg)
     print(summary_line(record))
     print(f"wrote {args.out}/pairs.jsonl, eval.jsonl, dataset.json")

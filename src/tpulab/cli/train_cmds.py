@@ -12,6 +12,7 @@ from tpulab.cli.args import (
     add_run_dir,
     add_tracking_args,
     checked_path,
+    from_flags,
     load_run_config,
     path_arg,
     proof_children,
@@ -96,10 +97,10 @@ def run_health_hooks(args, run_dir: Path, *, distributed: bool) -> list:
 
 def cmd_prove_resume(args) -> int:
     config = load_run_config(args)
-    if args.processes and (args.reference or args.no_track):
+    if args.processes and (args.reference is not None or args.no_track):
         from tpulab.errors import TpulabError
 
-        flag = "--reference" if args.reference else "--no-track"
+        flag = "--reference" if args.reference is not None else "--no-track"
         raise TpulabError(f"{flag} is for a one-process proof; drop it or --processes")
     if args.processes:
         from tpulab.proofs.scaleout import prove_multiprocess_resume
@@ -210,15 +211,7 @@ def cmd_capstone(args) -> int:
     report = run_capstone(
         config,
         args.out,
-        CapstoneOptions(
-            skip_bridge=args.skip_bridge,
-            skip_inference=args.skip_inference,
-            chaos_kills=args.chaos_kills,
-            compile_cache=args.compile_cache,
-            skip_scaleout=args.skip_scaleout,
-            skip_dossier=args.skip_dossier,
-            skip_posttrain=args.skip_posttrain,
-        ),
+        from_flags(CapstoneOptions, args),  # --skip-* and --chaos-kills, --compile-cache
     )
     print(f"report: {report} and {report.with_suffix('.html')}")
     from tpulab.evidence.goodput import goodput
