@@ -42,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +53,7 @@ from tpulab.data.pipeline import split_documents
 from tpulab.data.tokenizer import BOS, VOCAB_SIZE
 from tpulab.evidence.metrics import METRICS, read_records
 from tpulab.evidence.report_kit import table
+from tpulab.perf.process import run_measured
 from tpulab.perf.timing import benchmark_environment
 from tpulab.process_setup import prepare
 from tpulab.proofs.driver import tpulab_argv
@@ -139,52 +139,10 @@ def write_nanogpt_data(config: RunConfig, work: Path) -> dict:
     return {"corpus_identity": corpus.identity, **counts}
 
 
-def tree_rss_bytes(root: int) -> int:
-    """Summed RSS of ``root`` and all its descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return total
-
-
-def run_measured(argv: list[str], cwd: Path, env: dict, log: Path, timeout: float) -> dict:
-    """Run to the end; wall time, the kernel's peak RSS of the process, the tree's sampled peak."""
-    t0 = time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
-        tree_peak = 0
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() - t0 > timeout:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            tree_peak = max(tree_peak, tree_rss_bytes(proc.pid))
-            time.sleep(0.1)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(argv[:4])}... exited {proc.returncode}; see {log}")
-    return {
-        "wall_s": round(time.monotonic() - t0, 3),
-        "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),  # Linux: KiB
-        "tree_peak_rss_mib": round(tree_peak / 2**20, 1),
-        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-    }
+def checked(res: dict, log: Path) -> dict:
+    if res["returncode"] != 0:
+        sys.exit(f"error: a run exited {res['returncode']}; see {log}")
+    return res
 
 
 def steady(intervals_s: list[float], skip: int) -> dict:
@@ -205,7 +163,7 @@ def run_nanogpt(work: Path, steps: int, env: dict, skip: int, tag: str) -> dict:
     out = work / f"out-{tag}"
     log = work / f"nanogpt-{tag}.log"
     argv = [sys.executable, str(NANOGPT / "train.py"), *nanogpt_args(steps, out)]
-    res = run_measured(argv, work, env, log, timeout=40 * steps + 300)
+    res = checked(run_measured(argv, cwd=work, env=env, log=log, timeout=40 * steps + 300), log)
     iters = [ITER_LINE.match(line) for line in log.read_text().splitlines()]
     iters = [m for m in iters if m]
     if len(iters) != steps:
@@ -228,7 +186,8 @@ def run_tpulab(work: Path, steps: int, env: dict, skip: int, tag: str, extra: li
     )
     for o in tpulab_overrides(steps) + extra:
         argv += ["--set", o]
-    res = run_measured(argv, work, env, work / f"tpulab-{tag}.log", timeout=40 * steps + 600)
+    log = work / f"tpulab-{tag}.log"
+    res = checked(run_measured(argv, cwd=work, env=env, log=log, timeout=40 * steps + 600), log)
     rows = [r for r in read_records(run_dir / METRICS) if "loss" in r and "step" in r]
     if [r["step"] for r in rows] != list(range(1, steps + 1)):
         sys.exit(f"error: {run_dir / METRICS} does not hold steps 1..{steps}")

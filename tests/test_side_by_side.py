@@ -1,6 +1,7 @@
 """benchmarks/nanogpt_side_by_side.py's pieces (the script is run by hand): the corpus written as
-nanoGPT's token files, the iteration lines it parses, the steady-state summary, the process-tree
-RSS; and the host CPU record every benchmark carries (``tpulab.perf.timing.host_cpu``)."""
+nanoGPT's token files, the iteration lines it parses, the steady-state summary; the child-process
+measurement the speed benchmarks share (``tpulab.perf.process``); the host CPU record every
+benchmark carries (``tpulab.perf.timing.host_cpu``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import REPO
 from tpulab.config import load
+from tpulab.perf.process import run_measured, tree_rss_bytes
 from tpulab.perf.timing import host_cpu
 from tpulab.train.config import RunConfig
 
@@ -97,7 +99,7 @@ def test_iteration_lines_and_the_steady_summary(bench):
         bench.steady([0.05] * 24, skip=5)
 
 
-def test_tree_rss_counts_a_grandchild(bench):
+def test_tree_rss_counts_a_grandchild():
     """A child whose own child holds 150 MB: the tree sum sees it, the child alone does not."""
     code = (
         "import subprocess, sys, time\n"
@@ -110,12 +112,27 @@ def test_tree_rss_counts_a_grandchild(bench):
     grandchild = None
     try:
         grandchild = int(proc.stdout.readline())
-        tree = bench.tree_rss_bytes(proc.pid)
-        alone = bench.tree_rss_bytes(grandchild)
+        tree = tree_rss_bytes(proc.pid)
+        alone = tree_rss_bytes(grandchild)
         assert alone >= 150 * 2**20 and tree >= alone + 5 * 2**20  # the child's interpreter too
-        assert bench.tree_rss_bytes(proc.pid) - alone < 150 * 2**20 < tree
+        assert tree_rss_bytes(proc.pid) - alone < 150 * 2**20 < tree
     finally:
         if grandchild is not None:
             os.kill(grandchild, signal.SIGKILL)
         proc.kill()
         proc.wait()
+
+
+def test_run_measured_reports_the_kernel_peak_and_the_exit_code(tmp_path):
+    """A child that touches 120 MB peaks above it; one that touches nothing stays far below."""
+    big = "b = bytearray(120 * 2**20); import time; time.sleep(0.5)"
+    small = "import time; time.sleep(0.5); raise SystemExit(3)"
+    r_big = run_measured(
+        [sys.executable, "-c", big], cwd=None, env=None, log=tmp_path / "a", timeout=60
+    )
+    r_small = run_measured(
+        [sys.executable, "-c", small], cwd=None, env=None, log=tmp_path / "b", timeout=60
+    )
+    assert r_big["returncode"] == 0 and r_small["returncode"] == 3
+    assert r_big["peak_rss_mib"] >= 120 > r_small["peak_rss_mib"] + 60
+    assert r_big["tree_peak_rss_mib"] >= 120 and r_big["wall_s"] >= 0.5
