@@ -8,6 +8,8 @@ falls on all of them:
   read step N-1's metrics to host floats (the loop's one-behind read) and stamp the time. No
   ledger, data contract, metrics file, hooks, eval, checkpoints or tracking. It also records its
   RSS after imports, after init, after the first step and at the end (the memory breakdown);
+- ``bare_malloc``: the same with glibc's default allocator (no ``tpulab.hostmem``): what
+  ``hostmem`` costs in RSS and saves in page faults (minor faults per steady step recorded);
 - ``train``: ``tpulab train`` as shipped (tracking to a scratch sqlite store: a helper process;
   stall watchdog; eval every 50 steps; async checkpoints every 50);
 - ``no_track``: the same with ``--no-track``;
@@ -38,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "default.yaml"
 OVERRIDES = ["model.dropout=0"]
-VARIANTS = ("bare", "train", "no_track", "lean", "sync_save")
+VARIANTS = ("bare", "bare_malloc", "train", "no_track", "lean", "sync_save")
 TOKENS_PER_STEP = 16 * 128
 
 
@@ -48,11 +50,14 @@ def rss_mib() -> dict:
     return {k: round(int(fields[k].split()[0]) / 1024) for k in ("VmRSS", "VmHWM", "RssAnon")}
 
 
-def bare(steps: int, out: Path) -> None:
+def bare(steps: int, out: Path, hostmem: bool) -> None:
     """The child: the jitted step fed by the objective's pipeline, nothing else."""
+    import resource
+
+    from tpulab.libtpu_env import quiet_libtpu_off_tpu
     from tpulab.process_setup import prepare
 
-    prepare()
+    prepare() if hostmem else quiet_libtpu_off_tpu()
     t_start = time.monotonic()
     stages = {"start": rss_mib()}
     import jax
@@ -82,10 +87,13 @@ def bare(steps: int, out: Path) -> None:
         if i == 0:
             jax.block_until_ready(metrics)
             stages["first_step"] = rss_mib()
+        if i == steps // 2:
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     host_metrics(pending)
     stamps.append(time.monotonic() - t_start)
     stages["end"] = rss_mib()
-    out.write_text(json.dumps({"stamps_s": stamps, "rss_mib": stages}))
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / (steps - steps // 2)
+    out.write_text(json.dumps({"stamps_s": stamps, "rss_mib": stages, "minor_faults": faults}))
 
 
 def intervals_summary(stamps: list[float], skip: int) -> dict:
@@ -108,8 +116,9 @@ def run_variant(name: str, work: Path, steps: int, skip: int, tag: str) -> dict:
 
     d = work / f"{name}-{tag}"
     d.mkdir()
-    if name == "bare":
+    if name.startswith("bare"):
         argv = [sys.executable, __file__, "--bare", "--steps", str(steps), "--json", str(d / "b")]
+        argv += ["--no-hostmem"] if name == "bare_malloc" else []
     else:
         argv = tpulab_argv(
             "train", "--run-dir", d / "run", "--config", CONFIG, "--steps", steps, "--no-progress"
@@ -130,9 +139,10 @@ def run_variant(name: str, work: Path, steps: int, skip: int, tag: str) -> dict:
     res = run_measured(argv, cwd=work, env=None, log=d / "log", timeout=30 * steps + 600)
     if res["returncode"] != 0:
         sys.exit(f"error: {name} exited {res['returncode']}; see {d / 'log'}")
-    if name == "bare":
+    if name.startswith("bare"):
         child = json.loads((d / "b").read_text())
         stamps, res["rss_stages_mib"] = child["stamps_s"], child["rss_mib"]
+        res["minor_faults_per_step"] = round(child["minor_faults"])
     else:
         rows = [r for r in read_records(d / "run" / METRICS) if "loss" in r and "step" in r]
         stamps = [r["wall_s"] for r in rows]
@@ -207,14 +217,21 @@ def markdown(result: dict) -> str:
     lines += [table(head + ["peak RSS MiB", "tree peak MiB"], rows), ""]
     lines += ["Per-step host work no switch removes (median µs per call, this process):", ""]
     lines += [table(["work", "µs"], [[k, f"{v:,.1f}"] for k, v in result["host_costs"].items()])]
-    stages = result["rounds"][0]["bare"]["rss_stages_mib"]
-    lines += ["", "Bare child RSS by stage (MiB, round 1):", ""]
-    lines += [
-        table(
-            ["stage", "VmRSS", "VmHWM", "RssAnon"],
-            [[k, str(v["VmRSS"]), str(v["VmHWM"]), str(v["RssAnon"])] for k, v in stages.items()],
-        )
-    ]
+    for name in [v for v in cfg["variants"] if v.startswith("bare")]:
+        b = result["rounds"][0][name]
+        lines += [
+            "",
+            f"`{name}` child RSS by stage (MiB, round 1; {b['minor_faults_per_step']:,} minor "
+            "page faults per step over the second half):",
+            "",
+            table(
+                ["stage", "VmRSS", "VmHWM", "RssAnon"],
+                [
+                    [k, str(v["VmRSS"]), str(v["VmHWM"]), str(v["RssAnon"])]
+                    for k, v in b["rss_stages_mib"].items()
+                ],
+            ),
+        ]
     cpu = env["cpu"]
     lines += [
         "",
@@ -240,9 +257,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/loop_overhead")
     p.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--no-hostmem", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.bare:
-        bare(args.steps, args.json)
+        bare(args.steps, args.json, hostmem=not args.no_hostmem)
         return 0
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
     from tpulab.perf.timing import benchmark_environment
