@@ -34,7 +34,9 @@ def main(argv=None) -> int:
     from tpulab.evidence.report_kit import table
     from tpulab.perf.process import run_measured
     from tpulab.perf.timing import benchmark_environment
+    from tpulab.process_setup import prepare
 
+    prepare()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--skip", type=int, default=10)
