@@ -51,9 +51,39 @@ def summarize(times: list[float], *, min_steps: int = MIN_TIMED_STEPS) -> dict:
     }
 
 
+# The vector ISA levels XLA:CPU and PyTorch pick kernels by (``--xla_cpu_max_isa``,
+# ``ATEN_CPU_CAPABILITY``): what a host kind is, for a speed number.
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
+
+
+def host_cpu(cpuinfo: str | None = None) -> dict:
+    """The host CPU as /proc/cpuinfo names it (first processor): model name, family, model number
+    and which of ``ISA_FLAGS`` it has; ``{}`` where there is no /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in cpuinfo.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model_name": fields.get("model name", "unknown"),
+        "family": fields.get("cpu family", "unknown"),
+        "model": fields.get("model", "unknown"),
+        "isa": [f for f in ISA_FLAGS if f in flags],
+    }
+
+
 def benchmark_environment(extra_packages: tuple[str, ...] = ()) -> dict:
-    """Provenance of a benchmark: JAX's own device report, versions, commit, cores and host load."""
+    """Provenance of a benchmark: JAX's own device report, versions, commit, the CPU, cores and
+    host load."""
     env = environment(BASE_PACKAGES + tuple(extra_packages))
+    env["cpu"] = host_cpu()
     env["cpu_count"] = os.cpu_count()
     env["load_avg_1m_5m_15m"] = [round(x, 2) for x in os.getloadavg()]
     return env
