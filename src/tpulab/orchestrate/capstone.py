@@ -488,6 +488,9 @@ def run_capstone(
     stage("tracking", tracking_stage)
 
     def write() -> Path:
+        record = stages.record()
+        atomic_write_json(out / "stages.json", record)
+        host = record["host"]
         header = [
             "# tpulab capstone report",
             "",
@@ -499,6 +502,12 @@ def run_capstone(
             stages.times(),
             "",
             stages.cpu(),
+            "",
+            f"Each group's wall and CPU seconds on this host ({host['cpu_model']}, "
+            f"{host['cpu_count']} cores, load average {host['load_avg_1m_5m_15m'][1]:g} over the "
+            "last 5 minutes at the end; `stages.json`):",
+            "",
+            stages.table(),
         ]
         text = "\n".join(header) + "\n\n" + stages.body() + "\n"
         path, page = report.write_reports(out, text, "tpulab capstone report")
