@@ -161,7 +161,11 @@ class Stages:
         wall = 0.0 if self._t0 is None else time.monotonic() - self._t0
         return {
             "groups": [
-                {"stages": {k: self.timings[k] for k in g}, "wall_s": w, "cpu_s": c}
+                {
+                    "stages": [{"name": k, "wall_s": self.timings[k]} for k in g],
+                    "wall_s": w,
+                    "cpu_s": c,
+                }
                 for g, w, c in zip(self.groups, self.group_wall, self.group_cpu)
             ],
             "wall_s": round(wall, 1),
