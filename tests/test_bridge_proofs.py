@@ -117,3 +117,32 @@ def test_prove_resume_torch_xla(tmp_path):
     from tpulab.bridge.prove import prove
 
     assert prove(PROOF, "torch_xla", "eager", tmp_path, timeout_s=600)["identical"]
+
+
+def test_a_reused_reference_must_be_the_same_finished_uninterrupted_run(tmp_path):
+    """The negative control reuses torch/eager's reference; a run of another config, backend or
+    method, a resumed one or an unfinished one is refused (each a control of the accepted one)."""
+    from tpulab.bridge.prove import check_reference
+    from tpulab.config import to_dict
+
+    def run(name, *, cfg=PROOF, backend="torch", steps=PROOF.steps, resumed=False):
+        d = tmp_path / name
+        d.mkdir()
+        start = {"event": "start", "backend": backend, "method": "eager", "config": to_dict(cfg)}
+        recs = [{**start, "segment": 0, "resumed_from": None}]
+        recs += [{"step": s, "loss": 1.0, "segment": 0} for s in range(1, steps + 1)]
+        if resumed:
+            recs.append({**start, "segment": 1, "resumed_from": 5})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return d
+
+    assert check_reference(run("same"), PROOF, "torch", "eager") == tmp_path / "same"
+    for d, what in (
+        (run("other-config", cfg=dataclasses.replace(PROOF, seed=1)), "another config"),
+        (run("other-backend", backend="torchax"), "another config"),
+        (run("resumed", resumed=True), "was resumed"),
+        (run("short", steps=PROOF.steps - 1), "did not log every step"),
+        (tmp_path / "none", "holds no bridge run"),
+    ):
+        with pytest.raises(TpulabError, match=what):
+            check_reference(d, PROOF, "torch", "eager")

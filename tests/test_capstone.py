@@ -57,6 +57,12 @@ def test_capstone_writes_report_overlay_and_verdict(tmp_path):
     assert [h for h in heads if h in order] == order, heads
     cpu = r"^CPU seconds: receipt \d+ s, train \d+ s, resume proof \+ chaos \+ checks "
     assert re.search(cpu, report, re.M)
+    # each group's wall beside its CPU seconds, with the host's CPU model (and in stages.json)
+    rec = json.loads((out / "stages.json").read_text())
+    groups = [[x["name"] for x in g["stages"]] for g in rec["groups"]]
+    assert groups[:3] == [["receipt"], ["train"], ["resume proof", "chaos", "checks"]], groups
+    assert all(g["cpu_s"] > 0 and g["wall_s"] > 0 for g in rec["groups"][1:3]), rec["groups"]
+    assert rec["host"]["cpu_model"] in report and "| resume proof + chaos + checks | " in report
     # the proof's resumed process compiled from a fresh, empty cache (JAX's events); chaos's
     # lifetimes share one (control: it loaded what the reference compiled, so it is not cold)
     proof = json.loads((out / "proof" / "verdict.json").read_text())

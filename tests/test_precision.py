@@ -31,6 +31,23 @@ def test_precision_table_measures_each_policy_against_fp32(trained_run, tmp_path
     )
 
 
+def test_emulated_bf16_train_steps_can_be_left_untimed_on_a_cpu(trained_run, tmp_path):
+    """The dossier's demo plan: every row's accuracy, the fp32 train step timed, the bf16 training
+    rows still training rows (the precision decision reads them) with no time; the default above
+    (the control) times all three."""
+    from tpulab.orchestrate.dossier import recommend_precision
+    from tpulab.perf.precision import markdown, write_precision
+
+    r = write_precision(trained_run, tmp_path / "p", windows=2, time_emulated=False)
+    rows = {row["policy"]: row for row in r["rows"]}
+    assert rows["fp32"]["train_step_ms"] > 0
+    assert rows["bf16-compute"]["train_step_ms"] is None is rows["bf16-params"]["train_step_ms"]
+    assert rows["bf16-compute"]["mean_kl"] > rows["fp32"]["mean_kl"]  # measured all the same
+    assert markdown(r).count("not timed (bf16 emulated)") == 2
+    assert recommend_precision(r["rows"], 32)["train"] in ("bf16-compute", "fp32")
+    assert "bf16-compute" in recommend_precision(r["rows"], 32)["accepted"]
+
+
 def test_precision_without_a_checkpoint_is_one_line(tmp_path):
     r = run_cli("precision", "--run-dir", str(tmp_path))
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr

@@ -195,6 +195,18 @@ def test_cpu_seconds_count_a_group_and_its_children_not_its_waits():
     idle, busy = stages.group_cpu
     assert idle < 0.1 and busy >= 0.4, stages.group_cpu
     assert stages.cpu().startswith("CPU seconds: idle 0 s, busy + idle too "), stages.cpu()
+    # the table and stages.json's record put each group's wall beside its CPU, with the host
+    rows = [r for r in stages.table().splitlines() if r.startswith("| ")][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| idle", "| busy + idle too"], rows
+    rec = stages.record()
+    (idle_g, busy_g) = rec["groups"]
+    assert idle_g["wall_s"] >= 0.4 and idle_g["cpu_s"] < 0.1, idle_g  # the control: waits only
+    assert busy_g["cpu_s"] >= 0.4 and [x["name"] for x in busy_g["stages"]] == [
+        "busy",
+        "idle too",
+    ], busy_g
+    assert float(rows[1].split(" | ")[2]) >= 0.4 > float(rows[0].split(" | ")[2]), rows
+    assert rec["host"]["cpu_model"] and rec["host"]["cpu_count"] >= 1, rec["host"]
 
 
 def test_ctrl_c_during_stages_together_kills_their_children(tmp_path):

@@ -170,10 +170,12 @@ class EagerRunner:
                 "device_kind": kind,
                 "device_count": 1,
             }
+        from tpulab.evidence.provenance import cpu_model
+
         return {
             "device": "cpu",
             "backend": "torch-cpu",
-            "device_kind": _cpu_name(),
+            "device_kind": cpu_model(),
             "device_count": 1,
             "torch_threads": torch.get_num_threads(),
         }
@@ -304,18 +306,6 @@ def _optax_from_named(template, named: dict):
     return jax.tree_util.tree_unflatten(
         treedef, [jax.numpy.asarray(leaves[n].numpy()) for n in names]
     )
-
-
-def _cpu_name() -> str:
-    import platform
-
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_runner(backend: str, method: str, cfg: BridgeConfig, model, y, state: dict | None):

@@ -43,6 +43,26 @@ def default_kill_at(cfg: BridgeConfig) -> int:
     return min(k, cfg.steps - 1)
 
 
+def check_reference(run_dir: Path, cfg: BridgeConfig, backend: str, method: str) -> Path:
+    """``run_dir`` may stand in for a proof's reference only if it trained ``cfg`` on ``backend``
+    and ``method`` in one uninterrupted segment to its last step. The generator-state switch is not
+    compared: it acts only on a resume, which such a run never did."""
+    from tpulab.evidence.metrics import METRICS, curve, read_records, starts
+
+    recs = read_records(run_dir)
+    lifetimes = starts(recs)
+    if not lifetimes:
+        raise TpulabError(f"reference {run_dir} holds no bridge run ({METRICS} has no start)")
+    s = lifetimes[0]
+    if (s.get("backend"), s.get("method"), s.get("config")) != (backend, method, to_dict(cfg)):
+        raise TpulabError(f"reference {run_dir} was trained with another config, backend or method")
+    if len(lifetimes) != 1 or s.get("resumed_from") is not None:
+        raise TpulabError(f"reference {run_dir} was resumed; it must be uninterrupted")
+    if set(curve(recs)) != set(range(1, cfg.steps + 1)):
+        raise TpulabError(f"reference {run_dir} did not log every step 1..{cfg.steps}")
+    return run_dir
+
+
 def prove(
     cfg: BridgeConfig,
     backend: str,
@@ -55,9 +75,12 @@ def prove(
     env: dict | None = None,
     warm_resume_cache: bool = False,
     track: bool = True,
+    reference_dir: str | Path | None = None,
 ) -> dict:
     """Run the proof into run_dir/proof (verdict.json, overlay.png, report.md); return the
-    verdict. ``track=False``: the children log no MLflow runs (the writer costs each ~2 CPU-s)."""
+    verdict. ``track=False``: the children log no MLflow runs (the writer costs each ~2 CPU-s).
+    ``reference_dir``: an uninterrupted finished run of ``cfg`` on this backend and method to
+    reuse (read only; ``check_reference``) instead of training one."""
     from tpulab.bridge.backends import torch_xla_problem
     from tpulab.bridge.report import write_proof_report
 
@@ -71,6 +94,8 @@ def prove(
     proof_dir = proof.root
     if proof.verdict.exists():
         raise TpulabError(f"{proof_dir} already holds a proof; use a fresh --run-dir")
+    if reference_dir is not None:
+        reference_dir = check_reference(Path(reference_dir), cfg, backend, method)
     label = f"{backend}/{method}" + (
         "" if restore_rng else ", generator state left out (negative control)"
     )
@@ -79,6 +104,7 @@ def prove(
         proof_dir,
         steps=cfg.steps,
         kill_at=kill_at,
+        reference_dir=reference_dir,
         timeout_s=timeout_s,
         env=env,
         title=f"bridge {label}",

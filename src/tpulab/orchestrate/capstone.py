@@ -123,8 +123,9 @@ LORA_RANK = 8  # the capstone's LoRA: rank 8, alpha 16, every projection
 def posttrain_config(config: RunConfig, base: Path, lora_rank: int = 0) -> RunConfig:
     """The capstone's SFT run (``lora_rank`` 0: full fine-tuning) from the pretrained ``base``:
     a sixth of the pretraining run's steps (50 at the default size: 100 cost the two children
-    ~30 CPU-s more), the same learning rate with a tenth of them as warm-up, validation every
-    quarter."""
+    ~30 CPU-s more; 25 saved them nothing measurable, 60.0 against 61.3 CPU-s at 2026-12-05's
+    load: their cost is start-up, compiles and the tracker), the same learning rate with a tenth
+    of them as warm-up, validation every quarter."""
     from tpulab.config import from_dict, to_dict
 
     steps = max(12, config.train.steps // 6)
@@ -169,9 +170,13 @@ def posttrain_stage(
     merged = d / "lora-merged"
     merge = merge_lora(runs["lora"], merged)
     evals = {
-        "sft": evaluate_sft(runs["sft"], loss_pairs=EVAL_LOSS_PAIRS),
+        "sft": evaluate_sft(runs["sft"], loss_pairs=EVAL_LOSS_PAIRS, prompts=EVAL_PROMPTS),
         "lora": evaluate_sft(
-            runs["lora"], merged=merged, with_base=False, loss_pairs=EVAL_LOSS_PAIRS
+            runs["lora"],
+            merged=merged,
+            with_base=False,
+            loss_pairs=EVAL_LOSS_PAIRS,
+            prompts=EVAL_PROMPTS,
         ),
     }
     problems = []
@@ -193,7 +198,10 @@ def posttrain_stage(
     return section
 
 
-EVAL_LOSS_PAIRS = 256  # held-out pairs the capstone's response loss covers (of 1,166 at seq 128)
+# Held-out pairs the capstone's response loss covers (of 1,166 at seq 128) and prompts its greedy
+# stop rate generates from (64 by default): a mechanics check's sizes; the merged model's replies
+# are still compared token for token on every prompt.
+EVAL_LOSS_PAIRS, EVAL_PROMPTS = 128, 32
 
 
 def tracking_section(
@@ -258,6 +266,12 @@ def run_capstone(
     from tpulab.tracking.store import STORE_NAME, sqlite_uri
 
     out = prepare_out(out)
+    # This process's own compiles (checks, the post-training evaluation, pairs, win rates,
+    # inference) go to the children's cache too: the LoRA evaluation's 5 compiles then cost 13.4
+    # CPU-s instead of 17.5, its programs being SFT's.
+    from tpulab import compile_cache
+
+    compile_cache.enable(options.compile_cache)
     run_dir = out / "run"
     run = RunDir(out)
     config_path = write_child_config(config, run.config)
@@ -488,6 +502,9 @@ def run_capstone(
     stage("tracking", tracking_stage)
 
     def write() -> Path:
+        record = stages.record()
+        atomic_write_json(out / "stages.json", record)
+        host = record["host"]
         header = [
             "# tpulab capstone report",
             "",
@@ -499,6 +516,12 @@ def run_capstone(
             stages.times(),
             "",
             stages.cpu(),
+            "",
+            f"Each group's wall and CPU seconds on this host ({host['cpu_model']}, "
+            f"{host['cpu_count']} cores, load average {host['load_avg_1m_5m_15m'][1]:g} over the "
+            "last 5 minutes at the end; `stages.json`):",
+            "",
+            stages.table(),
         ]
         text = "\n".join(header) + "\n\n" + stages.body() + "\n"
         path, page = report.write_reports(out, text, "tpulab capstone report")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tpulab.checkpoint.files import check_out
 from tpulab.errors import ExitCode, TpulabError
-from tpulab.evidence.report_kit import section
+from tpulab.evidence.report_kit import section, table
 
 
 def prepare_out(out: str | Path) -> Path:
@@ -43,6 +43,7 @@ class Stages:
         self.timings: dict[str, float] = {}
         self.groups: list[list[str]] = []  # stage names, those run together in one group
         self.group_cpu: list[float] = []  # CPU seconds of each group (see ``cpu_seconds``)
+        self.group_wall: list[float] = []  # wall seconds of each group
         self._t0: float | None = None
         self._cpu0 = 0.0
 
@@ -61,7 +62,7 @@ class Stages:
 
         if self._t0 is None:
             self._t0, self._cpu0 = time.monotonic(), cpu_seconds()
-        cpu0 = cpu_seconds()
+        cpu0, wall0 = cpu_seconds(), time.monotonic()
         results: dict[str, tuple[str | None, BaseException | None, float]] = {}
 
         def one(name: str, fn: Callable[[], str]) -> None:
@@ -118,6 +119,7 @@ class Stages:
             self.timings[name] = seconds
         self.groups.append([name for name, _ in stages])
         self.group_cpu.append(round(cpu_seconds() - cpu0, 1))
+        self.group_wall.append(round(time.monotonic() - wall0, 1))
 
     def status(self, passed: str = "PASS", failed: str = "FAIL") -> str:
         """``Status: **PASS**``, or the failed word and every failure."""
@@ -141,6 +143,40 @@ class Stages:
         parts = [f"{' + '.join(g)} {c:,.0f} s" for g, c in zip(self.groups, self.group_cpu)]
         busy = f", {100 * total / wall:.0f}% of one core" if wall > 0 else ""
         return f"CPU seconds: {', '.join(parts)} (total {total:,.0f} s{busy})"
+
+    def table(self) -> str:
+        """Each group's wall and CPU seconds side by side, and the cores it kept busy (CPU / wall):
+        what another host's time can be judged by (the same demo took 2.4x the CPU-s on an older
+        AMD EPYC than on an AVX-512 one)."""
+        rows = [
+            (" + ".join(g), f"{w:,.1f}", f"{c:,.1f}", f"{c / w:.2f}" if w > 0 else "-")
+            for g, w, c in zip(self.groups, self.group_wall, self.group_cpu)
+        ]
+        return table(["stage group", "wall s", "CPU s", "cores busy"], rows)
+
+    def record(self) -> dict:
+        """The groups' wall and CPU seconds with the host they ran on, for stages.json."""
+        from tpulab.evidence.provenance import cpu_model
+
+        wall = 0.0 if self._t0 is None else time.monotonic() - self._t0
+        return {
+            "groups": [
+                {
+                    "stages": [{"name": k, "wall_s": self.timings[k]} for k in g],
+                    "wall_s": w,
+                    "cpu_s": c,
+                }
+                for g, w, c in zip(self.groups, self.group_wall, self.group_cpu)
+            ],
+            "wall_s": round(wall, 1),
+            "cpu_s": round(cpu_seconds() - self._cpu0, 1),
+            "host": {
+                "cpu_model": cpu_model(),
+                "cpu_count": os.cpu_count(),
+                "load_avg_1m_5m_15m": [round(x, 2) for x in os.getloadavg()],
+                "xla_flags": os.environ.get("XLA_FLAGS"),
+            },
+        }
 
     def body(self) -> str:
         """Every stage's section, in the order they ran."""
