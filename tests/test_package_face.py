@@ -23,8 +23,8 @@ def _face_of_tpulab() -> dict:
     from tpulab.train.config import RunConfig
     from tpulab.train.hooks import Hooks
     from tpulab.train.loop import train
-    from tpulab.train.objectives import KINDS
-    from tpulab.train.objectives.base import DataSource, Objective
+    from tpulab.train.registry import objective_class, register_objective
+    from tpulab.train.objective import DataSource, Objective
     from tpulab.train.restore import load_model
 
     return {
@@ -35,7 +35,8 @@ def _face_of_tpulab() -> dict:
         "load_model": load_model,
         "Objective": Objective,
         "DataSource": DataSource,
-        "OBJECTIVE_KINDS": KINDS,
+        "register_objective": register_objective,
+        "objective_class": objective_class,
         "TpulabError": TpulabError,
         "ExitCode": ExitCode,
     }

@@ -29,9 +29,10 @@ _EXPORTS = {
     "fit": "tpulab.train.loop:train",
     "Hooks": "tpulab.train.hooks:Hooks",
     "load_model": "tpulab.train.restore:load_model",
-    "Objective": "tpulab.train.objectives.base:Objective",
-    "DataSource": "tpulab.train.objectives.base:DataSource",
-    "OBJECTIVE_KINDS": "tpulab.train.objectives:KINDS",
+    "Objective": "tpulab.train.objective:Objective",
+    "DataSource": "tpulab.train.objective:DataSource",
+    "register_objective": "tpulab.train.registry:register_objective",
+    "objective_class": "tpulab.train.registry:objective_class",
     "TpulabError": "tpulab.errors:TpulabError",
     "ExitCode": "tpulab.errors:ExitCode",
 }

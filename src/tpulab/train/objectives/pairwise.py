@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tpulab.data import preference
 from tpulab.data.contract import load_checked
-from tpulab.train.objectives.base import DataSource, Objective
+from tpulab.train.objective import DataSource, Objective
 from tpulab.train.objectives.frozen import load_base, model_record
 
 

@@ -54,9 +54,10 @@ from tpulab.model.decode import ModelFns
 from tpulab.model.sampling import token_logprobs
 from tpulab.train import sharding
 from tpulab.train.config import RunConfig
+from tpulab.train.objective import DataSource, Objective
 from tpulab.train.objectives import ppo_losses as L
-from tpulab.train.objectives.base import DataSource, Objective
 from tpulab.train.objectives.frozen import load_language_model, load_reward_model
+from tpulab.train.objectives.ppo_config import PPOConfig, check_ppo_run
 from tpulab.train.objectives.ppo_prompts import (
     build_prompts,
     check_prompt_batch,
@@ -72,6 +73,7 @@ from tpulab.train.objectives.ppo_state import (
     start_state,
     value_graph,
 )
+from tpulab.train.registry import register_objective
 from tpulab.train.step import (
     Bound,
     Steps,
@@ -420,8 +422,20 @@ class Evaluate:
 # --- the objective -------------------------------------------------------------------------------
 
 
+@register_objective
 class PPO(Objective):
     kind = "ppo"
+    Config = PPOConfig
+    uses = ("data", "reference", "init_fallback")
+    needs = {
+        "init": "the run dir of the checkpoint it starts from",
+        "reward_model": "the run dir of the reward model",
+    }
+    refuses = {"lora": "ppo trains every parameter"}
+
+    @classmethod
+    def check_run(cls, config) -> None:
+        check_ppo_run(config)
 
     def __init__(self, config):
         super().__init__(config)

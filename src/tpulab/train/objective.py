@@ -12,6 +12,14 @@ of every batch row it feeds). An objective owns what differs, in two parts:
   Its state's ``params`` are what trains (the optimizer state covers them alone); what stays frozen
   is ``Steps.frozen``, passed to each step as an argument and checked unchanged at the end.
 
+An objective also carries its own config section (``Config``, spelled ``objective.<kind>.<field>``,
+validated by its own ``__post_init__``) and its rules over the shared ``objective`` settings:
+``uses`` (may be set), ``needs`` (must be set, with why) and ``refuses`` (why not, where the
+generic "applies to objective.kind=..." line needs one); ``check_run`` holds its rules across
+sections (PPO's rollouts against data.batch_size). ``tpulab.train.registry`` registers it.
+
+This module imports nothing of ``tpulab.train``: the registry and the run config import it.
+
 Every metric a step returns reaches metrics.jsonl, the hooks (MLflow) and the report: there is no
 key list to edit. ``identities()`` names, by digest, every model and dataset the run depends on; the
 loop records them in every checkpoint and refuses a resume when any of them changed.
@@ -26,15 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from jax.sharding import Mesh
 
-from tpulab.train.config import RunConfig
-from tpulab.train.step import Steps
-
 Batch = dict[str, np.ndarray]
+# The settings of the run config's ``objective`` section every kind shares; an objective's
+# ``uses``/``needs``/``refuses`` name them. Unset: None (``lora``: rank 0).
+SHARED = ("init", "data", "reference", "reward_model", "init_fallback", "lora")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,28 +60,48 @@ class DataSource:
     )  # raises TpulabError on a batch unfit to train
 
 
-class Objective:
-    """One training objective. ``config.objective.kind`` selects it (``tpulab.train.objectives``).
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """This objective has no settings of its own."""
 
-    Constructing one reads and verifies everything it depends on (an init checkpoint, a dataset)
-    and raises a one-line error on bad input, before the loop writes anything.
+
+class Objective:
+    """One training objective, registered under ``kind`` (``tpulab.train.registry``).
+
+    Constructing one (with the ``RunConfig``) reads and verifies everything it depends on (an init
+    checkpoint, a dataset) and raises a one-line error on bad input, before the loop writes
+    anything. The class-level parts (``Config``, the setting rules, ``check_run``) read no file.
     """
 
-    kind = "?"
+    kind: ClassVar[str] = "?"
+    Config: ClassVar[type] = NoOptions
+    uses: ClassVar[tuple[str, ...]] = ()  # shared settings it may be given
+    needs: ClassVar[dict[str, str]] = {}  # shared settings it must be given -> what they name
+    refuses: ClassVar[dict[str, str]] = {}  # shared settings it refuses -> why (for the error)
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: Any):
         self.config = config
+
+    @property
+    def options(self) -> Any:
+        """This kind's own section (``config.objective.options``: an instance of ``Config``)."""
+        return self.config.objective.options
+
+    @classmethod
+    def check_run(cls, config: Any) -> None:
+        """Rules across the run config's sections (raise ConfigError); none by default."""
 
     def data(self) -> DataSource:
         raise NotImplementedError
 
-    def steps(self, mesh: Mesh) -> Steps:
+    def steps(self, mesh: Mesh) -> Any:
+        """A ``tpulab.train.step.Steps``: the state, its shardings and the jitted steps."""
         raise NotImplementedError
 
     def identities(self) -> dict[str, str]:
         """name -> digest of every model and dataset this run depends on (beyond its config)."""
         return {}
 
-    def describe(self, steps: Steps, state: Any) -> dict:
+    def describe(self, steps: Any, state: Any) -> dict:
         """Facts about the model for env.json and the tracker (parameter counts, bytes)."""
         return {}
