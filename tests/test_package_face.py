@@ -24,6 +24,7 @@ def _face_of_tpulab() -> dict:
     from tpulab.train.hooks import Hooks
     from tpulab.train.loop import train
     from tpulab.train.registry import objective_class, register_objective
+    from tpulab.train.step import Steps, TrainState, gradient_steps
     from tpulab.train.objective import DataSource, Objective
     from tpulab.train.restore import load_model
 
@@ -37,6 +38,9 @@ def _face_of_tpulab() -> dict:
         "DataSource": DataSource,
         "register_objective": register_objective,
         "objective_class": objective_class,
+        "Steps": Steps,
+        "TrainState": TrainState,
+        "gradient_steps": gradient_steps,
         "TpulabError": TpulabError,
         "ExitCode": ExitCode,
     }

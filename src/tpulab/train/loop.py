@@ -33,7 +33,6 @@ from tpulab.errors import CheckpointError, ExitCode, TpulabError
 from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
-from tpulab.model.transformer import built_param_count
 from tpulab.train import objectives
 from tpulab.train.config import MeshConfig, ObjectiveConfig, RunConfig
 from tpulab.train.distributed import agree_identities
@@ -73,6 +72,7 @@ def check_resume_identity(
     corpus_identity: str,
     force: bool,
     identities: dict[str, str] | None = None,
+    tokenizer: str | None = TOKENIZER,
 ) -> list[str]:
     """Differences that make a resume not the same run; raises unless ``force``.
 
@@ -92,7 +92,7 @@ def check_resume_identity(
     for name, digest in sorted((identities or {}).items()):
         if saved_ids.get(name) != digest:
             diffs.append(f"{name}: {str(saved_ids.get(name))[:12]}… -> {digest[:12]}…")
-    if meta.get("tokenizer") != TOKENIZER:
+    if meta.get("tokenizer") != tokenizer:
         diffs.append("tokenizer definition")
     if diffs and not force:
         hint = (
@@ -168,26 +168,15 @@ def host_metrics(metrics: dict) -> dict:
 
 
 def write_run_files(
-    run_dir: Path, config: RunConfig, description: dict, n_params: int, extra: dict
+    run_dir: Path, config: RunConfig, description: dict, facts: dict, extra: dict
 ) -> RunEnv:
+    """config.yaml, documents.json and env.json: the objective's ``run_facts`` (parameter count,
+    shapes, the unit of work per step) beside the loop's own."""
     run = RunDir(run_dir)
     run.write_config(config)
     run.write(DOCUMENTS, description)
     return write_environment(
-        run_dir,
-        extra={
-            **extra,
-            "param_count": n_params,
-            "precision": to_dict(config.precision),
-            "shapes": {
-                "batch": config.data.batch_size,
-                "seq_len": config.data.seq_len,
-                "d_model": config.model.d_model,
-                "n_layers": config.model.n_layers,
-                "n_heads": config.model.n_heads,
-                "vocab": config.model.vocab_size,
-            },
-        },
+        run_dir, extra={**extra, **facts, "precision": to_dict(config.precision)}
     )
 
 
@@ -264,7 +253,7 @@ def train(
     meta = {
         "config": to_dict(config),
         "corpus_identity": data.identity,
-        "tokenizer": TOKENIZER,
+        "tokenizer": objective.tokenizer,
         "identities": identities,
     }
     found = scan(RunDir(run_dir).checkpoints)
@@ -284,6 +273,7 @@ def train(
             data.identity,
             force,
             identities,
+            objective.tokenizer,
         )
 
     steps = objective.steps(mesh)
@@ -304,7 +294,10 @@ def train(
             on_commit=hooks.on_checkpoint,
             primary=primary,
         )
-        data_iter = data.train(jax.process_index(), jax.process_count())
+        data_iter = (
+            None if data.train is None else data.train(jax.process_index(), jax.process_count())
+        )
+        meta["data_position"] = data_iter is not None  # None: the state carries its own data
         resume = None
         if store.latest is not None:
             state = store.restore(
@@ -319,6 +312,7 @@ def train(
         if start != (resume.step if resume else 0):
             raise CheckpointError(f"checkpoint step {resume.step} holds a state at step {start}")
 
+        facts = objective.run_facts(steps, state)
         described = {
             "objective": config.objective.kind,
             "identities": {"data": data.identity, **identities},
@@ -332,7 +326,7 @@ def train(
                 run_dir,
                 config,
                 data.description,
-                built_param_count(steps.model(state.params)),
+                facts,
                 described,
             )
             if primary
@@ -352,11 +346,11 @@ def train(
                 process_count=jax.process_count(),
             )
         )
-        ledger = WindowLedger(run_dir, jax.process_index())
+        ledger = WindowLedger(run_dir, jax.process_index(), data.row_ids, data.eval_row_ids)
         val_batches = data.eval_batches
         ledger.record_eval(val_batches)
         total = config.train.steps
-        tokens_per_step = config.data.batch_size * config.data.seq_len
+        work = facts["work"]  # the unit of work (tokens, images, env steps) and per step
         bar = step_bar(total, start, progress if primary else False)
         resumed_from = resume.step if resume else None
         hooks.on_start(
@@ -389,7 +383,7 @@ def train(
         step = start
         clock.lap("startup")
         while step < total:
-            host_batch = next(data_iter)
+            host_batch = {} if data_iter is None else next(data_iter)
             data.check(host_batch)
             ledger.record_train(step + 1, host_batch)
             batch = steps.put_batch(host_batch)
@@ -431,7 +425,12 @@ def train(
                 clock.lap("checkpoint")
             if step % config.train.log_every == 0 or done:
                 rate = bar.format_dict.get("rate") or 0.0
-                bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_step * rate:.0f}")
+                bar.set_postfix(
+                    {
+                        "loss": f"{last_loss:.4f}",
+                        f"{work['unit']}_s": f"{work['per_step'] * rate:.0f}",
+                    }
+                )
             bar.update(step - bar.n)
             if preempt.requested:
                 log.event("preempted", step=step)

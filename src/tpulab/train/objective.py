@@ -39,6 +39,8 @@ from typing import Any, ClassVar
 import numpy as np
 from jax.sharding import Mesh
 
+from tpulab.evidence.ledger import eval_window_ids, window_ids
+
 Batch = dict[str, np.ndarray]
 # The settings of the run config's ``objective`` section every kind shares; an objective's
 # ``uses``/``needs``/``refuses`` name them. Unset: None (``lora``: rank 0).
@@ -51,13 +53,18 @@ class DataSource:
 
     # (process_index, process_count) -> an iterator of this process's rows of each global batch;
     # with get_state/set_state (a Grain DatasetIterator): the checkpoint stores its position.
-    train: Callable[[int, int], Iterator[Batch]]
+    # None: no training iterator; the state carries its own data (a counter, an environment), each
+    # step gets an empty batch, and checkpoints hold no data position (meta data_position: false).
+    train: Callable[[int, int], Iterator[Batch]] | None
     eval_batches: list[Batch]  # fixed batches every process holds whole (validation)
     identity: str  # digest naming exactly what the batches are built from
     description: dict  # written to the run dir's documents.json
     check: Callable[[Batch], None] = lambda batch: (
         None
     )  # raises TpulabError on a batch unfit to train
+    # what the window ledger records of each row: the byte-LM window's sha256 by default
+    row_ids: Callable[[Batch], list[str]] = window_ids
+    eval_row_ids: Callable[[Batch], list[str]] = eval_window_ids  # padding rows left out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +86,9 @@ class Objective:
     needs: ClassVar[dict[str, str]] = {}  # shared settings it must be given -> what they name
     refuses: ClassVar[dict[str, str]] = {}  # shared settings it refuses -> why (for the error)
 
+    # what a checkpoint's data must have been cut by (compared on resume); None: no tokenizer
+    tokenizer: ClassVar[str | None] = None
+
     def __init__(self, config: Any):
         self.config = config
 
@@ -90,6 +100,30 @@ class Objective:
     @classmethod
     def check_run(cls, config: Any) -> None:
         """Rules across the run config's sections (raise ConfigError); none by default."""
+
+    @classmethod
+    def abstract_state(cls, config: Any, mesh: Mesh) -> Any:
+        """Shapes, dtypes and shardings of the training state, from the config alone (nothing
+        computed or read): what restore, reshard and the proofs restore into."""
+        raise NotImplementedError(f"{cls.__qualname__}.abstract_state")
+
+    @classmethod
+    def model_from_params(cls, config: Any, params: Any, base_params: Any = None) -> Any:
+        """The model a state's ``params`` run in (``base_params``: a LoRA run's frozen base):
+        what ``load_model``, ``generate`` and ``export`` use."""
+        raise NotImplementedError(f"{cls.__qualname__}.model_from_params")
+
+    @classmethod
+    def plain_params(cls, restored: Any) -> Any:
+        """The parameters of the plain model a restored run computes with (adapters merged, a
+        value head left out): the state's params by default."""
+        return restored.state.params
+
+    def run_facts(self, steps: Any, state: Any) -> dict:
+        """What a run records in env.json and the tracker: ``param_count`` (the built model's),
+        ``shapes`` (name -> int) and ``work`` (``unit``: tokens, images, env steps; ``per_step``:
+        how many a step takes). Reads no file."""
+        raise NotImplementedError(f"{type(self).__qualname__}.run_facts")
 
     def data(self) -> DataSource:
         raise NotImplementedError

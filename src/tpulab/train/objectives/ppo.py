@@ -54,9 +54,10 @@ from tpulab.model.decode import ModelFns
 from tpulab.model.sampling import token_logprobs
 from tpulab.train import sharding
 from tpulab.train.config import RunConfig
-from tpulab.train.objective import DataSource, Objective
+from tpulab.train.objective import DataSource
 from tpulab.train.objectives import ppo_losses as L
 from tpulab.train.objectives.frozen import load_language_model, load_reward_model
+from tpulab.train.objectives.lm import LanguageModel
 from tpulab.train.objectives.ppo_config import PPOConfig, check_ppo_run
 from tpulab.train.objectives.ppo_prompts import (
     build_prompts,
@@ -68,6 +69,7 @@ from tpulab.train.objectives.ppo_state import (
     PPOState,
     RoundState,
     Sizes,
+    abstract_state,
     body_graph,
     policy_module,
     start_state,
@@ -423,7 +425,7 @@ class Evaluate:
 
 
 @register_objective
-class PPO(Objective):
+class PPO(LanguageModel):
     kind = "ppo"
     Config = PPOConfig
     uses = ("data", "reference", "init_fallback")
@@ -436,6 +438,19 @@ class PPO(Objective):
     @classmethod
     def check_run(cls, config) -> None:
         check_ppo_run(config)
+
+    @classmethod
+    def abstract_state(cls, config, mesh):
+        """The whole state: policy, value head, optimizer, the round in progress."""
+        return abstract_state(config, mesh)
+
+    @classmethod
+    def model_from_params(cls, config, params, base_params=None):
+        return policy_module(config, params)  # the policy alone
+
+    @classmethod
+    def plain_params(cls, restored):
+        return restored.state.params["body"]
 
     def __init__(self, config):
         super().__init__(config)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from tpulab.data.contract import load_checked
 from tpulab.data.pipeline import Splits, build_splits, eval_batches, train_dataset
-from tpulab.train.objective import DataSource, Objective
+from tpulab.train.objective import DataSource
+from tpulab.train.objectives.lm import LanguageModel
 from tpulab.train.registry import register_objective
 from tpulab.train.step import make_steps
 
 
 @register_objective
-class Pretrain(Objective):
+class Pretrain(LanguageModel):
     kind = "pretrain"
     refuses = {
         "init": "pretraining starts from a random init",

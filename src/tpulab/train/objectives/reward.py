@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from flax import nnx
 
 from tpulab.config import check, field
 from tpulab.data import preference
@@ -24,6 +25,7 @@ from tpulab.model.value import scalar_head_graph, with_body
 from tpulab.train.objectives import losses
 from tpulab.train.objectives.pairwise import Pairwise, pair_weights, sides
 from tpulab.train.registry import register_objective
+from tpulab.train.restore import abstract_train_state
 from tpulab.train.step import gradient_steps, merge_model
 
 
@@ -61,6 +63,16 @@ class Reward(Pairwise):
     uses = ("data", "init_fallback")
     needs = {"init": "the run dir of the checkpoint it starts from"}
     refuses = {"lora": "the reward model trains every parameter"}
+
+    @classmethod
+    def abstract_state(cls, config, mesh):
+        _, _, init_params = scalar_head_graph(config.model, config.precision, config.seed)
+        return abstract_train_state(init_params, config.optim, mesh)
+
+    @classmethod
+    def model_from_params(cls, config, params, base_params=None):
+        graphdef, _, _ = scalar_head_graph(config.model, config.precision, config.seed)
+        return nnx.merge(graphdef, params)
 
     def __init__(self, config):
         super().__init__(config)

@@ -17,14 +17,15 @@ import jax
 from tpulab.data import dialogue
 from tpulab.data.contract import load_checked
 from tpulab.train.adapters import lora_graph
-from tpulab.train.objective import DataSource, Objective
+from tpulab.train.objective import DataSource
 from tpulab.train.objectives.frozen import load_base, model_record
+from tpulab.train.objectives.lm import LanguageModel
 from tpulab.train.registry import register_objective
 from tpulab.train.step import gradient_steps, lm_eval, lm_loss, merge_model, transformer_graph
 
 
 @register_objective
-class SFT(Objective):
+class SFT(LanguageModel):
     kind = "sft"
     uses = ("data", "lora", "init_fallback")
     needs = {"init": "the run dir of the checkpoint it starts from"}
