@@ -23,10 +23,10 @@ def _face_of_tpulab() -> dict:
     from tpulab.train.config import RunConfig
     from tpulab.train.hooks import Hooks
     from tpulab.train.loop import train
-    from tpulab.train.registry import objective_class, register_objective
-    from tpulab.train.step import Steps, TrainState, gradient_steps
     from tpulab.train.objective import DataSource, Objective
+    from tpulab.train.registry import objective_class, register_objective
     from tpulab.train.restore import load_model
+    from tpulab.train.step import Steps, TrainState, gradient_steps
 
     return {
         "load_config": tpulab.load_config,  # defined in the face itself (checked below)
