@@ -184,33 +184,31 @@ class ObjectiveConfig:
     """
 
     kind: str = field(
-        "pretrain",
-        "a registered objective: pretrain (next byte) | sft (response-only loss) | reward "
-        "(Bradley-Terry reward model) | dpo (direct preference optimisation) | ppo (PPO-RLHF); "
-        "or your own as package.module:Class (docs/extending.md)",
+        registry.DEFAULT_KIND,
+        "a registered objective (tpulab.train.registry; the built-ins: docs/posttraining.md) or "
+        "your own as package.module:Class (docs/extending.md)",
     )
     init: str | None = field(
         None,
-        "run dir whose newest verified checkpoint the model starts from (sft, ppo: required)",
+        "run dir whose newest verified checkpoint the model starts from (required where the "
+        "objective needs it)",
         resume_mutable=True,
     )
     data: str | None = field(
         None,
-        "sft: null = the built-in dialogue set cut from the corpus's plays; or a JSONL file of "
-        '{"prompt": ..., "response": ...} lines (ppo: their prompts). reward, dpo: null = natural '
-        'pairs from the plays; a directory from tpulab pairs; or a JSONL file of {"prompt", '
-        '"chosen", "rejected"} lines',
+        "the objective's dataset instead of its built-in one: a JSONL file, or a directory "
+        "from tpulab pairs (each objective says which: docs/posttraining.md)",
         resume_mutable=True,
     )
     reference: str | None = field(
         None,
-        "dpo, ppo: the run dir of the frozen reference (null = the same checkpoint as init, "
-        "loaded as a separate copy)",
+        "the run dir of a frozen reference model (null = the same checkpoint as init, loaded as "
+        "a separate copy)",
         resume_mutable=True,
     )
     reward_model: str | None = field(
         None,
-        "ppo: the run dir of the frozen reward model it scores with (required)",
+        "the run dir of the frozen reward model the objective scores with",
         resume_mutable=True,
     )
     init_fallback: Literal["warn", "refuse"] | None = field(

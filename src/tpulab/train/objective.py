@@ -86,6 +86,7 @@ class Objective:
     needs: ClassVar[dict[str, str]] = {}  # shared settings it must be given -> what they name
     refuses: ClassVar[dict[str, str]] = {}  # shared settings it refuses -> why (for the error)
 
+    produces: ClassVar[str] = "model"  # what its checkpoints hold, for objectives that read them
     # what a checkpoint's data must have been cut by (compared on resume); None: no tokenizer
     tokenizer: ClassVar[str | None] = None
 

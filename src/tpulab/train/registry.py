@@ -16,6 +16,7 @@ from tpulab.errors import ConfigError
 from tpulab.train.objective import Objective
 
 BUILTINS = "tpulab.train.objectives"  # imported on the first lookup: its modules register
+DEFAULT_KIND = "pretrain"  # what a run config without objective.kind trains
 _KINDS: dict[str, type[Objective]] = {}
 
 

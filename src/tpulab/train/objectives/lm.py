@@ -20,11 +20,16 @@ from tpulab.train.adapters import lora_graph
 from tpulab.train.objective import Objective
 from tpulab.train.step import make_steps, merge_model, transformer_graph
 
+# What a run's checkpoint holds, for the objectives that read another run (``frozen``): a base or
+# reference must be a language model, ``objective.reward_model`` a reward model.
+LANGUAGE_MODEL, REWARD_MODEL = "language model", "reward model"
+
 
 class LanguageModel(Objective):
     """The shared base of the byte-LM objectives; not registered itself."""
 
     tokenizer = TOKENIZER
+    produces = LANGUAGE_MODEL
 
     @classmethod
     def abstract_state(cls, config, mesh) -> Any:

@@ -23,6 +23,7 @@ from tpulab.config import check, field
 from tpulab.data import preference
 from tpulab.model.value import scalar_head_graph, with_body
 from tpulab.train.objectives import losses
+from tpulab.train.objectives.lm import REWARD_MODEL
 from tpulab.train.objectives.pairwise import Pairwise, pair_weights, sides
 from tpulab.train.registry import register_objective
 from tpulab.train.restore import abstract_train_state
@@ -63,6 +64,7 @@ class Reward(Pairwise):
     uses = ("data", "init_fallback")
     needs = {"init": "the run dir of the checkpoint it starts from"}
     refuses = {"lora": "the reward model trains every parameter"}
+    produces = REWARD_MODEL
 
     @classmethod
     def abstract_state(cls, config, mesh):
