@@ -102,12 +102,18 @@ def cmd_train(args) -> int:
     tracker = tracker_for(args, run_dir)
     if tracker is not None:
         hooks.insert(0, tracker)
+    objective = None
+    if args.skip_restore:  # a proof's negative control: a wrapper, not a switch of the loop
+        from tpulab.proofs.controls import SkipRestore
+        from tpulab.train.objectives import build
+
+        objective = SkipRestore(build(config), tuple(args.skip_restore))
     try:
         summary = train(
             config,
             run_dir,
             force=args.force,
-            skip_restore=tuple(args.skip_restore),
+            objective=objective,
             progress=False if args.no_progress else None,
             compile_cache_dir=args.compile_cache,
             hooks=hooks,
