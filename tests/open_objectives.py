@@ -4,10 +4,11 @@ Each is named in a run config by its import path (``objective.kind: open_objecti
 the fresh processes that ``prove-resume``, ``chaos`` and ``launch`` start import this module
 again (``tests/`` on their ``PYTHONPATH``) and train the same objective:
 
-- ``Digits``: a two-layer MLP (its own model, not the Transformer) on scikit-learn's bundled 8x8
-  digits (1,797 images, in the wheel: nothing downloaded), with its own ``DataSource``: a Grain
-  stream of image rows whose position the checkpoint stores, and each row's identity (the sha256
-  of its pixels and label) for the window ledger. Options: ``objective.digits.hidden``.
+- ``Digits``: a two-layer MLP, a model family of its own (``model.family:
+  open_objectives:MLPConfig``, ``model.hidden``), on scikit-learn's bundled 8x8 digits (1,797
+  images, in the wheel: nothing downloaded), with its own ``DataSource``: a Grain stream of image
+  rows whose position the checkpoint stores, and each row's identity (the sha256 of its pixels and
+  label) for the window ledger. Its own option: ``objective.digits.train_images``.
 - ``Counter``: a ``DataSource`` with no training iterator. Its data is a counter in the state,
   advanced by a fixed rule each step (as an RL environment's state would be): the checkpoint
   holds no data position, and the whole-state verdict compares the counter with the rest.
@@ -27,17 +28,34 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpulab import DataSource, Objective, gradient_steps, register_objective
+from tpulab import DataSource, Objective, gradient_steps, register_family, register_objective
 from tpulab.config import check, field
 from tpulab.data.pipeline import READ_OPTIONS, process_batches
 from tpulab.train import sharding
 from tpulab.train.restore import abstract_train_state
 from tpulab.train.step import Bound, Steps, optimizer, tree_all_finite
 
-N_TRAIN = 1500  # of the 1,797 digits: the first 1,500 train, the last 297 are held out
+N_TRAIN = 1500  # of the 1,797 digits: the first 1,500 train (by default), the rest are held out
+MLP_FAMILY = "open_objectives:MLPConfig"  # how a run config names the family below
 
 
 # --- Digits: a model family and a data source of its own ---------------------------------------
+
+
+def mlp_param_count(cfg) -> int:
+    return 64 * cfg.hidden + cfg.hidden + cfg.hidden * 10 + 10
+
+
+@register_family("mlp", mlp_param_count)
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """A two-layer MLP over 64 pixels, 10 classes."""
+
+    family: str = field(MLP_FAMILY, "this family, by import path")
+    hidden: int = field(32, "hidden units")
+
+    def __post_init__(self):
+        check(1 <= self.hidden <= 4096, f"model.hidden={self.hidden} must be in [1, 4096]")
 
 
 class MLP(nnx.Module):
@@ -73,14 +91,23 @@ class Digits(Objective):
 
     @dataclasses.dataclass(frozen=True)
     class Config:
-        """The MLP's width."""
+        """How the digits are split."""
 
-        hidden: int = field(32, "hidden units of the two-layer MLP")
+        train_images: int = field(N_TRAIN, "the first this many train; the rest are held out")
 
         def __post_init__(self):
             check(
-                1 <= self.hidden <= 4096, f"objective.digits.hidden={self.hidden} not in [1, 4096]"
+                100 <= self.train_images <= 1700,
+                f"objective.digits.train_images={self.train_images} must be in [100, 1700]",
             )
+
+    @classmethod
+    def check_run(cls, config) -> None:
+        check(
+            isinstance(config.model, MLPConfig),
+            f"objective.kind={config.objective.kind} trains model.family={MLP_FAMILY}, not "
+            f"{config.model.family}",
+        )
 
     def __init__(self, config):
         super().__init__(config)
@@ -88,19 +115,20 @@ class Digits(Objective):
 
     @classmethod
     def _graph(cls, config):
-        build = lambda: MLP(config.objective.options.hidden, rngs=nnx.Rngs(config.seed))  # noqa: E731
+        build = lambda: MLP(config.model.hidden, rngs=nnx.Rngs(config.seed))  # noqa: E731
         graphdef, _ = nnx.split(nnx.eval_shape(build))
         return graphdef, lambda: nnx.split(build())[1]
 
     def data(self) -> DataSource:
         x, y, cfg = self.x, self.y, self.config
+        n_train = cfg.objective.options.train_images
 
         def train(index: int, count: int):
-            rows = np.arange(N_TRAIN, dtype=np.int64)
+            rows = np.arange(n_train, dtype=np.int64)
             ds = process_batches(rows, cfg.data, index, count)
             return iter(ds.map(lambda r: {"x": x[r], "y": y[r]}).to_iter_dataset(READ_OPTIONS))
 
-        held = np.arange(N_TRAIN, len(y))
+        held = np.arange(n_train, len(y))
         size = cfg.data.batch_size
         evals = []
         for i in range(0, len(held), size):
@@ -118,7 +146,7 @@ class Digits(Objective):
             train=train,
             eval_batches=evals,
             identity=digest,
-            description={"dataset": "sklearn digits", "train": N_TRAIN, "held_out": len(held)},
+            description={"dataset": "sklearn digits", "train": n_train, "held_out": len(held)},
             row_ids=_row_ids,
             eval_row_ids=_eval_row_ids,
         )
@@ -161,7 +189,7 @@ class Digits(Objective):
         return nnx.merge(graphdef, params)
 
     def run_facts(self, steps, state) -> dict:
-        b, h = self.config.data.batch_size, self.config.objective.options.hidden
+        b, h = self.config.data.batch_size, self.config.model.hidden
         return {
             "param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
             "shapes": {"batch": b, "features": 64, "hidden": h, "classes": 10},

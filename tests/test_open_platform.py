@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from conftest import REPO, TINY, run_cli
 
@@ -29,14 +31,20 @@ def _cli(tmp_path: Path, *args: str, timeout: float = 600):
     return run_cli(*args, env=_env(tmp_path), timeout=timeout)
 
 
-def _config_args(kind: str, *sets: str) -> list[str]:
-    return [
-        "--config",
-        str(TINY),
-        "--set",
-        f"objective.kind={kind}",
-        *(x for s in sets for x in ("--set", s)),
-    ]
+def _config(kind: str, where: Path) -> Path:
+    """configs/tiny.yaml with ``objective.kind``; for Digits its own model family in place of the
+    Transformer's section (a config file, as a user would write one)."""
+    config = yaml.safe_load(TINY.read_text())
+    config["objective"] = {"kind": kind}
+    if kind == DIGITS:
+        config["model"] = {"family": "open_objectives:MLPConfig", "hidden": 32}
+    path = where / f"{kind.replace(':', '-')}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _config_args(kind: str, where: Path, *sets: str) -> list[str]:
+    return ["--config", str(_config(kind, where)), *(x for s in sets for x in ("--set", s))]
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -49,7 +57,7 @@ def _losses(run: Path) -> dict[int, float]:
 def digits_proof(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("digits")
     out = _cli(
-        d, "prove-resume", *_config_args(DIGITS), "--run-dir", str(d / "proof"), "--no-track"
+        d, "prove-resume", *_config_args(DIGITS, d), "--run-dir", str(d / "proof"), "--no-track"
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return d / "proof"
@@ -64,7 +72,7 @@ def test_digits_trains_through_the_cli_with_its_own_model_facts_and_mlflow(tmp_p
     out = _cli(
         tmp_path,
         "train",
-        *_config_args(DIGITS, "objective.digits.hidden=24"),
+        *_config_args(DIGITS, tmp_path, "model.hidden=24"),
         "--run-dir",
         str(run),
         "--no-progress",
@@ -77,12 +85,11 @@ def test_digits_trains_through_the_cli_with_its_own_model_facts_and_mlflow(tmp_p
     assert env["param_count"] == 64 * 24 + 24 + 24 * 10 + 10  # the MLP's, not a Transformer's
     assert "d_model" not in env["shapes"]
     # the child config carries the import path and the kind's own section
-    import yaml
-
     saved = yaml.safe_load((run / "config.yaml").read_text())["objective"]
-    assert saved["kind"] == DIGITS and saved["digits"] == {"hidden": 24}
+    assert saved["kind"] == DIGITS and saved["digits"] == {"train_images": 1500}
+    model = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert model == {"family": "open_objectives:MLPConfig", "hidden": 24}
     # load_model asks the objective: the state and model it describes, from the checkpoint
-    import sys
 
     sys.path.insert(0, str(REPO / "tests"))
     try:
@@ -123,7 +130,7 @@ def test_a_skipped_state_leaf_fails_the_digits_verdict(digits_proof, tmp_path):
     out = _cli(
         tmp_path,
         "prove-resume",
-        *_config_args(DIGITS),
+        *_config_args(DIGITS, tmp_path),
         "--run-dir",
         str(tmp_path / "proof"),
         "--reference",
@@ -142,7 +149,7 @@ def test_digits_survives_chaos(digits_proof, tmp_path):
     out = _cli(
         tmp_path,
         "chaos",
-        *_config_args(DIGITS),
+        *_config_args(DIGITS, tmp_path),
         "--run-dir",
         str(tmp_path / "chaos"),
         "--kills",
@@ -165,7 +172,7 @@ def test_digits_launch_with_2_processes_splits_each_batch(digits_proof, tmp_path
         "2",
         "--",
         "train",
-        *_config_args(DIGITS),
+        *_config_args(DIGITS, tmp_path),
         "--run-dir",
         str(run),
         "--no-progress",
@@ -200,7 +207,12 @@ def test_counter_has_no_data_iterator_and_its_resume_is_proven_on_the_state_alon
 
     proof = tmp_path / "proof"
     out = _cli(
-        tmp_path, "prove-resume", *_config_args(COUNTER), "--run-dir", str(proof), "--no-track"
+        tmp_path,
+        "prove-resume",
+        *_config_args(COUNTER, tmp_path),
+        "--run-dir",
+        str(proof),
+        "--no-track",
     )
     assert out.returncode == 0, out.stdout + out.stderr
     v = json.loads((proof / "proof" / "verdict.json").read_text())
@@ -220,7 +232,7 @@ def test_counter_has_no_data_iterator_and_its_resume_is_proven_on_the_state_alon
     out = _cli(
         tmp_path,
         "prove-resume",
-        *_config_args(COUNTER),
+        *_config_args(COUNTER, tmp_path),
         "--run-dir",
         str(bad),
         "--reference",
@@ -239,21 +251,16 @@ def test_counter_has_no_data_iterator_and_its_resume_is_proven_on_the_state_alon
     [
         (["objective.kind=open_objectives:Nope"], "Nope in open_objectives is not an Objective"),
         (["objective.kind=no_such_module:X"], "cannot import no_such_module"),
-        ([f"objective.kind={DIGITS}", "objective.digits.hidden=0"], "objective.digits.hidden=0"),
-        ([f"objective.kind={DIGITS}", "objective.dpo.beta=0.2"], "applies to objective.kind=dpo"),
-        ([f"objective.kind={DIGITS}", "objective.init=/tmp/x"], "applies to objective.kind="),
+        (["model.hidden=0"], "model.hidden=0 must be in"),
+        (["objective.digits.train_images=5"], "objective.digits.train_images=5"),
+        (["objective.dpo.beta=0.2"], "applies to objective.kind=dpo"),
+        (["objective.init=/tmp/x"], "applies to objective.kind="),
+        (["model.family=no_such_family"], "model.family='no_such_family' is not registered"),
+        (["model.d_model=64"], "unknown config key 'model.d_model'"),
     ],
 )
 def test_bad_open_objective_settings_are_one_line_and_write_nothing(tmp_path, sets, why):
     run = tmp_path / "run"
-    out = _cli(
-        tmp_path,
-        "train",
-        "--config",
-        str(TINY),
-        *(x for s in sets for x in ("--set", s)),
-        "--run-dir",
-        str(run),
-    )
+    out = _cli(tmp_path, "train", *_config_args(DIGITS, tmp_path, *sets), "--run-dir", str(run))
     assert out.returncode != 0 and why in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and not run.exists()

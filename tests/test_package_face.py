@@ -20,6 +20,7 @@ from conftest import REPO, TINY
 def _face_of_tpulab() -> dict:
     """What each public name of ``tpulab`` must be, imported here from where it is implemented."""
     from tpulab.errors import ExitCode, TpulabError
+    from tpulab.model.families import register_family
     from tpulab.train.config import RunConfig
     from tpulab.train.hooks import Hooks
     from tpulab.train.loop import train
@@ -37,6 +38,7 @@ def _face_of_tpulab() -> dict:
         "Objective": Objective,
         "DataSource": DataSource,
         "register_objective": register_objective,
+        "register_family": register_family,
         "objective_class": objective_class,
         "Steps": Steps,
         "TrainState": TrainState,

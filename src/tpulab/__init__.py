@@ -32,6 +32,7 @@ _EXPORTS = {
     "Objective": "tpulab.train.objective:Objective",
     "DataSource": "tpulab.train.objective:DataSource",
     "register_objective": "tpulab.train.registry:register_objective",
+    "register_family": "tpulab.model.families:register_family",
     "Steps": "tpulab.train.step:Steps",
     "TrainState": "tpulab.train.step:TrainState",
     "gradient_steps": "tpulab.train.step:gradient_steps",

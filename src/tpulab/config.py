@@ -72,6 +72,17 @@ def section(sections: Sections, doc: str) -> Any:
     return dataclasses.field(default=None, metadata={"doc": doc, "sections": sections})
 
 
+def chosen(sections: Sections, default: type, doc: str) -> Any:
+    """A section whose dataclass its own ``sections.key`` field names (``model.family``); absent,
+    ``default``. The key is a field of every dataclass it can name."""
+    return dataclasses.field(default_factory=default, metadata={"doc": doc, "chosen": sections})
+
+
+def _chosen_class(spec: Sections, value: Any, default: type) -> type:
+    key = value.get(spec.key) if isinstance(value, dict) else None
+    return default if key is None else spec.resolve(key)[1]
+
+
 def _sections(cls: type) -> dict[str, Sections]:
     return {
         f.name: f.metadata["sections"] for f in dataclasses.fields(cls) if "sections" in f.metadata
@@ -189,10 +200,21 @@ def _build(cls: type[T], data: dict, prefix: str = "") -> T:
             f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(sorted(known))})"
         )
     kwargs = {
-        k: _coerce(v, hints[k], prefix + k, fields[k].metadata.get("allow_nonfinite", False))
+        k: _coerce(
+            v,
+            _hint(fields[k], hints[k], v),
+            prefix + k,
+            fields[k].metadata.get("allow_nonfinite", False),
+        )
         for k, v in data.items()
     }
     return cls(**kwargs, **built)
+
+
+def _hint(f: dataclasses.Field, hint: Any, value: Any) -> Any:
+    """The type to build ``value`` as: a ``chosen`` field's is the class its key names."""
+    spec = f.metadata.get("chosen")
+    return hint if spec is None else _chosen_class(spec, value, f.default_factory)
 
 
 def _build_sections(
@@ -338,9 +360,14 @@ def identity_diff(cls: type, old: dict, new: dict) -> list[str]:
                 name, sec_cls = spec.resolve(b.get(spec.key))
                 walk(sec_cls, a.get(name) or {}, b.get(name) or {}, prefix + name + ".")
                 continue
-            va, vb = a.get(f.name), b.get(f.name)
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], va or {}, vb or {}, key + ".")
+            # a key written before its field existed held the field's default
+            unset = None if f.default is dataclasses.MISSING else f.default
+            va, vb = a.get(f.name, unset), b.get(f.name, unset)
+            hint = hints[f.name]
+            if "chosen" in f.metadata:
+                hint = _chosen_class(f.metadata["chosen"], vb, f.default_factory)
+            if dataclasses.is_dataclass(hint):
+                walk(hint, va or {}, vb or {}, key + ".")
             elif _norm(va) != _norm(vb):
                 diffs.append(f"{key}: {va!r} -> {vb!r}")
 

@@ -15,12 +15,14 @@ from tpulab.config import (
     check,
     check_int,
     check_path,
+    chosen,
     field,
     nested,
     section,
 )
 from tpulab.data.config import DataConfig
 from tpulab.errors import ConfigError
+from tpulab.model import families
 from tpulab.model.config import ModelConfig, PrecisionConfig
 from tpulab.train import registry
 from tpulab.train.objective import SHARED
@@ -170,6 +172,8 @@ class LoraConfig:
                 ) from None
 
 
+# How ``model`` finds its dataclass: the family its ``family`` key names.
+MODEL_FAMILIES = Sections("family", families.section_of, families.sections)
 # How ``objective.<kind>`` finds its dataclass: the registry, which imports the built-ins first.
 OBJECTIVE_SECTIONS = Sections("kind", registry.section_of, registry.sections)
 
@@ -259,10 +263,14 @@ class ObjectiveConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Everything that defines a Transformer training run."""
+    """Everything that defines a training run."""
 
     seed: int = field(0, "parameter init and dropout RNG seed")
-    model: ModelConfig = nested(ModelConfig)
+    model: Any = chosen(
+        MODEL_FAMILIES,
+        ModelConfig,
+        "the model family's typed config, named by model.family (transformer when absent)",
+    )
     precision: PrecisionConfig = nested(PrecisionConfig)
     data: DataConfig = nested(DataConfig)
     optim: OptimConfig = nested(OptimConfig)
@@ -275,14 +283,4 @@ class RunConfig:
         # With 32-bit JAX, PRNGKey keeps only the low 32 bits: seed 2**32 would silently equal
         # seed 0, and seeds beyond int64 crash it.
         check_int(self.seed, "seed", 0, UINT32_MAX, "a uint32: JAX's PRNGKey keeps 32 bits")
-        check(
-            self.data.seq_len <= self.model.max_seq_len,
-            f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
-        )
         registry.objective_class(self.objective.kind).check_run(self)
-        rank = self.objective.lora.rank
-        check(
-            rank <= self.model.d_model,
-            f"objective.lora.rank={rank} exceeds the smallest adapted matrix dimension "
-            f"(model.d_model={self.model.d_model})",
-        )

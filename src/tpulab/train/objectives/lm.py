@@ -13,8 +13,10 @@ from typing import Any
 
 from flax import nnx
 
+from tpulab.config import check
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.model import lora
+from tpulab.model.config import ModelConfig
 from tpulab.model.transformer import built_param_count
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objective import Objective
@@ -30,6 +32,26 @@ class LanguageModel(Objective):
 
     tokenizer = TOKENIZER
     produces = LANGUAGE_MODEL
+
+    @classmethod
+    def check_run(cls, config) -> None:
+        """The Transformer family, a window it can hold, adapters no wider than it."""
+        check(
+            isinstance(config.model, ModelConfig),
+            f"objective.kind={config.objective.kind} trains the transformer family, not "
+            f"model.family={config.model.family}",
+        )
+        check(
+            config.data.seq_len <= config.model.max_seq_len,
+            f"data.seq_len={config.data.seq_len} exceeds "
+            f"model.max_seq_len={config.model.max_seq_len}",
+        )
+        rank = config.objective.lora.rank
+        check(
+            rank <= config.model.d_model,
+            f"objective.lora.rank={rank} exceeds the smallest adapted matrix dimension "
+            f"(model.d_model={config.model.d_model})",
+        )
 
     @classmethod
     def abstract_state(cls, config, mesh) -> Any:

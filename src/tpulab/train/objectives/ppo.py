@@ -437,6 +437,7 @@ class PPO(LanguageModel):
 
     @classmethod
     def check_run(cls, config) -> None:
+        super().check_run(config)
         check_ppo_run(config)
 
     @classmethod
