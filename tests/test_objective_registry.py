@@ -101,3 +101,15 @@ def test_model_family_is_the_transformer_unless_named():
     assert dataclasses.replace(tiny_config().model, d_model=64).family == "transformer"
     with pytest.raises(ConfigError, match="model.family='mlp2' is not registered"):
         tiny_config("model.family=mlp2")
+
+
+def test_the_default_kind_takes_nothing_so_a_plain_config_needs_no_objective_import():
+    """What ``ObjectiveConfig``'s fast path assumes (config errors before jax is imported)."""
+    from tpulab.train.objective import NoOptions
+    from tpulab.train.registry import DEFAULT_KIND
+
+    default = registered()[DEFAULT_KIND]
+    assert default.Config is NoOptions and not default.uses and not default.needs
+    # the fast path and the resolved path build the same config
+    assert tiny_config() == from_dict(RunConfig, to_dict(tiny_config()))
+    assert "pretrain" in to_dict(tiny_config())["objective"]  # written with its (empty) section

@@ -322,7 +322,7 @@ def test_a_run_env_reads_back_what_the_loop_wrote_and_refuses_other_records(trai
     run = RunDir(tmp_path)
     lora = {**on_disk, "lora": {"rank": 4}}  # an objective's own facts: read, not refused
     assert run.write_env(RunEnv.from_dict(lora)) == run.env
-    assert run.read_env().details == {"lora": {"rank": 4}} and run.read(R.ENV) == lora
+    assert run.read_env().details == {"work": work, "lora": {"rank": 4}} and run.read(R.ENV) == lora
     gone = {k: v for k, v in on_disk.items() if k not in ("backend", "shapes")}
     for bad, words in (
         (gone, "missing ['backend', 'shapes']"),

@@ -226,6 +226,8 @@ def _build_sections(
     defaults (a run config written before sections were per kind holds every kind's defaults).
     """
     data, built = dict(data), {}
+    if not set(map(str, data)) - {f.name for f in dataclasses.fields(cls)}:
+        return data, built  # no section given: nothing to resolve (its owner fills in defaults)
     for name, spec in sections.items():
         default = next(f.default for f in dataclasses.fields(cls) if f.name == spec.key)
         value = data.get(spec.key, default)

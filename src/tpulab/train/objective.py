@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numpy as np
-from jax.sharding import Mesh
 
 from tpulab.evidence.ledger import eval_window_ids, window_ids
 
@@ -103,7 +102,7 @@ class Objective:
         """Rules across the run config's sections (raise ConfigError); none by default."""
 
     @classmethod
-    def abstract_state(cls, config: Any, mesh: Mesh) -> Any:
+    def abstract_state(cls, config: Any, mesh: Any) -> Any:
         """Shapes, dtypes and shardings of the training state, from the config alone (nothing
         computed or read): what restore, reshard and the proofs restore into."""
         raise NotImplementedError(f"{cls.__qualname__}.abstract_state")
@@ -129,7 +128,7 @@ class Objective:
     def data(self) -> DataSource:
         raise NotImplementedError
 
-    def steps(self, mesh: Mesh) -> Any:
+    def steps(self, mesh: Any) -> Any:
         """A ``tpulab.train.step.Steps``: the state, its shardings and the jitted steps."""
         raise NotImplementedError
 
