@@ -424,7 +424,7 @@ def cmd_merge_lora(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="train the Transformer (resumes from the newest valid checkpoint in --run-dir)",
+        help="train what the config names (resumes from the newest valid checkpoint in --run-dir)",
     )
     p.add_argument("--run-dir", required=True, type=path_arg)
     add_config_args(p)
