@@ -157,10 +157,10 @@ def test_close_is_called_once_when_the_run_raises(tmp_path):
     # failure path's
     assert "on_end" not in methods and max(counter.steps_of("after_step")) == 3
     assert methods.count("close") == 1 and methods[-1] == "close" and bad.closed == 1
-    # a run refused before it starts (bad skip_restore) closes its hooks as well
+    # a run refused before it starts (a mesh larger than the devices) closes its hooks as well
     refused = Recorder()
-    with pytest.raises(TpulabError, match="unknown part to skip"):
-        train(cfg, tmp_path / "other", hooks=[refused], skip_restore=("weights",))
+    with pytest.raises(TpulabError, match="mesh"):
+        train(tiny_config("mesh.fsdp=64"), tmp_path / "other", hooks=[refused])
     assert [m for m, _, _ in refused.calls] == ["close"]
     # a close that raises, with no error in flight, is raised, after every hook was closed
     last, bad2 = Recorder(), BadClose()

@@ -75,9 +75,12 @@ def test_ci_runs_make_test_and_installs_nothing_itself():
     assert not any("apt-get" in s or "install" in s for s in lines)
 
 
-TEST_ONLY = {"pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "gymnasium"}
-# gymnasium brings Farama-Notifications, pinned beside it (pip would otherwise resolve it).
-TEST_PINNED = TEST_ONLY | {"farama-notifications"}
+TEST_ONLY = {
+    *("pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "gymnasium", "scikit-learn")
+}
+# gymnasium brings Farama-Notifications, scikit-learn three more: pinned beside them (pip would
+# otherwise resolve them).
+TEST_PINNED = TEST_ONLY | {"farama-notifications", "joblib", "threadpoolctl", "narwhals"}
 
 
 def _names(requirements: list[str]) -> set[str]:

@@ -20,12 +20,14 @@ from conftest import REPO, TINY
 def _face_of_tpulab() -> dict:
     """What each public name of ``tpulab`` must be, imported here from where it is implemented."""
     from tpulab.errors import ExitCode, TpulabError
+    from tpulab.model.families import register_family
     from tpulab.train.config import RunConfig
     from tpulab.train.hooks import Hooks
     from tpulab.train.loop import train
-    from tpulab.train.objectives import KINDS
-    from tpulab.train.objectives.base import DataSource, Objective
+    from tpulab.train.objective import DataSource, Objective
+    from tpulab.train.registry import objective_class, register_objective
     from tpulab.train.restore import load_model
+    from tpulab.train.step import Steps, TrainState, gradient_steps
 
     return {
         "load_config": tpulab.load_config,  # defined in the face itself (checked below)
@@ -35,7 +37,12 @@ def _face_of_tpulab() -> dict:
         "load_model": load_model,
         "Objective": Objective,
         "DataSource": DataSource,
-        "OBJECTIVE_KINDS": KINDS,
+        "register_objective": register_objective,
+        "register_family": register_family,
+        "objective_class": objective_class,
+        "Steps": Steps,
+        "TrainState": TrainState,
+        "gradient_steps": gradient_steps,
         "TpulabError": TpulabError,
         "ExitCode": ExitCode,
     }

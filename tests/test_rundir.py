@@ -315,11 +315,14 @@ def test_a_run_env_reads_back_what_the_loop_wrote_and_refuses_other_records(trai
     on_disk = json.loads(RunDir(trained_run).env.read_text())
     env = RunDir(trained_run).read_env()  # the loop's own file, not one this test wrote
     assert env.backend == "cpu" and env.is_tpu is False and env.packages["jax"]
-    assert env.objective == "pretrain" and env.details == {} and env.to_dict() == on_disk
+    # the objective's run_facts: tokens are the unit of work, batch x seq_len of them a step
+    work = {"unit": "tokens", "per_step": 8 * 32}
+    assert env.objective == "pretrain" and env.details == {"work": work}
+    assert env.to_dict() == on_disk
     run = RunDir(tmp_path)
     lora = {**on_disk, "lora": {"rank": 4}}  # an objective's own facts: read, not refused
     assert run.write_env(RunEnv.from_dict(lora)) == run.env
-    assert run.read_env().details == {"lora": {"rank": 4}} and run.read(R.ENV) == lora
+    assert run.read_env().details == {"work": work, "lora": {"rank": 4}} and run.read(R.ENV) == lora
     gone = {k: v for k, v in on_disk.items() if k not in ("backend", "shapes")}
     for bad, words in (
         (gone, "missing ['backend', 'shapes']"),

@@ -18,6 +18,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,6 +52,41 @@ def field(
 
 def nested(cls: type) -> Any:
     return dataclasses.field(default_factory=cls, metadata={"doc": cls.__doc__ or ""})
+
+
+@dataclasses.dataclass(frozen=True)
+class Sections:
+    """How a ``section`` field finds its type: ``resolve(value)`` gives the section's name and
+    dataclass for the sibling ``key``'s value (one line ConfigError if there is none); ``known()``
+    every name -> dataclass, so a section of another value is refused naming its owner."""
+
+    key: str
+    resolve: Callable[[Any], tuple[str, type]]
+    known: Callable[[], dict[str, type]]
+
+
+def section(sections: Sections, doc: str) -> Any:
+    """A field whose dataclass depends on a sibling field (``objective.kind``), spelled in YAML and
+    ``--set`` by the name the sibling resolves to (``objective.dpo.beta``), not by the field's own
+    name; ``None`` until built (its owner's ``__post_init__`` fills in the defaults)."""
+    return dataclasses.field(default=None, metadata={"doc": doc, "sections": sections})
+
+
+def chosen(sections: Sections, default: type, doc: str) -> Any:
+    """A section whose dataclass its own ``sections.key`` field names (``model.family``); absent,
+    ``default``. The key is a field of every dataclass it can name."""
+    return dataclasses.field(default_factory=default, metadata={"doc": doc, "chosen": sections})
+
+
+def _chosen_class(spec: Sections, value: Any, default: type) -> type:
+    key = value.get(spec.key) if isinstance(value, dict) else None
+    return default if key is None else spec.resolve(key)[1]
+
+
+def _sections(cls: type) -> dict[str, Sections]:
+    return {
+        f.name: f.metadata["sections"] for f in dataclasses.fields(cls) if "sections" in f.metadata
+    }
 
 
 def check(ok: bool, message: str) -> None:
@@ -155,16 +191,58 @@ def _coerce(value: Any, tp: Any, key: str, allow_nonfinite: bool = False) -> Any
 def _build(cls: type[T], data: dict, prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(map(str, data)) - set(fields))
+    sections = _sections(cls)
+    data, built = _build_sections(cls, sections, data, prefix)
+    known = set(fields) - set(sections)
+    unknown = sorted(set(map(str, data)) - known)
     if unknown:
         raise ConfigError(
-            f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(sorted(fields))})"
+            f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(sorted(known))})"
         )
     kwargs = {
-        k: _coerce(v, hints[k], prefix + k, fields[k].metadata.get("allow_nonfinite", False))
+        k: _coerce(
+            v,
+            _hint(fields[k], hints[k], v),
+            prefix + k,
+            fields[k].metadata.get("allow_nonfinite", False),
+        )
         for k, v in data.items()
     }
-    return cls(**kwargs)
+    return cls(**kwargs, **built)
+
+
+def _hint(f: dataclasses.Field, hint: Any, value: Any) -> Any:
+    """The type to build ``value`` as: a ``chosen`` field's is the class its key names."""
+    spec = f.metadata.get("chosen")
+    return hint if spec is None else _chosen_class(spec, value, f.default_factory)
+
+
+def _build_sections(
+    cls: type, sections: dict[str, Sections], data: dict, prefix: str
+) -> tuple[dict, dict]:
+    """Take each section out of ``data`` under the name its key's value resolves to.
+
+    A section of another value is an error naming its owner unless it holds only that owner's
+    defaults (a run config written before sections were per kind holds every kind's defaults).
+    """
+    data, built = dict(data), {}
+    if not set(map(str, data)) - {f.name for f in dataclasses.fields(cls)}:
+        return data, built  # no section given: nothing to resolve (its owner fills in defaults)
+    for name, spec in sections.items():
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == spec.key)
+        value = data.get(spec.key, default)
+        own, own_cls = spec.resolve(value)
+        if own in data:
+            built[name] = _coerce(data.pop(own), own_cls, prefix + own)
+        for other, other_cls in spec.known().items():
+            if other == own or other not in data:
+                continue
+            given = _coerce(data.pop(other), other_cls, prefix + other)
+            check(
+                given == other_cls(),
+                f"{prefix}{other} applies to {prefix}{spec.key}={other}, not {value}",
+            )
+    return data, built
 
 
 def from_dict(cls: type[T], data: dict | None) -> T:
@@ -173,7 +251,24 @@ def from_dict(cls: type[T], data: dict | None) -> T:
 
 
 def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data; a ``section`` field under the name its key resolves to."""
+    out = dataclasses.asdict(cfg)
+    _rename_sections(cfg, out)
+    return out
+
+
+def _rename_sections(cfg: Any, out: dict) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        spec = f.metadata.get("sections")
+        if spec is not None:
+            name, _ = spec.resolve(getattr(cfg, spec.key))
+            out[name] = out.pop(f.name)
+            f_out = out[name]
+        else:
+            f_out = out[f.name]
+        if dataclasses.is_dataclass(value) and isinstance(f_out, dict):
+            _rename_sections(value, f_out)
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -262,9 +357,19 @@ def identity_diff(cls: type, old: dict, new: dict) -> list[str]:
             key = prefix + f.name
             if f.metadata.get("resume_mutable"):
                 continue
-            va, vb = a.get(f.name), b.get(f.name)
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], va or {}, vb or {}, key + ".")
+            spec = f.metadata.get("sections")
+            if spec is not None:  # the section of the new value: a changed value is a diff itself
+                name, sec_cls = spec.resolve(b.get(spec.key))
+                walk(sec_cls, a.get(name) or {}, b.get(name) or {}, prefix + name + ".")
+                continue
+            # a key written before its field existed held the field's default
+            unset = None if f.default is dataclasses.MISSING else f.default
+            va, vb = a.get(f.name, unset), b.get(f.name, unset)
+            hint = hints[f.name]
+            if "chosen" in f.metadata:
+                hint = _chosen_class(f.metadata["chosen"], vb, f.default_factory)
+            if dataclasses.is_dataclass(hint):
+                walk(hint, va or {}, vb or {}, key + ".")
             elif _norm(va) != _norm(vb):
                 diffs.append(f"{key}: {va!r} -> {vb!r}")
 

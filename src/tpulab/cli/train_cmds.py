@@ -50,11 +50,17 @@ def cmd_train(args) -> int:
     tracker = tracker_for(args, args.run_dir)
     if tracker is not None:
         hooks.insert(0, tracker)
+    objective = None
+    if args.skip_restore:  # a proof's negative control: a wrapper, not a switch of the loop
+        from tpulab.proofs.controls import SkipRestore
+        from tpulab.train.objectives import build
+
+        objective = SkipRestore(build(config), tuple(args.skip_restore))
     summary = train(  # closes every hook, whether it returns or raises
         config,
         args.run_dir,
         force=args.force,
-        skip_restore=tuple(args.skip_restore),
+        objective=objective,
         progress=False if args.no_progress else None,
         compile_cache_dir=args.compile_cache,
         hooks=hooks,
@@ -249,7 +255,7 @@ def cmd_merge_lora(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="train the Transformer (resumes from the newest valid checkpoint in --run-dir)",
+        help="train what the config names (resumes from the newest valid checkpoint in --run-dir)",
     )
     add_run_dir(p)
     add_config_args(p)

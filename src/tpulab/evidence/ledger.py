@@ -8,12 +8,17 @@ in a training batch, a training window in an evaluation batch) makes them fail. 
 can tear only the last line a lifetime wrote: the next lifetime starts on a fresh line, so a torn
 line is the file's last or the one before a lifetime's ``eval`` record; any other unreadable line is
 corruption, and the reader reports it.
+
+What identifies a row is the objective's (``DataSource.row_ids``/``eval_row_ids``); the default is
+the byte-LM window's sha256 (``window_ids``, ``eval_window_ids``), which the independent checks
+compare with the validation documents: disjoint splits, no foreign windows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +40,27 @@ def batch_windows(batch: dict) -> np.ndarray:
     return np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
 
 
+def window_ids(batch: dict) -> list[str]:
+    """The byte-LM default identity of each training row: its full window's sha256."""
+    return window_sha256(batch_windows(batch))
+
+
+def eval_window_ids(batch: dict) -> list[str]:
+    """Each evaluation row's window sha256; rows with no valid target (a partial last batch's
+    padding) are no window: left out."""
+    used = np.asarray(batch["mask"]).any(axis=1)
+    return [h for h, u in zip(window_ids(batch), used) if u]
+
+
 class WindowLedger:
-    def __init__(self, run_dir: str | Path, process_index: int = 0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        process_index: int = 0,
+        row_ids: Callable[[dict], list[str]] = window_ids,
+        eval_row_ids: Callable[[dict], list[str]] = eval_window_ids,
+    ):
+        self._row_ids, self._eval_row_ids = row_ids, eval_row_ids
         path = RunDir(run_dir).windows(process_index)
         self._f = open(path, "a", buffering=1)
         if self._f.tell() > 0:
@@ -46,19 +70,13 @@ class WindowLedger:
                     self._f.write("\n")
 
     def record_eval(self, batches: list[dict]) -> None:
-        """Rows with no valid target (a partial last batch's padding) are no window: left out."""
-        hashes = [
-            h
-            for b in batches
-            for h, used in zip(window_sha256(batch_windows(b)), np.asarray(b["mask"]).any(axis=1))
-            if used
-        ]
+        hashes = [h for b in batches for h in self._eval_row_ids(b)]
         self._f.write(json.dumps({"eval": hashes}) + "\n")
 
     def record_train(self, step: int, batch: dict) -> None:
-        self._f.write(
-            json.dumps({"step": int(step), "train": window_sha256(batch_windows(batch))}) + "\n"
-        )
+        """An empty batch (an objective whose state carries its data) is a step with no rows."""
+        rows = self._row_ids(batch) if batch else []
+        self._f.write(json.dumps({"step": int(step), "train": rows}) + "\n")
 
     def close(self) -> None:
         self._f.close()

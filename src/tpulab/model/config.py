@@ -10,10 +10,11 @@ bytes) inside int64 so that an absurd value fails here instead of overflowing in
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 from tpulab.config import check, check_int, field
 from tpulab.data.tokenizer import VOCAB_SIZE
+from tpulab.model.families import DEFAULT_FAMILY, family, register_family
 
 # Temperatures in (0, MIN_TEMPERATURE) are refused: logits / t overflows float32 to inf (5e-324 is
 # 0 in float32), and inf - inf makes the probabilities NaN. 0 means greedy. Here, not in
@@ -41,6 +42,11 @@ MAX_MLP_RATIO = 64
 class ModelConfig:
     """Decoder-only Transformer: pre-norm blocks, RoPE, causal attention, GELU MLP."""
 
+    family: str = field(
+        DEFAULT_FAMILY,
+        "the model family (tpulab.model.families): transformer, or your own as "
+        "package.module:Config (docs/extending.md)",
+    )
     vocab_size: int = field(VOCAB_SIZE, "token ids: 256 bytes + BOS + PAD")
     max_seq_len: int = field(128, "longest sequence the model accepts (RoPE table, KV cache)")
     d_model: int = field(128, "residual width")
@@ -109,7 +115,7 @@ class PrecisionConfig:
         )
 
 
-def param_count(cfg: ModelConfig) -> int:
+def param_count(cfg: ModelConfig) -> int:  # registered with the family, below
     """Trainable parameters of ``Transformer(cfg)``, from the shapes alone (nothing is built;
     ``transformer.built_param_count`` counts a built module's, LoRA adapters included).
 
@@ -119,6 +125,9 @@ def param_count(cfg: ModelConfig) -> int:
     d, v = cfg.d_model, cfg.vocab_size
     block = 2 * d + 4 * d * d + 2 * cfg.mlp_ratio * d * d
     return v * d + cfg.n_layers * block + d + (0 if cfg.tie_embeddings else d * v)
+
+
+register_family(DEFAULT_FAMILY, param_count)(ModelConfig)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -135,10 +144,15 @@ def matmul_params(cfg: ModelConfig) -> int:
 TRAIN_STATE_COPIES = 4
 
 
-def train_state_bytes(cfg: ModelConfig, precision: PrecisionConfig) -> int:
+def train_state_bytes(cfg: Any, precision: PrecisionConfig) -> int:
     """Bytes of parameters + gradients + both Adam moments, stored in ``precision.param_dtype``.
 
     A lower bound on what training needs: activations, the compiled program and the data pipeline
     come on top.
     """
-    return param_count(cfg) * TRAIN_STATE_COPIES * DTYPE_BYTES[precision.param_dtype]
+    return family_param_count(cfg) * TRAIN_STATE_COPIES * DTYPE_BYTES[precision.param_dtype]
+
+
+def family_param_count(cfg: Any) -> int:
+    """Trainable parameters of a model of ``cfg``, by its family's count."""
+    return family(cfg.family).param_count(cfg)

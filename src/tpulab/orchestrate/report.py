@@ -57,8 +57,9 @@ def provenance_section(env: RunEnv) -> str:
 def run_section(run_dir: Path) -> str:
     rd = RunDir(run_dir)
     env, summary, docs = rd.read_env(), rd.read_summary(), rd.read(rundir.DOCUMENTS)
-    prec, shapes = env.precision, env.shapes
-    tps = steady_tokens_per_s(run_dir, shapes["batch"] * shapes["seq_len"])
+    prec = env.precision
+    unit, per_step = _work(env)
+    tps = steady_tokens_per_s(run_dir, per_step)
     # str(), not RunDir.manifest's int(): a run that saved no checkpoint has None here, and its
     # report says "missing" instead of raising
     manifest = rd.checkpoints / str(summary.latest_checkpoint) / rundir.MANIFEST
@@ -70,12 +71,8 @@ def run_section(run_dir: Path) -> str:
             f"params {prec['param_dtype']}, compute {prec['compute_dtype']}, "
             f"accumulation {prec['accum_dtype']}",
         ),
-        (
-            "shapes",
-            f"batch {shapes['batch']} × sequence {shapes['seq_len']}; "
-            f"d_model {shapes['d_model']}, {shapes['n_layers']} layers, {shapes['n_heads']} heads, "
-            f"vocab {shapes['vocab']} (bytes + BOS + PAD)",
-        ),
+        ("objective", f"`{env.objective}`"),
+        ("shapes", _shapes(env.shapes)),
         ("parameters", f"{env.param_count:,}"),
         ("steps", summary.final_step),
         ("final train loss", f"{summary.final_loss:.4f}"),
@@ -85,17 +82,12 @@ def run_section(run_dir: Path) -> str:
         ),
         (
             "steady-state throughput",
-            f"{tps:,.0f} tokens/s (median over steps, compile and warm-up excluded)"
+            f"{tps:,.0f} {unit}/s (median over steps, compile and warm-up excluded)"
             if tps
             else "n/a",
         ),
         ("time to first step (incl. compile)", f"{summary.time_to_first_step_s:.1f} s"),
-        (
-            "corpus",
-            f"{docs['source']}: {len(docs['train_documents'])} train / "
-            f"{len(docs['validation_documents'])} validation documents, "
-            f"identity `{docs['identity'][:16]}…`",
-        ),
+        _data_row(docs, env),
         (
             "final checkpoint",
             f"step {summary.latest_checkpoint}, manifest sha256 `{sha256_file(manifest)[:16]}…`"
@@ -104,6 +96,37 @@ def run_section(run_dir: Path) -> str:
         ),
     ]
     return report_kit.section("The training run", report_kit.table(["what", "value"], rows))
+
+
+def _work(env: RunEnv) -> tuple[str, int]:
+    """The run's unit of work and how many a step takes (the objective's ``run_facts``); a run
+    written before they were recorded is a byte-LM run: tokens, batch x seq_len."""
+    work = env.details.get("work")
+    if isinstance(work, dict):
+        return str(work["unit"]), int(work["per_step"])
+    return "tokens", env.shapes["batch"] * env.shapes["seq_len"]
+
+
+def _shapes(shapes: dict) -> str:
+    if {"seq_len", "d_model", "n_layers", "n_heads", "vocab"} <= shapes.keys():  # a Transformer's
+        return (
+            f"batch {shapes['batch']} × sequence {shapes['seq_len']}; "
+            f"d_model {shapes['d_model']}, {shapes['n_layers']} layers, {shapes['n_heads']} "
+            f"heads, vocab {shapes['vocab']} (bytes + BOS + PAD)"
+        )
+    return ", ".join(f"{k} {v}" for k, v in shapes.items())
+
+
+def _data_row(docs: dict, env: RunEnv) -> tuple[str, str]:
+    if {"source", "train_documents", "validation_documents"} <= docs.keys():  # a corpus
+        return (
+            "corpus",
+            f"{docs['source']}: {len(docs['train_documents'])} train / "
+            f"{len(docs['validation_documents'])} validation documents, "
+            f"identity `{docs['identity'][:16]}…`",
+        )
+    described = ", ".join(f"{k} {v}" for k, v in docs.items() if isinstance(v, (str, int)))
+    return ("data", f"{described}; identity `{env.identities.get('data', '?')[:16]}…`")
 
 
 def proof_section(proof_dir: Path, rel: str) -> str:

@@ -6,8 +6,10 @@ state (``TrainState``: the step, parameters, both Adam moments and the count, th
 PPO's ``PPOState`` adds the round in progress) and the Grain data position (the ``data`` item's
 files), with each run's newest verified checkpoint restored read-only. The verdict's list of what
 was compared is read from the state compared (``compared``), so a new field is named with no edit
-here. A checkpoint without a data position is refused: two empty positions would hash alike and
-compare equal.
+here. A checkpoint without a data position is refused (two empty positions would hash alike and
+compare equal) unless its meta says it has none (``data_position: false``: an objective whose state
+carries its own data, a ``DataSource`` with no training iterator); then the state is all there is
+to compare, and both checkpoints must say so.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 
 from tpulab.checkpoint.compare import compare_trees
 from tpulab.checkpoint.files import sha256_file
+from tpulab.checkpoint.store import read_meta
 from tpulab.errors import CheckpointError
 from tpulab.train.restore import load_model
 
@@ -43,7 +46,7 @@ def optimizer_fields(tree: Any) -> set[str]:
     return out
 
 
-def compared(state: Any) -> str:
+def compared(state: Any, data_position: bool = True) -> str:
     """What a verdict over ``state`` (a NamedTuple of the loop: ``TrainState``, ``PPOState``)
     compares, named from its fields: the optimizer state by the names of its leaves' fields (Adam:
     count, mu, nu), a nested NamedTuple (PPO's round) by its own fields."""
@@ -57,14 +60,19 @@ def compared(state: Any) -> str:
             parts.append(f"{name} ({', '.join(value._fields)})")
         else:
             parts.append(FIELD_NAMES.get(name, name))
-    return ", ".join([*parts, "Grain data position"])
+    return ", ".join([*parts, *(["Grain data position"] if data_position else [])])
 
 
 def data_position(step_dir: Path) -> dict[str, str]:
     """sha256 of every file of the checkpoint's Grain iterator state (one per process). Orbax's
     commit_success.txt names the directory it was written to, not the state, so it is left out.
-    Raises when there is no state file, or one is empty."""
+    Raises when there is no state file, or one is empty; ``{}`` for a checkpoint whose meta says
+    it saved none (and that holds none)."""
     root = Path(step_dir) / "data"
+    if read_meta(step_dir).get("data_position") is False:
+        if root.exists():
+            raise CheckpointError(f"checkpoint {step_dir} says it saved no data position: {root}")
+        return {}
     files = (
         sorted(p for p in root.rglob("*") if p.is_file() and p.name != "commit_success.txt")
         if root.is_dir()
@@ -87,6 +95,11 @@ def final_state_verdict(reference_dir: Path, run_dir: Path) -> dict:
         )
     n, first = compare_trees(jax.device_get(ref.state), jax.device_get(run.state))
     ref_pos, run_pos = data_position(ref.checkpoint_dir), data_position(run.checkpoint_dir)
+    if bool(ref_pos) != bool(run_pos):
+        raise CheckpointError(
+            f"one final checkpoint holds a data position and the other none: {len(ref_pos)} "
+            f"file(s) ({reference_dir}) vs {len(run_pos)} ({run_dir})"
+        )
     if first is None and ref_pos != run_pos:
         differ = sorted(k for k in set(ref_pos) | set(run_pos) if ref_pos.get(k) != run_pos.get(k))
         first = f"{DATA_POSITION}: {differ[0]}"
@@ -96,5 +109,5 @@ def final_state_verdict(reference_dir: Path, run_dir: Path) -> dict:
         "leaves_compared": n,
         "data_position_files": len(run_pos),
         "final_state_step": run.step,
-        "final_state_compared": compared(run.state),
+        "final_state_compared": compared(run.state, bool(run_pos)),
     }

@@ -4,15 +4,28 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from tpulab.checkpoint.rundir import METRICS
-from tpulab.config import INT32_MAX, UINT32_MAX, check, check_int, check_path, field, nested
+from tpulab.config import (
+    INT32_MAX,
+    UINT32_MAX,
+    Sections,
+    check,
+    check_int,
+    check_path,
+    chosen,
+    field,
+    nested,
+    section,
+)
 from tpulab.data.config import DataConfig
 from tpulab.errors import ConfigError
+from tpulab.model import families
 from tpulab.model.config import ModelConfig, PrecisionConfig
+from tpulab.train import registry
+from tpulab.train.objective import SHARED, NoOptions
 
 MIN_NORMAL_FLOAT32 = 2.0**-126  # also bfloat16's: the two share an exponent range
 
@@ -130,8 +143,6 @@ class MeshConfig:
         check(self.fsdp >= 1, f"mesh.fsdp={self.fsdp} must be >= 1")
 
 
-# The objectives the one loop trains (tpulab.train.objectives); each is a kind here.
-ObjectiveKind = Literal["pretrain", "sft", "reward", "dpo", "ppo"]
 # The projection paths a LoRA target pattern is searched in: blocks/<i>/attn/qkv, .../mlp/down.
 LORA_DEFAULT_TARGETS = ("attn/qkv", "attn/out", "mlp/up", "mlp/down")
 
@@ -161,172 +172,47 @@ class LoraConfig:
                 ) from None
 
 
-MAX_BETA = 100.0  # beta scales log-ratios of whole replies (tens of nats): past 100 it is a step
-
-
-@dataclasses.dataclass(frozen=True)
-class DPOConfig:
-    """Direct preference optimisation (Rafailov et al. 2023) and its IPO / label-smoothed forms."""
-
-    beta: float = field(0.1, f"the KL strength beta (IPO's tau), in (0, {MAX_BETA:g}]")
-    loss: Literal["sigmoid", "ipo"] = field(
-        "sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1 / (2 beta))^2 (Azar et al.)"
-    )
-    label_smoothing: float = field(
-        0.0, "sigmoid only: the chance a label is flipped (cDPO, Mitchell 2023), in [0, 0.5)"
-    )
-    reference_logprobs: Literal["precomputed", "online"] = field(
-        "precomputed",
-        "precomputed: the reference's log-probs of every pair, once per run (named by digest); "
-        "online: a reference forward in every step",
-    )
-
-    def __post_init__(self):
-        check(
-            math.isfinite(self.beta) and 0.0 < self.beta <= MAX_BETA,
-            f"objective.dpo.beta={self.beta} must be in (0, {MAX_BETA:g}]",
-        )
-        check(
-            0.0 <= self.label_smoothing < 0.5,
-            f"objective.dpo.label_smoothing={self.label_smoothing} must be in [0, 0.5) (at 0.5 "
-            "every label is a coin flip)",
-        )
-        check(
-            self.loss == "sigmoid" or self.label_smoothing == 0.0,
-            "objective.dpo.label_smoothing applies to loss=sigmoid (IPO has no label noise term)",
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardConfig:
-    """The reward model's Bradley-Terry loss: -log sigmoid(r_w - r_l - margin) + c (r_w + r_l)^2."""
-
-    margin: float = field(0.0, "a constant margin the chosen reward must clear (Llama 2), >= 0")
-    centering: float = field(
-        0.0, "coefficient c of the centring term (Eisenstein et al. 2023): rewards near 0, >= 0"
-    )
-
-    def __post_init__(self):
-        check(self.margin >= 0.0, f"objective.reward.margin={self.margin} must be >= 0")
-        check(self.centering >= 0.0, f"objective.reward.centering={self.centering} must be >= 0")
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOConfig:
-    """PPO-RLHF (Schulman et al. 2017; Ziegler et al. 2019): a round samples ``rollouts`` replies
-    through the compiled generation loop, scores them, then takes ``epochs x minibatches`` updates,
-    one per loop step."""
-
-    rollouts: int = field(
-        16,
-        "replies sampled per round: a multiple of data.batch_size (each "
-        "prompt of the round's batch is sampled rollouts / batch_size times)",
-    )
-    max_new: int = field(32, "reply bytes sampled at most (the stop byte ends a reply early)")
-    temperature: float = field(
-        1.0,
-        "sampling temperature, in [0.001, 10]; the trainer's "
-        "log-probs use the same (softmax(logits / t))",
-    )
-    epochs: int = field(2, "passes over a round's rollouts")
-    minibatches: int = field(2, "minibatches per epoch: each is one loop step (one update)")
-    clip: float = field(
-        0.2, "policy clip range epsilon: ratios clipped to [1 - eps, 1 + eps], in (0, 1)"
-    )
-    value_clip: float = field(
-        0.2,
-        "value clip range: a value moves at most this far from its rollout value per round, > 0",
-    )
-    gamma: float = field(1.0, "discount gamma of GAE, in [0, 1]")
-    lam: float = field(0.95, "GAE lambda, in [0, 1]")
-    kl_coef: float = field(0.05, "per-token KL penalty beta against the frozen reference, >= 0")
-    kl_estimator: Literal["k1", "k3"] = field(
-        "k1",
-        "the per-token KL in the penalty: k1 = log(p / p_ref), k3 = (r - 1) - log r with "
-        "r = p_ref / p (Schulman 2020)",
-    )
-    entropy_coef: float = field(0.0, "entropy bonus coefficient, >= 0")
-    vf_coef: float = field(0.1, "value-loss coefficient, >= 0")
-
-    def __post_init__(self):
-        from tpulab.model.config import MAX_TEMPERATURE, MIN_TEMPERATURE
-
-        for name in ("rollouts", "max_new", "epochs", "minibatches"):
-            check_int(getattr(self, name), f"objective.ppo.{name}", 1, 2**16)
-        for name in (
-            "temperature",
-            "clip",
-            "value_clip",
-            "gamma",
-            "lam",
-            "kl_coef",
-            "entropy_coef",
-            "vf_coef",
-        ):
-            value = getattr(self, name)
-            check(
-                isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and math.isfinite(value),
-                f"objective.ppo.{name}={value!r} must be a finite number",
-            )
-        t = self.temperature
-        check(
-            MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
-            f"objective.ppo.temperature={t} must be in [{MIN_TEMPERATURE:g}, "
-            f"{MAX_TEMPERATURE:g}] (PPO samples: 0, greedy, has no log-probabilities)",
-        )
-        check(0.0 < self.clip < 1.0, f"objective.ppo.clip={self.clip} must be in (0, 1)")
-        check(self.value_clip > 0.0, f"objective.ppo.value_clip={self.value_clip} must be > 0")
-        for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            check(0.0 <= value <= 1.0, f"objective.ppo.{name}={value} must be in [0, 1]")
-        for name in ("kl_coef", "entropy_coef", "vf_coef"):
-            value = getattr(self, name)
-            check(value >= 0.0, f"objective.ppo.{name}={value} must be >= 0")
-        check(
-            self.rollouts % self.minibatches == 0,
-            f"objective.ppo.rollouts={self.rollouts} is not divisible by "
-            f"objective.ppo.minibatches={self.minibatches}",
-        )
-
-    @property
-    def steps_per_round(self) -> int:
-        return self.epochs * self.minibatches
+# How ``model`` finds its dataclass: the family its ``family`` key names.
+MODEL_FAMILIES = Sections("family", families.section_of, families.sections)
+# How ``objective.<kind>`` finds its dataclass: the registry, which imports the built-ins first.
+OBJECTIVE_SECTIONS = Sections("kind", registry.section_of, registry.sections)
 
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
-    """What the loop optimises. Paths may move between a run and its resume; what they hold may not:
-    the digests of the checkpoints and datasets they name are the run's identity."""
+    """What the loop optimises: ``kind``, the settings every kind shares, the kind's own section.
 
-    kind: ObjectiveKind = field(
-        "pretrain",
-        "pretrain (next byte) | sft (response-only loss) | reward (Bradley-Terry reward model) | "
-        "dpo (direct preference optimisation) | ppo (PPO-RLHF)",
+    Whether a shared setting is required, allowed or refused is the objective's rule (its ``uses``,
+    ``needs``, ``refuses``), checked here. Paths may move between a run and its resume; what they
+    hold may not: the digests of the checkpoints and datasets they name are the run's identity.
+    """
+
+    kind: str = field(
+        registry.DEFAULT_KIND,
+        "a registered objective (tpulab.train.registry; the built-ins: docs/posttraining.md) or "
+        "your own as package.module:Class (docs/extending.md)",
     )
     init: str | None = field(
         None,
-        "run dir whose newest verified checkpoint the model starts from (sft, ppo: required)",
+        "run dir whose newest verified checkpoint the model starts from (required where the "
+        "objective needs it)",
         resume_mutable=True,
     )
     data: str | None = field(
         None,
-        "sft: null = the built-in dialogue set cut from the corpus's plays; or a JSONL file of "
-        '{"prompt": ..., "response": ...} lines (ppo: their prompts). reward, dpo: null = natural '
-        'pairs from the plays; a directory from tpulab pairs; or a JSONL file of {"prompt", '
-        '"chosen", "rejected"} lines',
+        "the objective's dataset instead of its built-in one: a JSONL file, or a directory "
+        "from tpulab pairs (each objective says which: docs/posttraining.md)",
         resume_mutable=True,
     )
     reference: str | None = field(
         None,
-        "dpo, ppo: the run dir of the frozen reference (null = the same checkpoint as init, "
-        "loaded as a separate copy)",
+        "the run dir of a frozen reference model (null = the same checkpoint as init, loaded as "
+        "a separate copy)",
         resume_mutable=True,
     )
     reward_model: str | None = field(
         None,
-        "ppo: the run dir of the frozen reward model it scores with (required)",
+        "the run dir of the frozen reward model the objective scores with",
         resume_mutable=True,
     )
     init_fallback: Literal["warn", "refuse"] | None = field(
@@ -339,64 +225,67 @@ class ObjectiveConfig:
         resume_mutable=True,
     )
     lora: LoraConfig = nested(LoraConfig)
-    dpo: DPOConfig = nested(DPOConfig)
-    reward: RewardConfig = nested(RewardConfig)
-    ppo: PPOConfig = nested(PPOConfig)
+    options: Any = section(
+        OBJECTIVE_SECTIONS, "the kind's own settings, written objective.<kind>.<field>"
+    )
+
+    def plain_default(self) -> bool:
+        """The default kind with nothing of this section set: valid without its class."""
+        return isinstance(self.options, NoOptions) and self._nothing_set()
+
+    def _nothing_set(self) -> bool:
+        unset = all(getattr(self, k) is None for k in SHARED if k != "lora")
+        return self.kind == registry.DEFAULT_KIND and unset and self.lora.rank == 0
+
+    def __getattr__(self, name: str) -> Any:
+        """``objective.<kind>``: the kind's own section, spelled in code as in YAML."""
+        options = self.__dict__.get("options")
+        if options is not None and name == registry.objective_class(self.kind).kind:
+            return options
+        raise AttributeError(f"objective has no section {name!r} (objective.kind={self.kind})")
 
     def __post_init__(self):
+        if self.options is None and self._nothing_set():
+            # The default kind takes no options and no shared settings (tests/
+            # test_objective_registry.py checks it): a config that sets nothing here is valid
+            # without importing an objective, so config errors still come before jax is
+            # imported (tests/test_cli_errors.py).
+            object.__setattr__(self, "options", NoOptions())
+            return
+        cls = registry.objective_class(self.kind)
+        if self.options is None:
+            object.__setattr__(self, "options", cls.Config())
+        check(
+            isinstance(self.options, cls.Config),
+            f"objective.options must be a {cls.Config.__qualname__} for kind {self.kind}",
+        )
         for key in ("init", "data", "reference", "reward_model"):
             if getattr(self, key) is not None:
                 check_path(getattr(self, key), f"objective.{key}")
-        # A field another kind owns is an error, never silently ignored.
-        for key, owners, unset in (
-            ("reference", ("dpo", "ppo"), None),
-            ("dpo", ("dpo",), DPOConfig()),
-            ("reward", ("reward",), RewardConfig()),
-            ("reward_model", ("ppo",), None),
-            ("ppo", ("ppo",), PPOConfig()),
-        ):
-            check(
-                self.kind in owners or getattr(self, key) == unset,
-                f"objective.{key} applies to objective.kind={' or '.join(owners)}, not {self.kind}",
-            )
-        check(
-            self.kind != "reward" or self.lora.rank == 0,
-            "objective.lora applies to sft and dpo; the reward model trains every parameter",
-        )
-        if self.kind == "ppo":
-            check(
-                self.reward_model is not None,
-                "objective.kind=ppo needs objective.reward_model: the run dir of the reward model",
-            )
-            check(self.lora.rank == 0, "objective.lora applies to sft; ppo trains every parameter")
-        if self.kind == "pretrain":
-            check(
-                self.init is None,
-                "objective.init applies to sft; pretraining starts from a random init",
-            )
-            check(self.data is None, "objective.data applies to sft; pretraining reads data.path")
-            check(
-                self.init_fallback is None,
-                "objective.init_fallback applies to runs with objective.init; pretraining has none",
-            )
-            check(
-                self.lora.rank == 0,
-                "objective.lora applies to sft; pretraining trains every parameter",
-            )
-        else:
-            check(
-                self.init is not None,
-                f"objective.kind={self.kind} needs objective.init: the run dir of the checkpoint "
-                "it starts from",
-            )
+        for key in SHARED:
+            given = self.lora.rank != 0 if key == "lora" else getattr(self, key) is not None
+            if key in cls.needs:
+                check(given, f"objective.kind={self.kind} needs objective.{key}: {cls.needs[key]}")
+            elif given and key not in cls.uses:
+                owners = [k for k, c in registry.registered().items() if key in (*c.uses, *c.needs)]
+                why = cls.refuses.get(key)
+                check(
+                    False,
+                    f"objective.{key} applies to objective.kind={' or '.join(owners)}, not "
+                    f"{self.kind}" + (f": {why}" if why else ""),
+                )
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Everything that defines a Transformer training run."""
+    """Everything that defines a training run."""
 
     seed: int = field(0, "parameter init and dropout RNG seed")
-    model: ModelConfig = nested(ModelConfig)
+    model: Any = chosen(
+        MODEL_FAMILIES,
+        ModelConfig,
+        "the model family's typed config, named by model.family (transformer when absent)",
+    )
     precision: PrecisionConfig = nested(PrecisionConfig)
     data: DataConfig = nested(DataConfig)
     optim: OptimConfig = nested(OptimConfig)
@@ -409,25 +298,19 @@ class RunConfig:
         # With 32-bit JAX, PRNGKey keeps only the low 32 bits: seed 2**32 would silently equal
         # seed 0, and seeds beyond int64 crash it.
         check_int(self.seed, "seed", 0, UINT32_MAX, "a uint32: JAX's PRNGKey keeps 32 bits")
-        check(
-            self.data.seq_len <= self.model.max_seq_len,
-            f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
-        )
-        ppo = self.objective.ppo
-        if self.objective.kind == "ppo":
+        if isinstance(self.model, ModelConfig):  # the transformer family's rules across sections
             check(
-                ppo.rollouts % self.data.batch_size == 0,
-                f"objective.ppo.rollouts={ppo.rollouts} is not a multiple of "
-                f"data.batch_size={self.data.batch_size} (the prompts of a round)",
+                self.data.seq_len <= self.model.max_seq_len,
+                f"data.seq_len={self.data.seq_len} exceeds "
+                f"model.max_seq_len={self.model.max_seq_len}",
             )
+            rank = self.objective.lora.rank
             check(
-                ppo.max_new <= self.data.seq_len - 4,
-                f"objective.ppo.max_new={ppo.max_new} leaves no room in data.seq_len="
-                f"{self.data.seq_len} for a prompt (BOS, SOH, a byte, STX: at most seq_len - 4)",
+                rank <= self.model.d_model,
+                f"objective.lora.rank={rank} exceeds the smallest adapted matrix dimension "
+                f"(model.d_model={self.model.d_model})",
             )
-        rank = self.objective.lora.rank
-        check(
-            rank <= self.model.d_model,
-            f"objective.lora.rank={rank} exceeds the smallest adapted matrix dimension "
-            f"(model.d_model={self.model.d_model})",
-        )
+        # the default kind on the Transformer with nothing set has no rule left to check (and
+        # importing it would import jax before a config error could be said)
+        if not (self.objective.plain_default() and isinstance(self.model, ModelConfig)):
+            registry.objective_class(self.objective.kind).check_run(self)

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,19 +34,17 @@ from tpulab.errors import CheckpointError, ExitCode, TpulabError
 from tpulab.evidence.ledger import WindowLedger
 from tpulab.evidence.metrics import MetricsLog
 from tpulab.evidence.provenance import write_environment
-from tpulab.model.transformer import built_param_count
 from tpulab.train import objectives
 from tpulab.train.config import MeshConfig, ObjectiveConfig, RunConfig
 from tpulab.train.distributed import agree_identities
 from tpulab.train.hooks import HookList, Hooks
 from tpulab.train.memory import check_fits_host
+from tpulab.train.objective import DataSource, Objective
 from tpulab.train.preemption import Preemption
 from tpulab.train.restore import check_older_steps
 from tpulab.train.sharding import check_batch, topology
 from tpulab.train.step import Steps, make_mesh, tree_digest, words_digest
 from tpulab.train.step_progress import step_bar
-
-SKIPPABLE = ("rng", "data")  # negative controls: parts of the state a resume may be told to drop
 
 
 @dataclasses.dataclass
@@ -73,6 +72,7 @@ def check_resume_identity(
     corpus_identity: str,
     force: bool,
     identities: dict[str, str] | None = None,
+    tokenizer: str | None = TOKENIZER,
 ) -> list[str]:
     """Differences that make a resume not the same run; raises unless ``force``.
 
@@ -92,7 +92,7 @@ def check_resume_identity(
     for name, digest in sorted((identities or {}).items()):
         if saved_ids.get(name) != digest:
             diffs.append(f"{name}: {str(saved_ids.get(name))[:12]}… -> {digest[:12]}…")
-    if meta.get("tokenizer") != TOKENIZER:
+    if meta.get("tokenizer") != tokenizer:
         diffs.append("tokenizer definition")
     if diffs and not force:
         hint = (
@@ -168,26 +168,15 @@ def host_metrics(metrics: dict) -> dict:
 
 
 def write_run_files(
-    run_dir: Path, config: RunConfig, description: dict, n_params: int, extra: dict
+    run_dir: Path, config: RunConfig, description: dict, facts: dict, extra: dict
 ) -> RunEnv:
+    """config.yaml, documents.json and env.json: the objective's ``run_facts`` (parameter count,
+    shapes, the unit of work per step) beside the loop's own."""
     run = RunDir(run_dir)
     run.write_config(config)
     run.write(DOCUMENTS, description)
     return write_environment(
-        run_dir,
-        extra={
-            **extra,
-            "param_count": n_params,
-            "precision": to_dict(config.precision),
-            "shapes": {
-                "batch": config.data.batch_size,
-                "seq_len": config.data.seq_len,
-                "d_model": config.model.d_model,
-                "n_layers": config.model.n_layers,
-                "n_heads": config.model.n_heads,
-                "vocab": config.model.vocab_size,
-            },
-        },
+        run_dir, extra={**extra, **facts, "precision": to_dict(config.precision)}
     )
 
 
@@ -223,61 +212,25 @@ class PhaseClock:
         return time.monotonic() - self.t0
 
 
-def train(
-    config: RunConfig,
-    run_dir: str | Path,
-    *,
-    force: bool = False,
-    skip_restore: tuple[str, ...] = (),
-    progress: bool | None = None,
-    compile_cache_dir: str | Path | None = None,
-    hooks: list[Hooks] | tuple[Hooks, ...] = (),
-    preemption: Preemption | None = None,
-    objective: objectives.Objective | None = None,
-) -> RunSummary:
-    """Train to ``config.train.steps``; returns how the run ended (``summary.json``).
+@dataclasses.dataclass
+class OpenRun:
+    """A run whose inputs are verified and whose resume is accepted: nothing written but the dir."""
 
-    ``objective`` defaults to the one ``config.objective.kind`` names. Nothing on disk changes
-    before the resume is accepted: the objective verifies what it reads, the checkpoint dir is
-    scanned read-only, the newest verified step's identity is checked, and only then are refused
-    steps moved aside. Every hook's ``close()`` is called once when this returns or raises.
-    """
-    hooks = HookList(hooks)
-    try:
-        return _train(
-            config,
-            run_dir,
-            force=force,
-            skip_restore=skip_restore,
-            progress=progress,
-            compile_cache_dir=compile_cache_dir,
-            hooks=hooks,
-            preemption=preemption,
-            objective=objective,
-        )
-    finally:
-        hooks.close()
+    config: RunConfig
+    run_dir: Path
+    mesh: Any
+    objective: Objective
+    data: DataSource
+    identities: dict[str, str]
+    fallbacks: list[dict]
+    meta: dict  # what every checkpoint of this run records beside the state
+    latest: int | None  # the newest verified step to resume from
 
 
-def _train(
-    config: RunConfig,
-    run_dir: str | Path,
-    *,
-    force: bool,
-    skip_restore: tuple[str, ...],
-    progress: bool | None,
-    compile_cache_dir: str | Path | None,
-    hooks: HookList,
-    preemption: Preemption | None,
-    objective: objectives.Objective | None,
-) -> RunSummary:
-    bad = sorted(set(skip_restore) - set(SKIPPABLE))
-    if bad:
-        raise TpulabError(
-            f"unknown part to skip on restore: {bad[0]} (known: {', '.join(SKIPPABLE)})"
-        )
-    clock = PhaseClock()
-    check_fits_host(config)  # bad input is refused before anything is created
+def open_run(config: RunConfig, run_dir: Path, force: bool, objective: Objective | None) -> OpenRun:
+    """Bad input refused before anything is created; then the objective verifies what it reads,
+    the checkpoint dir is scanned read-only and the newest step's identity is checked."""
+    check_fits_host(config)
     # A mesh that does not fit the devices, or a batch it cannot split: refused before any write.
     mesh = make_mesh(config)
     check_batch(config.data.batch_size, mesh)
@@ -287,212 +240,122 @@ def _train(
     data = objective.data()
     identities = objective.identities()
     agree_identities({**identities, "corpus": data.identity})
-    run_dir = prepare_run_dir(Path(run_dir))
-    compile_cache.enable(compile_cache_dir)
+    run_dir = prepare_run_dir(run_dir)
     meta = {
         "config": to_dict(config),
         "corpus_identity": data.identity,
-        "tokenizer": TOKENIZER,
+        "tokenizer": objective.tokenizer,
         "identities": identities,
     }
     found = scan(RunDir(run_dir).checkpoints)
     if not found.usable and not force:
         raise CheckpointError(found.refusal())
-    if found.latest is not None and read_meta(found.directory / str(found.latest)).get(
-        "model_only"
-    ):
-        raise TpulabError(
-            f"{run_dir} holds a merged model, not a training state (no optimizer state or data "
-            f"position); start a new run from it with objective.init={run_dir}"
-        )
     if found.latest is not None:
-        check_resume_identity(
-            read_meta(found.directory / str(found.latest)),
-            config,
-            data.identity,
-            force,
-            identities,
-        )
+        saved = read_meta(found.directory / str(found.latest))
+        if saved.get("model_only"):
+            raise TpulabError(
+                f"{run_dir} holds a merged model, not a training state (no optimizer state or "
+                f"data position); start a new run from it with objective.init={run_dir}"
+            )
+        check_resume_identity(saved, config, data.identity, force, identities, objective.tokenizer)
+    return OpenRun(
+        config, run_dir, mesh, objective, data, identities, fallbacks, meta, found.latest
+    )
 
-    steps = objective.steps(mesh)
+
+@dataclasses.dataclass
+class Built:
+    """The state to train from: built fresh, or restored with the data position beside it."""
+
+    state: Any
+    data_iter: Any  # None: the objective's state carries its own data
+    resume: Resume | None
+
+
+def build_or_restore(run: OpenRun, steps: Steps, store: CheckpointStore) -> Built:
+    data = run.data
+    data_iter = None if data.train is None else data.train(jax.process_index(), jax.process_count())
+    run.meta["data_position"] = data_iter is not None
+    resume = None
+    if store.latest is not None:
+        state = store.restore(store.latest, steps.abstract_state(), data_iter)
+        resume = Resume(store.latest, store.digest(store.latest))
+    else:
+        state = steps.init()
+    start = int(state.step)
+    if start != (resume.step if resume else 0):
+        raise CheckpointError(f"checkpoint step {resume.step} holds a state at step {start}")
+    return Built(state, data_iter, resume)
+
+
+def open_store(run: OpenRun, steps: Steps, hooks: HookList, force: bool) -> CheckpointStore:
+    """The run's checkpoint store, once the checkpoint's layout is accepted here (creating it may
+    move refused steps aside)."""
+    run.meta["topology"] = topology(steps.mesh)
+    if run.latest is not None:
+        saved = read_meta(RunDir(run.run_dir).checkpoints / str(run.latest))
+        check_topology(saved, run.meta["topology"], force)
+    return CheckpointStore(
+        RunDir(run.run_dir).checkpoints,
+        keep=run.config.checkpoint.keep,
+        async_save=run.config.checkpoint.async_save,
+        allow_commit=hooks.allow_commit,
+        on_commit=hooks.on_checkpoint,
+        primary=jax.process_index() == 0,
+    )
+
+
+def train(
+    config: RunConfig,
+    run_dir: str | Path,
+    *,
+    force: bool = False,
+    progress: bool | None = None,
+    compile_cache_dir: str | Path | None = None,
+    hooks: list[Hooks] | tuple[Hooks, ...] = (),
+    preemption: Preemption | None = None,
+    objective: Objective | None = None,
+) -> RunSummary:
+    """Train to ``config.train.steps``; returns how the run ended (``summary.json``).
+
+    ``objective`` defaults to the one ``config.objective.kind`` names. Nothing on disk changes
+    before the resume is accepted (``open_run``); then the state is built or restored
+    (``build_or_restore``), ``StepLoop`` trains it and ``finish`` checks and records the end.
+    Every hook's ``close()`` is called once when this returns or raises.
+    """
+    hooks = HookList(hooks)
+    try:
+        return _train(
+            config, run_dir, force, progress, compile_cache_dir, hooks, preemption, objective
+        )
+    finally:
+        hooks.close()
+
+
+def _train(
+    config: RunConfig,
+    run_dir: str | Path,
+    force: bool,
+    progress: bool | None,
+    compile_cache_dir: str | Path | None,
+    hooks: HookList,
+    preemption: Preemption | None,
+    objective: Objective | None,
+) -> RunSummary:
+    clock = PhaseClock()
+    run = open_run(config, Path(run_dir), force, objective)
+    compile_cache.enable(compile_cache_dir)
+    steps = run.objective.steps(run.mesh)
     frozen_digest = tree_digest(steps.frozen) if steps.frozen is not None else None
-    meta["topology"] = topology(steps.mesh)
-    if found.latest is not None:
-        check_topology(read_meta(found.directory / str(found.latest)), meta["topology"], force)
-    primary = jax.process_index() == 0  # process 0 alone writes metrics, run files and manifests
     own_preemption = preemption is None
     preempt = preemption or Preemption()
-    store = log = ledger = bar = None
+    store = loop = None
     try:
-        store = CheckpointStore(
-            RunDir(run_dir).checkpoints,
-            keep=config.checkpoint.keep,
-            async_save=config.checkpoint.async_save,
-            allow_commit=hooks.allow_commit,
-            on_commit=hooks.on_checkpoint,
-            primary=primary,
-        )
-        data_iter = data.train(jax.process_index(), jax.process_count())
-        resume = None
-        if store.latest is not None:
-            state = store.restore(
-                store.latest, steps.abstract_state(), None if "data" in skip_restore else data_iter
-            )
-            if "rng" in skip_restore:
-                state = state._replace(rng=steps.init().rng)
-            resume = Resume(store.latest, store.digest(store.latest))
-        else:
-            state = steps.init()
-        start = int(state.step)
-        if start != (resume.step if resume else 0):
-            raise CheckpointError(f"checkpoint step {resume.step} holds a state at step {start}")
-
-        described = {
-            "objective": config.objective.kind,
-            "identities": {"data": data.identity, **identities},
-            "trained_param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
-            "optimizer_state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state.opt_state))),
-            **objective.describe(steps, state),
-            **({"init_fallback": fallbacks} if fallbacks else {}),
-        }
-        env = (
-            write_run_files(
-                run_dir,
-                config,
-                data.description,
-                built_param_count(steps.model(state.params)),
-                described,
-            )
-            if primary
-            else None
-        )
-        log = (
-            _NullLog()
-            if not primary
-            else MetricsLog(
-                run_dir,
-                resumed_from=resume.step if resume else None,
-                checkpoint_digest=resume.digest if resume else None,
-                skip_restore=list(skip_restore),
-                backend=env.backend,
-                device_kind=env.device_kind,
-                process_index=jax.process_index(),
-                process_count=jax.process_count(),
-            )
-        )
-        ledger = WindowLedger(run_dir, jax.process_index())
-        val_batches = data.eval_batches
-        ledger.record_eval(val_batches)
-        total = config.train.steps
-        tokens_per_step = config.data.batch_size * config.data.seq_len
-        bar = step_bar(total, start, progress if primary else False)
-        resumed_from = resume.step if resume else None
-        hooks.on_start(
-            {
-                "run_dir": str(run_dir),
-                "config": config,
-                "start_step": start,
-                "total_steps": total,
-                "process_index": jax.process_index(),  # env is process 0's alone (empty elsewhere)
-                "resumed_from": resumed_from,
-                "checkpoint_digest": resume.digest if resume else None,
-                "env": {} if env is None else env.to_dict(),  # a dict: the tracking protocol's
-                "identities": {"data": data.identity, **identities},
-            }
-        )
-        last_loss, last_val = math.nan, None
-        pending: tuple[int, dict] | None = None  # (step, device metrics) not yet read
-        t_first_step = None
-
-        def read(step: int, m: dict) -> None:
-            nonlocal last_loss
-            record = host_metrics(m)
-            last_loss = record["loss"]
-            if config.train.crash_on_nan and not math.isfinite(last_loss):
-                raise _NonFinite(step, f"loss is {last_loss}")
-            record["wall_s"] = round(clock.total(), 4)
-            log.log(step, **record)
-            hooks.on_metrics(step, record)
-
-        step = start
-        clock.lap("startup")
-        while step < total:
-            host_batch = next(data_iter)
-            data.check(host_batch)
-            ledger.record_train(step + 1, host_batch)
-            batch = steps.put_batch(host_batch)
-            clock.lap("data")
-            state, metrics = steps.train(state, batch)
-            step += 1
-            state, metrics = hooks.after_step(step, state, metrics)
-            if pending is not None:
-                read(*pending)
-            pending = (step, metrics)
-            if t_first_step is None:
-                jax.block_until_ready(metrics)
-                t_first_step = clock.total()
-                clock.lap("first_step")
-            store.commit_finished()
-            done = step == total or preempt.requested
-            clock.lap("step")
-            if step % config.train.eval_every == 0 or done:
-                read(*pending)
-                pending = None
-                evals = evaluate(steps, state.params, val_batches)
-                last_val = evals.get("val_loss")
-                log.event("eval", step=step, **evals)
-                hooks.on_eval(step, evals)
-                clock.lap("eval")
-            if step % config.checkpoint.save_every == 0 or done:
-                if (
-                    pending is not None
-                ):  # a step's numbers are checked before its state may be saved
-                    read(*pending)
-                    pending = None
-                clock.lap("step")
-                if bool(steps.all_finite(state)):
-                    store.save(step, state, data_iter, meta)
-                elif config.train.crash_on_nan:
-                    raise _NonFinite(step, "the model state holds non-finite values")
-                else:
-                    log.event("save_skipped", step=step, reason="non-finite state")
-                clock.lap("checkpoint")
-            if step % config.train.log_every == 0 or done:
-                rate = bar.format_dict.get("rate") or 0.0
-                bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens_per_step * rate:.0f}")
-            bar.update(step - bar.n)
-            if preempt.requested:
-                log.event("preempted", step=step)
-                break
-        if pending is not None:
-            read(*pending)
-        clock.lap("step")
-        if frozen_digest is not None and tree_digest(steps.frozen) != frozen_digest:
-            raise TpulabError(
-                f"the frozen weights changed during the run ({frozen_digest[:12]}… -> "
-                f"{tree_digest(steps.frozen)[:12]}…): the run is not what it claims; the "
-                f"checkpoints in {store.directory} were trained against other weights",
-                exit_code=ExitCode.BAD_STATE,
-            )
-        store.wait()
-        clock.lap("checkpoint")
-        summary = RunSummary(
-            resumed_from=resumed_from,
-            start_step=start,
-            final_step=step,
-            final_loss=last_loss,
-            final_val_loss=last_val,
-            latest_checkpoint=store.latest,
-            preempted=preempt.requested,
-            time_to_first_step_s=t_first_step,
-            wall_s=clock.total(),
-            phases_s={k: round(v, 4) for k, v in clock.seconds.items()},
-            corpus_identity=data.identity,
-            identities=identities,
-            frozen_sha256=frozen_digest,
-        )
-        log.event("end", step=step, wall_s=round(clock.total(), 4), phases_s=summary.phases_s)
-        hooks.on_end(summary)
+        store = open_store(run, steps, hooks, force)
+        built = build_or_restore(run, steps, store)
+        loop = StepLoop(run, steps, store, built, hooks, clock, preempt, progress)
+        loop.run()
+        summary = finish(run, loop, frozen_digest)
     except _NonFinite as e:
         store.wait()  # in-flight saves were checked before they started: let them commit
         raise TpulabError(
@@ -507,11 +370,12 @@ def _train(
             else "none"
         )
         raise TpulabError(
-            f"writing to {run_dir} failed: {e.strerror or e}; last valid checkpoint: {last}",
+            f"writing to {run.run_dir} failed: {e.strerror or e}; last valid checkpoint: {last}",
             exit_code=ExitCode.IO_FAILED,
         ) from None
     finally:
-        for closer in (bar, store, log, ledger):
+        closers = (store,) if loop is None else (loop.bar, store, loop.log, loop.ledger)
+        for closer in closers:
             if closer is not None:
                 try:
                     closer.close()
@@ -520,6 +384,181 @@ def _train(
                         raise
         if own_preemption:
             preempt.restore()
-    if primary:
-        RunDir(run_dir).write(SUMMARY, summary.to_dict())
+    if jax.process_index() == 0:
+        RunDir(run.run_dir).write(SUMMARY, summary.to_dict())
+    return summary
+
+
+class StepLoop:
+    """The steps from the built state to ``train.steps`` (or a preemption): each batch checked and
+    recorded in the ledger, metrics read one step late, evaluations and saves at their cadence."""
+
+    def __init__(self, run, steps, store, built, hooks, clock, preempt, progress):
+        self.opened, self.steps, self.store, self.hooks = run, steps, store, hooks
+        self.clock, self.preempt, self.config = clock, preempt, run.config
+        self.state, self.data_iter, self.resume = built.state, built.data_iter, built.resume
+        self.start = self.step = int(built.state.step)
+        self.primary = jax.process_index() == 0  # process 0 alone writes the run's files
+        self.bar = self.log = self.ledger = None
+        self.last_loss, self.last_val = math.nan, None
+        self.pending: tuple[int, dict] | None = None  # (step, device metrics) not yet read
+        self.t_first_step = None
+        self._open_records(progress)
+
+    def _open_records(self, progress) -> None:
+        """env.json, config.yaml and documents.json (process 0), the metrics log, the ledger, the
+        progress bar, and the hooks' ``on_start``."""
+        run, config, state, resume = self.opened, self.config, self.state, self.resume
+        data, identities = run.data, run.identities
+        facts = run.objective.run_facts(self.steps, state)
+        described = {
+            "objective": config.objective.kind,
+            "identities": {"data": data.identity, **identities},
+            "trained_param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
+            "optimizer_state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state.opt_state))),
+            **run.objective.describe(self.steps, state),
+            **({"init_fallback": run.fallbacks} if run.fallbacks else {}),
+        }
+        env = (
+            write_run_files(run.run_dir, config, data.description, facts, described)
+            if self.primary
+            else None
+        )
+        self.log = (
+            _NullLog()
+            if not self.primary
+            else MetricsLog(
+                run.run_dir,
+                resumed_from=resume.step if resume else None,
+                checkpoint_digest=resume.digest if resume else None,
+                backend=env.backend,
+                device_kind=env.device_kind,
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
+            )
+        )
+        self.ledger = WindowLedger(
+            run.run_dir, jax.process_index(), data.row_ids, data.eval_row_ids
+        )
+        self.ledger.record_eval(data.eval_batches)
+        self.work = facts["work"]  # the unit of work (tokens, images, env steps) and per step
+        self.bar = step_bar(config.train.steps, self.start, progress if self.primary else False)
+        self.hooks.on_start(
+            {
+                "run_dir": str(run.run_dir),
+                "config": config,
+                "start_step": self.start,
+                "total_steps": config.train.steps,
+                "process_index": jax.process_index(),  # env is process 0's alone (empty elsewhere)
+                "resumed_from": resume.step if resume else None,
+                "checkpoint_digest": resume.digest if resume else None,
+                "env": {} if env is None else env.to_dict(),  # a dict: the tracking protocol's
+                "identities": {"data": data.identity, **identities},
+            }
+        )
+
+    def read(self, step: int, m: dict) -> None:
+        record = host_metrics(m)
+        self.last_loss = record["loss"]
+        if self.config.train.crash_on_nan and not math.isfinite(self.last_loss):
+            raise _NonFinite(step, f"loss is {self.last_loss}")
+        record["wall_s"] = round(self.clock.total(), 4)
+        self.log.log(step, **record)
+        self.hooks.on_metrics(step, record)
+
+    def flush(self) -> None:
+        """Read the step not yet read (a step's numbers are checked before its state is saved)."""
+        if self.pending is not None:
+            self.read(*self.pending)
+            self.pending = None
+
+    def run(self) -> None:
+        config, data, clock = self.config, self.opened.data, self.clock
+        total = config.train.steps
+        clock.lap("startup")
+        while self.step < total:
+            host_batch = {} if self.data_iter is None else next(self.data_iter)
+            data.check(host_batch)
+            self.ledger.record_train(self.step + 1, host_batch)
+            batch = self.steps.put_batch(host_batch)
+            clock.lap("data")
+            self.state, metrics = self.steps.train(self.state, batch)
+            self.step += 1
+            self.state, metrics = self.hooks.after_step(self.step, self.state, metrics)
+            if self.pending is not None:
+                self.read(*self.pending)
+            self.pending = (self.step, metrics)
+            if self.t_first_step is None:
+                jax.block_until_ready(metrics)
+                self.t_first_step = clock.total()
+                clock.lap("first_step")
+            self.store.commit_finished()
+            done = self.step == total or self.preempt.requested
+            clock.lap("step")
+            if self.step % config.train.eval_every == 0 or done:
+                self.evaluate()
+            if self.step % config.checkpoint.save_every == 0 or done:
+                self.save()
+            if self.step % config.train.log_every == 0 or done:
+                rate = self.bar.format_dict.get("rate") or 0.0
+                per_s = f"{self.work['per_step'] * rate:.0f}"
+                self.bar.set_postfix(
+                    {"loss": f"{self.last_loss:.4f}", f"{self.work['unit']}_s": per_s}
+                )
+            self.bar.update(self.step - self.bar.n)
+            if self.preempt.requested:
+                self.log.event("preempted", step=self.step)
+                break
+        self.flush()
+        clock.lap("step")
+
+    def evaluate(self) -> None:
+        self.flush()
+        evals = evaluate(self.steps, self.state.params, self.opened.data.eval_batches)
+        self.last_val = evals.get("val_loss")
+        self.log.event("eval", step=self.step, **evals)
+        self.hooks.on_eval(self.step, evals)
+        self.clock.lap("eval")
+
+    def save(self) -> None:
+        self.flush()
+        self.clock.lap("step")
+        if bool(self.steps.all_finite(self.state)):
+            self.store.save(self.step, self.state, self.data_iter, self.opened.meta)
+        elif self.config.train.crash_on_nan:
+            raise _NonFinite(self.step, "the model state holds non-finite values")
+        else:
+            self.log.event("save_skipped", step=self.step, reason="non-finite state")
+        self.clock.lap("checkpoint")
+
+
+def finish(run: OpenRun, loop: StepLoop, frozen_digest: str | None) -> RunSummary:
+    """The frozen weights checked unchanged, every save committed, the summary for ``on_end``."""
+    steps, store, clock = loop.steps, loop.store, loop.clock
+    if frozen_digest is not None and tree_digest(steps.frozen) != frozen_digest:
+        raise TpulabError(
+            f"the frozen weights changed during the run ({frozen_digest[:12]}… -> "
+            f"{tree_digest(steps.frozen)[:12]}…): the run is not what it claims; the "
+            f"checkpoints in {store.directory} were trained against other weights",
+            exit_code=ExitCode.BAD_STATE,
+        )
+    store.wait()
+    clock.lap("checkpoint")
+    summary = RunSummary(
+        resumed_from=loop.resume.step if loop.resume else None,
+        start_step=loop.start,
+        final_step=loop.step,
+        final_loss=loop.last_loss,
+        final_val_loss=loop.last_val,
+        latest_checkpoint=store.latest,
+        preempted=loop.preempt.requested,
+        time_to_first_step_s=loop.t_first_step,
+        wall_s=clock.total(),
+        phases_s={k: round(v, 4) for k, v in clock.seconds.items()},
+        corpus_identity=run.data.identity,
+        identities=run.identities,
+        frozen_sha256=frozen_digest,
+    )
+    loop.log.event("end", step=loop.step, wall_s=round(clock.total(), 4), phases_s=summary.phases_s)
+    loop.hooks.on_end(summary)
     return summary

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpulab.errors import ConfigError
-from tpulab.model.config import param_count, train_state_bytes
+from tpulab.model.config import family_param_count, train_state_bytes
 
 if TYPE_CHECKING:
     from tpulab.train.config import RunConfig
@@ -70,9 +70,10 @@ def check_fits_host(config: RunConfig, available: int | None = None) -> int:
         available = available_host_bytes()
     if available is not None and need > available:
         raise ConfigError(
-            f"the model cannot fit in memory: {param_count(config.model):,} parameters need at "
-            f"least {need / GiB:,.1f} GiB for parameters, gradients and two Adam moments in "
-            f"{config.precision.param_dtype}, and this host has {available / GiB:,.1f} GiB "
-            "available (reduce model.d_model, model.n_layers or model.mlp_ratio)"
+            f"the model cannot fit in memory: {family_param_count(config.model):,} parameters "
+            f"need at least {need / GiB:,.1f} GiB for parameters, gradients and two Adam "
+            f"moments in {config.precision.param_dtype}, and this host has "
+            f"{available / GiB:,.1f} GiB available (reduce model.d_model, model.n_layers or "
+            "model.mlp_ratio)"
         )
     return need

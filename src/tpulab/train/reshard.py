@@ -35,9 +35,9 @@ from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import CheckpointError, TpulabError
 from tpulab.train.config import MeshConfig, RunConfig
+from tpulab.train.registry import objective_class
 from tpulab.train.restore import checkpoint_dir
 from tpulab.train.sharding import make_mesh, topology
-from tpulab.train.step import make_steps
 
 
 def _gathered(tree):
@@ -80,7 +80,6 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
     meta = read_meta(step_dir)
     config = dataclasses.replace(from_dict(RunConfig, meta["config"]), mesh=mesh_cfg)
     mesh = make_mesh(mesh_cfg)  # an impossible layout fails here, before anything is written
-    steps = make_steps(config, mesh)
     positions = data_positions(step_dir)
     if any(p != positions[0] for p in positions):
         raise CheckpointError(
@@ -88,7 +87,7 @@ def reshard(src_run: Path, dst_run: Path, mesh_cfg: MeshConfig, step: int | None
         )
     step = int(step_dir.name)
 
-    abstract = steps.abstract_state()
+    abstract = objective_class(config.objective.kind).abstract_state(config, mesh)
     state = read_state(step_dir, abstract)
     replicated = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),

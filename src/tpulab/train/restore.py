@@ -21,18 +21,15 @@ from tpulab.checkpoint.rundir import RunDir
 from tpulab.checkpoint.store import read_meta, read_state, scan
 from tpulab.config import from_dict
 from tpulab.errors import CheckpointError, TpulabError
-from tpulab.model import lora
-from tpulab.model.transformer import Transformer
-from tpulab.model.value import ScalarHeadModel, scalar_head_graph
 from tpulab.train import sharding
-from tpulab.train.adapters import lora_graph
 from tpulab.train.config import RunConfig
-from tpulab.train.step import TrainState, make_mesh, make_steps, optimizer
+from tpulab.train.registry import objective_class
+from tpulab.train.step import TrainState, make_mesh, optimizer
 
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    model: Transformer | ScalarHeadModel
+    model: Any  # the module the objective's model_from_params gives (a Transformer for the LMs)
     config: RunConfig
     step: int
     checkpoint_dir: Path
@@ -43,11 +40,7 @@ class Restored:
     def plain_params(self) -> nnx.State:
         """The parameters of a plain Transformer computing what ``model`` computes (a LoRA run's
         adapters merged into its base; a PPO run's policy without its value head)."""
-        if self.config.objective.kind == "ppo":
-            return self.state.params["body"]
-        if self.base is None:
-            return self.state.params
-        return lora.merged_params(self.model)
+        return objective_class(self.config.objective.kind).plain_params(self)
 
 
 def checkpoint_dir(run_dir: str | Path, step: int | None = None) -> Path:
@@ -130,32 +123,27 @@ def check_older_steps(config: RunConfig) -> list[dict]:
 
 
 def load_model(run_dir: str | Path, step: int | None = None) -> Restored:
-    """The run's newest verified (or the given) step, replicated on the devices here."""
+    """The run's newest verified (or the given) step, replicated on the devices here: the state
+    its objective describes (``abstract_state``), in the model it describes."""
     step_dir = checkpoint_dir(run_dir, step)
     meta = read_meta(step_dir)
     config = from_dict(RunConfig, meta["config"])
-    if config.objective.lora.rank:
-        return _load_lora(step_dir, meta, config)
-    if config.objective.kind == "ppo":
-        return _load_ppo(step_dir, config)
-    if config.objective.kind == "reward":
-        return _load_reward(step_dir, config)
-    steps = make_steps(config, make_mesh())  # replicated here, whatever mesh trained it
-    abstract = steps.abstract_state()
+    objective = objective_class(config.objective.kind)
+    base = _lora_base(step_dir, meta, config) if config.objective.lora.rank else None
+    abstract = objective.abstract_state(config, make_mesh())  # replicated, whatever mesh trained
     if meta.get("model_only"):  # a merged model (tpulab merge-lora): no optimizer state
         abstract = abstract._replace(opt_state=())
     state = read_state(step_dir, abstract)
+    model = objective.model_from_params(
+        config, state.params, None if base is None else base.plain_params()
+    )
     return Restored(
-        steps.model(state.params),
-        config,
-        int(step_dir.name),
-        step_dir,
-        manifest_digest(step_dir),
-        state,
+        model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state, base
     )
 
 
-def _load_lora(step_dir: Path, meta: dict, config: RunConfig) -> Restored:
+def _lora_base(step_dir: Path, meta: dict, config: RunConfig) -> Restored:
+    """The base a LoRA run adapts: the checkpoint its digest names, or a one-line refusal."""
     base = load_model(config.objective.init)
     want = meta.get("identities", {}).get("base")
     if base.checkpoint_digest != want:
@@ -163,12 +151,7 @@ def _load_lora(step_dir: Path, meta: dict, config: RunConfig) -> Restored:
             f"{step_dir} adapts base {str(want)[:12]}…, but {config.objective.init} now holds "
             f"{base.checkpoint_digest[:12]}…; the adapters are refused on another base"
         )
-    graph = lora_graph(config)
-    state = read_state(step_dir, graph.abstract_state(make_mesh()))
-    model = nnx.merge(graph.graphdef, state.params, base.plain_params())
-    return Restored(
-        model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state, base
-    )
+    return base
 
 
 def abstract_train_state(init_params, optim, mesh) -> TrainState:
@@ -187,20 +170,3 @@ def abstract_train_state(init_params, optim, mesh) -> TrainState:
         shapes,
         sharding.state_shardings(shapes, mesh),
     )
-
-
-def _load_reward(step_dir: Path, config: RunConfig) -> Restored:
-    graphdef, _, init_params = scalar_head_graph(config.model, config.precision, config.seed)
-    state = read_state(step_dir, abstract_train_state(init_params, config.optim, make_mesh()))
-    model: Any = nnx.merge(graphdef, state.params)
-    return Restored(model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)
-
-
-def _load_ppo(step_dir: Path, config: RunConfig) -> Restored:
-    """A PPO run's whole state (policy, value head, optimizer, the round in progress); its model is
-    the policy alone."""
-    from tpulab.train.objectives import ppo_state  # the package face imports this module
-
-    state = read_state(step_dir, ppo_state.abstract_state(config, make_mesh()))
-    model = ppo_state.policy_module(config, state.params)
-    return Restored(model, config, int(step_dir.name), step_dir, manifest_digest(step_dir), state)

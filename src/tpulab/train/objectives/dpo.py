@@ -23,17 +23,57 @@ how far float32 lets it be exact). The loss is logged as ``loss`` from step 1.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
+from typing import Literal
 
 import jax
 import numpy as np
 
+from tpulab.config import check, field
 from tpulab.data import preference
 from tpulab.train.adapters import lora_graph
 from tpulab.train.objectives import losses
 from tpulab.train.objectives.frozen import load_base, model_record
 from tpulab.train.objectives.pairwise import Pairwise, pair_weights, sides
+from tpulab.train.registry import register_objective
 from tpulab.train.step import gradient_steps, merge_model, transformer_graph, tree_digest
+
+MAX_BETA = 100.0  # beta scales log-ratios of whole replies (tens of nats): past 100 it is a step
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimisation (Rafailov et al. 2023) and its IPO / label-smoothed forms."""
+
+    beta: float = field(0.1, f"the KL strength beta (IPO's tau), in (0, {MAX_BETA:g}]")
+    loss: Literal["sigmoid", "ipo"] = field(
+        "sigmoid", "sigmoid: -log sigmoid(beta h) (DPO); ipo: (h - 1 / (2 beta))^2 (Azar et al.)"
+    )
+    label_smoothing: float = field(
+        0.0, "sigmoid only: the chance a label is flipped (cDPO, Mitchell 2023), in [0, 0.5)"
+    )
+    reference_logprobs: Literal["precomputed", "online"] = field(
+        "precomputed",
+        "precomputed: the reference's log-probs of every pair, once per run (named by digest); "
+        "online: a reference forward in every step",
+    )
+
+    def __post_init__(self):
+        check(
+            math.isfinite(self.beta) and 0.0 < self.beta <= MAX_BETA,
+            f"objective.dpo.beta={self.beta} must be in (0, {MAX_BETA:g}]",
+        )
+        check(
+            0.0 <= self.label_smoothing < 0.5,
+            f"objective.dpo.label_smoothing={self.label_smoothing} must be in [0, 0.5) (at 0.5 "
+            "every label is a coin flip)",
+        )
+        check(
+            self.loss == "sigmoid" or self.label_smoothing == 0.0,
+            "objective.dpo.label_smoothing applies to loss=sigmoid (IPO has no label noise term)",
+        )
 
 
 def reference_table(graphdef, ref_params, batches) -> np.ndarray:
@@ -52,8 +92,12 @@ def reference_table(graphdef, ref_params, batches) -> np.ndarray:
     return table
 
 
+@register_objective
 class DPO(Pairwise):
     kind = "dpo"
+    Config = DPOConfig
+    uses = ("data", "reference", "lora", "init_fallback")
+    needs = {"init": "the run dir of the checkpoint it starts from"}
 
     def __init__(self, config):
         super().__init__(config)

@@ -23,7 +23,9 @@ from tpulab.data.tokenizer import DEFINITION as TOKENIZER
 from tpulab.errors import TpulabError
 from tpulab.train import sharding
 from tpulab.train.config import OptimConfig, RunConfig
+from tpulab.train.objectives.lm import LANGUAGE_MODEL, REWARD_MODEL
 from tpulab.train.objectives.ppo_state import value_graph
+from tpulab.train.registry import objective_class
 from tpulab.train.restore import Restored, checkpoint_dir, load_model
 from tpulab.train.step import TrainState, optimizer
 
@@ -57,8 +59,9 @@ def load_base(config: RunConfig, key: str = "init") -> Restored:
     init), which must have this run's shape, precision and tokenizer."""
     init = getattr(config.objective, key) or config.objective.init
     base = load_model(init)
-    if base.config.objective.kind == "reward":
-        raise TpulabError(f"objective.{key} {init} is a reward model, not a language model")
+    produces = objective_class(base.config.objective.kind).produces
+    if produces != LANGUAGE_MODEL:
+        raise TpulabError(f"objective.{key} {init} is a {produces}, not a {LANGUAGE_MODEL}")
     check_same_model(f"objective.{key}", init, read_meta(base.checkpoint_dir), config)
     return base
 
@@ -92,7 +95,7 @@ def load_reward_model(config: RunConfig) -> Frozen:
     step_dir = named("reward_model", lambda: checkpoint_dir(path))
     meta = read_meta(step_dir)
     kind = meta.get("config", {}).get("objective", {}).get("kind")
-    if kind != "reward":
+    if not isinstance(kind, str) or objective_class(kind).produces != REWARD_MODEL:
         raise TpulabError(
             f"objective.reward_model {path} is not a reward model (objective.kind={kind})"
         )

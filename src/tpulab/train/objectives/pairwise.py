@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from tpulab.data import preference
 from tpulab.data.contract import load_checked
-from tpulab.train.objectives.base import DataSource, Objective
+from tpulab.train.objective import DataSource
 from tpulab.train.objectives.frozen import load_base, model_record
+from tpulab.train.objectives.lm import LanguageModel
 
 
 def pair_weights(mask_bt):
@@ -31,7 +32,7 @@ def sides(x_b):
     return pairs[:, 0], pairs[:, 1]
 
 
-class Pairwise(Objective):
+class Pairwise(LanguageModel):
     def __init__(self, config):
         super().__init__(config)
         self.base = load_base(config)

@@ -50,9 +50,11 @@ from tpulab.data.tokenizer import PAD
 from tpulab.model.decode import ModelFns
 from tpulab.model.sampling import token_logprobs
 from tpulab.train.config import RunConfig
+from tpulab.train.objective import DataSource
 from tpulab.train.objectives import ppo_losses as L
-from tpulab.train.objectives.base import DataSource, Objective
 from tpulab.train.objectives.frozen import load_language_model, load_reward_model
+from tpulab.train.objectives.lm import LanguageModel
+from tpulab.train.objectives.ppo_config import PPOConfig, check_ppo_run
 from tpulab.train.objectives.ppo_prompts import (
     build_prompts,
     check_prompt_batch,
@@ -63,11 +65,13 @@ from tpulab.train.objectives.ppo_state import (
     PPOState,
     RoundState,
     Sizes,
+    abstract_state,
     body_graph,
     policy_module,
     start_state,
     value_graph,
 )
+from tpulab.train.registry import register_objective
 from tpulab.train.step import Steps, Update, compile_steps, digest_words, tree_digest
 
 ROLLOUT_CACHE = "fp32"  # the sampler's cache precision: the nearest to the trainer's fp32 forward
@@ -376,8 +380,34 @@ class Evaluate:
 # --- the objective -------------------------------------------------------------------------------
 
 
-class PPO(Objective):
+@register_objective
+class PPO(LanguageModel):
     kind = "ppo"
+    Config = PPOConfig
+    uses = ("data", "reference", "init_fallback")
+    needs = {
+        "init": "the run dir of the checkpoint it starts from",
+        "reward_model": "the run dir of the reward model",
+    }
+    refuses = {"lora": "ppo trains every parameter"}
+
+    @classmethod
+    def check_run(cls, config) -> None:
+        super().check_run(config)
+        check_ppo_run(config)
+
+    @classmethod
+    def abstract_state(cls, config, mesh):
+        """The whole state: policy, value head, optimizer, the round in progress."""
+        return abstract_state(config, mesh)
+
+    @classmethod
+    def model_from_params(cls, config, params, base_params=None):
+        return policy_module(config, params)  # the policy alone
+
+    @classmethod
+    def plain_params(cls, restored):
+        return restored.state.params["body"]
 
     def __init__(self, config):
         super().__init__(config)

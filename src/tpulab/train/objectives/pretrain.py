@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from tpulab.data.contract import load_checked
 from tpulab.data.pipeline import Splits, build_splits, eval_batches, train_dataset
-from tpulab.train.objectives.base import DataSource, Objective
+from tpulab.train.objective import DataSource
+from tpulab.train.objectives.lm import LanguageModel
+from tpulab.train.registry import register_objective
 from tpulab.train.step import make_steps
 
 
-class Pretrain(Objective):
+@register_objective
+class Pretrain(LanguageModel):
     kind = "pretrain"
+    refuses = {
+        "init": "pretraining starts from a random init",
+        "data": "pretraining reads data.path",
+        "init_fallback": "it follows objective.init, and pretraining has none",
+        "lora": "pretraining trains every parameter",
+    }
 
     def __init__(self, config):
         super().__init__(config)

@@ -14,13 +14,34 @@ PPO scores with the same ``scores_at``.
 
 from __future__ import annotations
 
-import jax
+import dataclasses
 
+import jax
+from flax import nnx
+
+from tpulab.config import check, field
 from tpulab.data import preference
 from tpulab.model.value import scalar_head_graph, with_body
 from tpulab.train.objectives import losses
+from tpulab.train.objectives.lm import REWARD_MODEL
 from tpulab.train.objectives.pairwise import Pairwise, pair_weights, sides
+from tpulab.train.registry import register_objective
+from tpulab.train.restore import abstract_train_state
 from tpulab.train.step import gradient_steps, merge_model
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The reward model's Bradley-Terry loss: -log sigmoid(r_w - r_l - margin) + c (r_w + r_l)^2."""
+
+    margin: float = field(0.0, "a constant margin the chosen reward must clear (Llama 2), >= 0")
+    centering: float = field(
+        0.0, "coefficient c of the centring term (Eisenstein et al. 2023): rewards near 0, >= 0"
+    )
+
+    def __post_init__(self):
+        check(self.margin >= 0.0, f"objective.reward.margin={self.margin} must be >= 0")
+        check(self.centering >= 0.0, f"objective.reward.centering={self.centering} must be >= 0")
 
 
 def reward_loss(graphdef, margin: float = 0.0, centering: float = 0.0):
@@ -36,8 +57,24 @@ def reward_loss(graphdef, margin: float = 0.0, centering: float = 0.0):
     return loss
 
 
+@register_objective
 class Reward(Pairwise):
     kind = "reward"
+    Config = RewardConfig
+    uses = ("data", "init_fallback")
+    needs = {"init": "the run dir of the checkpoint it starts from"}
+    refuses = {"lora": "the reward model trains every parameter"}
+    produces = REWARD_MODEL
+
+    @classmethod
+    def abstract_state(cls, config, mesh):
+        _, _, init_params = scalar_head_graph(config.model, config.precision, config.seed)
+        return abstract_train_state(init_params, config.optim, mesh)
+
+    @classmethod
+    def model_from_params(cls, config, params, base_params=None):
+        graphdef, _, _ = scalar_head_graph(config.model, config.precision, config.seed)
+        return nnx.merge(graphdef, params)
 
     def __init__(self, config):
         super().__init__(config)

@@ -17,13 +17,18 @@ import jax
 from tpulab.data import dialogue
 from tpulab.data.contract import load_checked
 from tpulab.train.adapters import lora_graph
-from tpulab.train.objectives.base import DataSource, Objective
+from tpulab.train.objective import DataSource
 from tpulab.train.objectives.frozen import load_base, model_record
+from tpulab.train.objectives.lm import LanguageModel
+from tpulab.train.registry import register_objective
 from tpulab.train.step import lm_steps, transformer_graph
 
 
-class SFT(Objective):
+@register_objective
+class SFT(LanguageModel):
     kind = "sft"
+    uses = ("data", "lora", "init_fallback")
+    needs = {"init": "the run dir of the checkpoint it starts from"}
 
     def __init__(self, config):
         super().__init__(config)
