@@ -14,6 +14,7 @@ of the run's identity.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import types
@@ -87,6 +88,17 @@ def _sections(cls: type) -> dict[str, Sections]:
     return {
         f.name: f.metadata["sections"] for f in dataclasses.fields(cls) if "sections" in f.metadata
     }
+
+
+def import_named(key: str, value: str) -> Any:
+    """The object an import path ``package.module:Name`` names (a user's objective or model family,
+    which child processes import again from their written config); a failed import is one line."""
+    module_name, _, attr = value.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{key}={value!r}: cannot import {module_name} ({e})") from None
+    return getattr(module, attr, None)
 
 
 def check(ok: bool, message: str) -> None:

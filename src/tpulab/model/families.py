@@ -16,6 +16,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from tpulab.config import import_named
 from tpulab.errors import ConfigError
 
 BUILTINS = "tpulab.model.config"  # imported on the first lookup: it registers the transformer
@@ -62,15 +63,10 @@ def family(name: str) -> Family:
             f"model.family={name!r} is not registered (registered: {', '.join(known)}; or name "
             "your own as package.module:Config)"
         )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"model.family={name!r}: cannot import {module_name} ({e})") from None
-    cls = getattr(module, attr, None)
+    cls = import_named("model.family", name)
     found = [f for f in registered().values() if f.config is cls]
     if not found:
-        raise ConfigError(f"model.family={name!r}: {attr} in {module_name} is no registered family")
+        raise ConfigError(f"model.family={name!r} is no registered family's config")
     return found[0]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 
+from tpulab.config import import_named
 from tpulab.errors import ConfigError
 from tpulab.train.objective import Objective
 
@@ -58,13 +59,9 @@ def objective_class(kind: str) -> type[Objective]:
                 "or name your own as package.module:Class)"
             )
         return kinds[kind]
-    module_name, _, attr = kind.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"objective.kind={kind!r}: cannot import {module_name} ({e})") from None
-    cls = getattr(module, attr, None)
+    cls = import_named("objective.kind", kind)
     if not (isinstance(cls, type) and issubclass(cls, Objective)):
+        module_name, _, attr = kind.partition(":")
         raise ConfigError(f"objective.kind={kind!r}: {attr} in {module_name} is not an Objective")
     return register_objective(cls)
 
