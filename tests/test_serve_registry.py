@@ -364,7 +364,9 @@ def test_the_watcher_swaps_refuses_once_and_retries_after_the_alias_moves(store,
 
     service = SimpleNamespace(
         notes={},
-        warm=lambda model: None,
+        background=[],
+        on_close=[],
+        prepare=lambda model: model,
         swap=lambda model, why: swaps.append(model.art.manifest_sha256[0]) or {},
     )
     serving = resolve(registry, ModelRef("tiny", "champion"))

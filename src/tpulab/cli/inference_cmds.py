@@ -90,31 +90,40 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from tpulab.inference.config import ServeConfig
-    from tpulab.ops.serving import serve
+    from tpulab.inference.serve_stop import StopSignals
 
-    cfg = ServeConfig(
-        max_batch=args.max_batch,
-        batch_window_ms=args.batch_window_ms,
-        max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout,
-        body_timeout_s=args.body_timeout,
-        drain_timeout_s=args.drain_timeout,
-        ready_timeout_s=args.ready_timeout,
-    )
-    serve(
-        artifacts=args.artifacts,
-        model_uri=args.model,
-        host=args.host,
-        port=args.port,
-        cfg=cfg,
-        run_dir=args.run_dir,
-        key_file=args.key_file,
-        tracking_uri=args.tracking_uri,
-        poll_interval_s=args.poll_interval,
-        trace_log=args.trace_log,
-        drift_reference=args.drift_reference,
-    )
+    stop = StopSignals().install()  # before the imports (seconds): a stop then is still clean
+    try:
+        from tpulab.inference.config import ServeConfig
+        from tpulab.ops.serving import serve
+
+        cfg = ServeConfig(
+            max_batch=args.max_batch,
+            batch_window_ms=args.batch_window_ms,
+            max_queue=args.max_queue,
+            request_timeout_s=args.request_timeout,
+            body_timeout_s=args.body_timeout,
+            drain_timeout_s=args.drain_timeout,
+            ready_timeout_s=args.ready_timeout,
+            policies=tuple(args.cache_policy),
+        )
+        serve(
+            artifacts=args.artifacts,
+            model_uri=args.model,
+            host=args.host,
+            port=args.port,
+            cfg=cfg,
+            run_dir=args.run_dir,
+            key_file=args.key_file,
+            tracking_uri=args.tracking_uri,
+            poll_interval_s=args.poll_interval,
+            trace_log=args.trace_log,
+            drift_reference=args.drift_reference,
+            compile_cache_dir=args.compile_cache,
+            stop=stop,
+        )
+    finally:
+        stop.restore()
     return ExitCode.OK
 
 
@@ -278,6 +287,20 @@ def register(sub) -> None:
         default=None,
         help="text file or dir of *.txt the prompt drift statistic compares against (default: "
         "the training documents of the artifacts' run dir)",
+    )
+    p.add_argument(
+        "--cache-policy",
+        nargs="+",
+        choices=_POLICIES,
+        default=["fp32"],
+        help="KV-cache policies served, the first ready first (default fp32 alone; each more "
+        "is one compile per batch bucket)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        type=path_arg,
+        help="JAX persistent compilation cache dir, reused across starts (default: "
+        "$TPULAB_COMPILE_CACHE, else ~/.cache/tpulab/jax-compile)",
     )
     p.set_defaults(handler=paths_checked(cmd_serve))
 

@@ -47,6 +47,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
+from tpulab.compile_cache import CompileCounter
 from tpulab.data.drift import DriftWindow
 from tpulab.errors import TpulabError
 from tpulab.inference.config import DRAIN_MARGIN_S, ServeConfig
@@ -80,7 +81,8 @@ class Service:
     """The model being served, the batcher, readiness, swaps, the drain, metrics and traces.
 
     ``loader`` returns a verified ``Model``; it runs in the background (``start``), so the server
-    is live while it works. ``clock`` times queueing, the ready deadline and probes.
+    is live while it works. ``cache_dir``: the persistent compilation cache its caller enabled
+    (named in /readyz). ``clock`` times queueing, the ready deadline and probes.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Service:
         trace_log: TraceLog | None = None,
         drift: DriftWindow | None = None,
         prompts: Callable[[str, str], dict] | None = None,
+        cache_dir: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         cfg = cfg or ServeConfig()
@@ -111,6 +114,16 @@ class Service:
         self.swaps: list[dict] = []
         self.drain = {"in_flight_at_stop": 0, "answered": 0, "cut": 0}
         self.on_ready: list[Callable[[], None]] = []
+        self.on_close: list[Callable[[], None]] = []
+        # Threads that may be inside XLA (bring-up, compiles, a swap's candidate): ``quiesce``
+        # waits for them, since one still running at interpreter exit aborts it (exit 134).
+        self.background: list[threading.Thread] = []
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        self.compiles = CompileCounter()
+        self.pending: list[tuple[str, int]] = []  # [the path being compiled, then those to come]
+        self.compile_s: dict[str, dict[str, float]] = {}
+        self.compile_failed: dict[str, str] = {}
+        self._stop = threading.Event()
         self._in_flight = 0
         self._timeouts: set = set()
         self._drain_at: float | None = None
@@ -121,25 +134,37 @@ class Service:
     def model(self) -> Model | None:
         return self.batcher.model
 
-    # --- readiness ---------------------------------------------------------------------------
+    # --- readiness ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        threading.Thread(target=self._bring_up, name="bring-up", daemon=True).start()
+        self.compiles.start()
+        thread = threading.Thread(target=self._bring_up, name="bring-up", daemon=True)
+        self.background.append(thread)
+        thread.start()
 
     def _bring_up(self) -> None:
-        """Verify, compile, run one real request through the batcher; only then ready."""
+        """Verify, compile the first path, run one real request through the batcher: ready. Then
+        compile the other paths while serving."""
         try:
             self.stage = "verifying"
-            model = self.loader()
-            self.stage = "compiling"
             t0 = self.clock()
-            want = self.warm(model)
+            model = self.loader().serving(self.cfg.policies)
+            verify_s = self.clock() - t0
+            if self._stop.is_set():
+                return
+            self.stage = "compiling"
+            self.pending = list(self.cfg.compile_order())
+            t0 = self.clock()
+            policy, bucket = self.pending[0]
+            want = self._compile(model, policy, bucket)
             self._install(model)
-            self.batcher.swap(model)
+            self.batcher.swap(model, {policy: [bucket]})
             self.batcher.start()
+            if self._stop.is_set():
+                return
             self.stage = "probing"
             probe = self.probe_request(model)
-            out = self.batcher.submit(probe, "fp32").result(timeout=self.cfg.ready_timeout_s)
+            out = self.batcher.submit(probe, policy).result(timeout=self.cfg.ready_timeout_s)
             if out["ids"] != want:
                 raise TpulabError(
                     f"the readiness probe through the batcher gave {out['ids']}, the direct "
@@ -147,9 +172,14 @@ class Service:
                 )
             self.readiness = {
                 "verified": model.art.verification,
-                "compiled": {p: e.compiled_variants() for p, e in model.engines.items()},
-                "compile_s": round(self.clock() - t0, 3),
-                "probe": {"prompt": "a", "tokens": len(want), "batch_ms": out["compute_ms"]},
+                "probe": {
+                    "prompt": "a",
+                    "policy": policy,
+                    "tokens": len(want),
+                    "batch_ms": out["compute_ms"],
+                },
+                "verify_s": round(verify_s, 3),
+                "ready_compile_s": round(self.clock() - t0, 3),
                 "ready_after_s": round(self.clock() - self.started_at, 3),
             }
             self.stage = "ready"
@@ -157,14 +187,40 @@ class Service:
             print(
                 f"ready after {self.readiness['ready_after_s']:.1f} s: {self.describe} "
                 f"(manifest {model.art.manifest_sha256[:12]}, verified by "
-                f"{model.art.verification['mode']})",
+                f"{model.art.verification['mode']}; {policy} batch {bucket} compiled, "
+                f"{len(self.pending) - 1} path(s) to compile in the background)",
                 flush=True,
             )
             for callback in self.on_ready:
                 callback()
         except Exception as e:  # not swallowed: on /readyz, and ``run_server``'s one error line
-            self.failure = _reason(e)
-            self.stage = "failed"
+            if not self._stop.is_set():  # stopping cancels the probe: not a failure
+                self.failure = _reason(e)
+                self.stage = "failed"
+            return
+        self._compile_rest(model, {policy: want})
+
+    def _compile_rest(self, model: Model, want: dict[str, list[int]]) -> None:
+        """The paths readiness did not wait for, in ``compile_order``, each usable as soon as it
+        is compiled and its rows agree with its policy's batch-1 tokens; one that fails is
+        reported (``/readyz``, a warning line) and its requests go to the buckets that work."""
+        while len(self.pending) > 1 and not self._stop.is_set():
+            policy, bucket = self.pending[1]
+            try:
+                want.setdefault(policy, self._compile(model, policy, bucket, want.get(policy)))
+                self.batcher.mark_compiled(model, policy, bucket)
+            except Exception as e:
+                self.compile_failed[f"{policy}/{bucket}"] = _reason(e)
+                print(f"warning: {policy} batch {bucket} not served: {_reason(e)}", flush=True)
+            del self.pending[1]
+        if not self._stop.is_set():
+            done = self.compiles.snapshot()
+            print(
+                f"compiled every path after {self.clock() - self.started_at:.1f} s "
+                f"({done['compiles']} XLA compile(s), {done['cache_hits']} from the cache "
+                f"{self.cache_dir})",
+                flush=True,
+            )
 
     def probe_request(self, model: Model) -> GenerationRequest:
         new = max(1, min(4, model.max_len - 2))
@@ -172,17 +228,48 @@ class Service:
             "a", SamplingConfig(max_new=new, temperature=0.0), model.max_len
         )
 
-    def warm(self, model: Model) -> list[int]:
-        """Compile ``model``'s loop for every policy and batch bucket (one executable each, reused
-        after); each compile runs a real greedy generation. Returns fp32's batch-1 tokens."""
-        probe = self.probe_request(model)
-        want = None
-        for policy, engine in model.engines.items():
-            for b in self.cfg.buckets():
-                outs = generate_batch(engine, [probe] * b)
-                if policy == "fp32" and b == 1:
-                    want = outs[0]
-        return want
+    def _compile(
+        self, model: Model, policy: str, bucket: int, want: list[int] | None = None
+    ) -> list[int]:
+        """Compile ``policy``'s loop at ``bucket`` rows by running it: a real greedy generation of
+        the probe in every row. Every row must give the same tokens (and ``want``, when given):
+        a row's tokens do not depend on its batch. Returns row 0's tokens."""
+        t0 = self.clock()
+        outs = generate_batch(model.engines[policy], [self.probe_request(model)] * bucket)
+        self.compile_s.setdefault(policy, {})[str(bucket)] = round(self.clock() - t0, 3)
+        first = outs[0] if want is None else want
+        if any(o != first for o in outs):
+            raise TpulabError(
+                f"{policy} at batch {bucket} gave rows {sorted(set(map(tuple, outs)))}, not all "
+                f"{first}"
+            )
+        return first
+
+    def prepare(self, model: Model) -> Model:
+        """``model`` with the served policies alone, compiled for every batch bucket (a swap's
+        candidate: it is compiled beside the model serving, which keeps answering)."""
+        model = model.serving(self.cfg.policies)
+        want: dict[str, list[int]] = {}
+        for policy, bucket in self.cfg.compile_order():
+            want.setdefault(policy, self._compile(model, policy, bucket, want.get(policy)))
+        return model
+
+    def readiness_report(self) -> dict:
+        """/readyz when ready: what was verified, the probe, what is compiled and still compiling,
+        the compile seconds per policy and bucket, and the compilation cache's counts."""
+        return {
+            **self.readiness,
+            "policies": list(self.cfg.policies),
+            "compiled": dict(self.batcher.compiled),
+            "compiling": [f"{p}/{b}" for p, b in self.pending[1:]],
+            "compile_failed": dict(self.compile_failed),
+            "compile_s": self.compile_s,
+            "executables": self.compiled_variants(),
+            "compile_cache": {
+                "dir": None if self.cache_dir is None else str(self.cache_dir),
+                **self.compiles.snapshot(),
+            },
+        }
 
     def overdue(self) -> bool:
         """Not ready ``ready_timeout_s`` after start: the server should exit 1."""
@@ -202,9 +289,9 @@ class Service:
         self.drift.set_reference(model.reference)
 
     def swap(self, model: Model, why: str = "") -> dict:
-        """Serve ``model`` (verified and ``warm``ed by the caller) from the next batch on."""
+        """Serve ``model`` (verified, then ``prepare``d by the caller) from the next batch on."""
         self._install(model)
-        old = self.batcher.swap(model)
+        old = self.batcher.swap(model, {p: self.cfg.buckets() for p in model.engines})
         record = {
             "at": _utc_now(),
             "from": old.identity() if old else None,
@@ -246,9 +333,28 @@ class Service:
                 self._timeouts.discard(t)
 
     def close(self) -> None:
+        """Stop what runs in the background (a compile under way finishes; none starts after it)
+        and close the trace log. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        for callback in self.on_close:
+            callback()
         self.batcher.stop()
+        self.compiles.stop()
         if self.trace_log is not None:
             self.trace_log.close()
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """After ``close``: wait up to ``timeout_s`` for the background threads and the batcher;
+        True when none is still running (one may be inside an XLA compile or a batch, which
+        nothing interrupts)."""
+        deadline = time.monotonic() + timeout_s
+        threads = [*self.background, self.batcher.thread]
+        for t in threads:
+            if t.ident is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
 
     # --- drift -------------------------------------------------------------------------------
 
@@ -331,6 +437,9 @@ class Service:
             req, gen = parse_request(body, model.max_len)
         except TpulabError as e:
             return 422, {"detail": str(e)}, {}
+        if req.cache not in model.engines:
+            served = ", ".join(model.engines)
+            return 422, {"detail": f"cache {req.cache!r} is not served here (served: {served})"}, {}
         prompt = req.prompt.encode("utf-8")
         trace.update(
             prompt_sha256=hashlib.sha256(prompt).hexdigest(),
