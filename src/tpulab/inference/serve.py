@@ -7,19 +7,25 @@ Lifecycle. ``serve_http.run_server`` listens at once, so ``/livez`` is 200 from 
 In the background the service calls its loader (``trust.load_recorded``: rehashes every file,
 deserializes and shape-checks every artifact, requires a passing verification record and, given a
 run dir, re-verifies the set against its checkpoint; ``tpulab.ops.serving`` adds the registry's
-checks), compiles the loop for every cache policy and batch bucket (each compile a real greedy
-generation), and sends one request through the batcher, whose tokens must equal the direct call's.
-Only then is ``/readyz`` (and ``/healthz``, its older name) 200. A failure at any stage is
-permanent (nothing retries it): the server stops on its next tick and exits 1 with the reason, at
-once rather than at the deadline. Still verifying or compiling is the only wait: a server not
-ready ``ready_timeout_s`` after it started exits 1 with the stage it was in.
+checks), compiles the loop of the first served cache policy at the smallest batch bucket (a real
+greedy generation), and sends one request through the batcher, whose tokens must equal the direct
+call's. Then ``/readyz`` (and ``/healthz``, its older name) is 200, and the other paths
+(``ServeConfig.compile_order``) compile in the same thread while the service answers: the
+batcher uses only compiled buckets (``serve_batcher``). Waiting for every path cost 15 compiles,
+271 s, on a loaded 2-core host. A failure before ready is permanent (nothing retries it): the
+server stops on its next tick and exits 1 with the reason, at once rather than at the deadline.
+Still verifying or compiling is the only wait: a server not ready ``ready_timeout_s`` after it
+started exits 1 with the stage it was in.
 
-Stopping. SIGTERM (or SIGINT) closes the listener and drains (``begin_drain``): requests in flight
-finish, bounded by ``drain_timeout_s`` (past it, what is still waiting for its body or its batch is
-answered 503), then the process exits 0. Every wait of a handler (the body, the batch) is an
-``asyncio.timeout`` the drain reschedules, so uvicorn's own bound (which cancels tasks and logs a
-traceback for each) is only a backstop. A client that disconnects before its body has arrived is
-counted and traced (status 499), with no traceback.
+Stopping. SIGTERM (or SIGINT), in any stage: readiness turns 503, the listener stays open briefly
+so what the kernel accepted is answered (``serve_http``), then closes and drains
+(``begin_drain``): requests in flight finish, bounded by ``drain_timeout_s`` (past it, what is
+still waiting for its body or its batch is answered 503); ``close`` stops the background compiles
+and the batcher, ``quiesce`` waits for them briefly, and the process exits 0 (``serve_stop``).
+Every wait of a handler (the body, the batch) is an ``asyncio.timeout`` the drain reschedules, so
+uvicorn's own bound (which cancels tasks and logs a traceback for each) is only a backstop. A
+client that disconnects before its body has arrived is counted and traced (status 499), with no
+traceback.
 
 Requests: the body is read under ``body_timeout_s`` (a client trickling bytes is answered 408),
 parsed and validated (``serve_request``: every refusal a 4xx with a reason), queued (full: 503 with
