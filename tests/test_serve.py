@@ -736,7 +736,7 @@ def test_a_request_past_its_deadline_expires_in_the_queue_on_the_injected_clock(
 
     now = [100.0]
     batcher = Batcher(ServeConfig(request_timeout_s=5.0), clock=lambda: now[0])
-    batcher.swap(type("M", (), {"max_len": 32})(), {"fp32": [1]})
+    batcher.swap(type("M", (), {"max_len": 32})(), {"fp32": [1, 2]})
     req = GenerationRequest.of("a", SamplingConfig(max_new=1), 32)
     late, fresh = batcher.submit(req, "fp32"), None
     now[0] = 105.5  # 5.5 s later: past the first request's deadline

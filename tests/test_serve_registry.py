@@ -401,7 +401,6 @@ def test_the_watcher_swaps_refuses_once_and_retries_after_the_alias_moves(store,
 
     service = SimpleNamespace(
         notes={},
-        background=[],
         on_close=[],
         prepare=lambda model: model,
         swap=lambda model, why: swaps.append(model.art.manifest_sha256[0]) or {},

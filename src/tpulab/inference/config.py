@@ -15,8 +15,8 @@ DRAIN_MARGIN_S = 0.5  # answers cut by the drain are written this long before uv
 # accepted (a request parsed is answered; one unread is closed at shutdown). Read within a few ms
 # here; 0.5 s leaves room on a loaded host and is 2.5% of the default 20 s drain bound.
 LINGER_S = 0.5
-# What the drain bound holds after the signal: the linger, uvicorn's wait for the requests in
-# flight (its bound: the rest less a margin, in which ``Service.quiesce`` waits for the threads).
+# What the drain bound holds after the signal: the linger, then uvicorn's wait for the requests
+# in flight (its bound: the rest less a margin for the exit itself, ``serve_stop.exit_now``).
 
 
 def _seconds(value: float, name: str, lo: float = 0.0) -> None:
@@ -86,7 +86,7 @@ class ServeConfig:
 
     def http_drain_s(self) -> float:
         """uvicorn's own bound on the requests in flight: the drain bound less the linger and a
-        margin for the background threads (``Service.quiesce``), so the process is gone by it."""
+        margin for the exit, so the process is gone by it."""
         return self.drain_timeout_s - LINGER_S - DRAIN_MARGIN_S
 
     def buckets(self) -> list[int]:

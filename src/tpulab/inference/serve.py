@@ -21,7 +21,8 @@ Stopping. SIGTERM (or SIGINT), in any stage: readiness turns 503, the listener s
 so what the kernel accepted is answered (``serve_http``), then closes and drains
 (``begin_drain``): requests in flight finish, bounded by ``drain_timeout_s`` (past it, what is
 still waiting for its body or its batch is answered 503); ``close`` stops the background compiles
-and the batcher, ``quiesce`` waits for them briefly, and the process exits 0 (``serve_stop``).
+(one under way finishes, none starts) and the batcher, and the process exits 0 at once
+(``serve_stop.exit_now``: a thread inside XLA cannot abort it).
 Every wait of a handler (the body, the batch) is an ``asyncio.timeout`` the drain reschedules, so
 uvicorn's own bound (which cancels tasks and logs a traceback for each) is only a backstop. A
 client that disconnects before its body has arrived is counted and traced (status 499), with no
@@ -121,9 +122,6 @@ class Service:
         self.drain = {"in_flight_at_stop": 0, "answered": 0, "cut": 0}
         self.on_ready: list[Callable[[], None]] = []
         self.on_close: list[Callable[[], None]] = []
-        # Threads that may be inside XLA (bring-up, compiles, a swap's candidate): ``quiesce``
-        # waits for them, since one still running at interpreter exit aborts it (exit 134).
-        self.background: list[threading.Thread] = []
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.compiles = CompileCounter()
         self.pending: list[tuple[str, int]] = []  # [the path being compiled, then those to come]
@@ -144,9 +142,7 @@ class Service:
 
     def start(self) -> None:
         self.compiles.start()
-        thread = threading.Thread(target=self._bring_up, name="bring-up", daemon=True)
-        self.background.append(thread)
-        thread.start()
+        threading.Thread(target=self._bring_up, name="bring-up", daemon=True).start()
 
     def _bring_up(self) -> None:
         """Verify, compile the first path, run one real request through the batcher: ready. Then
@@ -350,17 +346,6 @@ class Service:
         self.compiles.stop()
         if self.trace_log is not None:
             self.trace_log.close()
-
-    def quiesce(self, timeout_s: float) -> bool:
-        """After ``close``: wait up to ``timeout_s`` for the background threads and the batcher;
-        True when none is still running (one may be inside an XLA compile or a batch, which
-        nothing interrupts)."""
-        deadline = time.monotonic() + timeout_s
-        threads = [*self.background, self.batcher.thread]
-        for t in threads:
-            if t.ident is not None:
-                t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in threads)
 
     # --- drift -------------------------------------------------------------------------------
 
