@@ -316,7 +316,7 @@ def test_signals_at_seeded_random_moments_always_stop_cleanly(art40, tmp_path):
     shutil.copytree(os.environ["TPULAB_COMPILE_CACHE"], warm, dirs_exist_ok=True)
     windows = [(0.05, 1.0), (1.0, 4.0), (4.0, 8.0), (8.0, 12.0), (12.0, 18.0)]
     stages, failures = [], []
-    for i, (lo, hi) in enumerate(windows + [None]):
+    for i, (lo, hi) in enumerate([*windows, (None, None)]):
         sig = rng.choice([signal.SIGTERM, signal.SIGINT])
         cache = tmp_path / f"cold-{i}" if i % 2 and lo is not None else warm
         port, log_path = free_port(), tmp_path / f"trial-{i}.log"

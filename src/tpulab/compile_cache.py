@@ -62,6 +62,7 @@ class CompileCounter:
     def __init__(self):
         self.counts = {"executables": 0, "cache_hits": 0, "cache_writes": 0, "seconds": 0.0}
         self._lock = threading.Lock()
+        self._listening = False
 
     def _on_duration(self, event: str, duration: float, **_):
         with self._lock:
@@ -76,13 +77,18 @@ class CompileCounter:
                 self.counts[_CACHE_EVENTS[event]] += 1
 
     def start(self) -> CompileCounter:
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-        jax.monitoring.register_event_listener(self._on_event)
+        if not self._listening:
+            jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+            jax.monitoring.register_event_listener(self._on_event)
+            self._listening = True
         return self
 
     def stop(self) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._on_duration)
-        jax.monitoring.unregister_event_listener(self._on_event)
+        """Stop counting; a counter never started (a service stopped before it ran) is fine."""
+        if self._listening:
+            jax.monitoring.unregister_event_duration_listener(self._on_duration)
+            jax.monitoring.unregister_event_listener(self._on_event)
+            self._listening = False
 
     def snapshot(self) -> dict:
         with self._lock:

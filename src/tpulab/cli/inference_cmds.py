@@ -92,7 +92,7 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from tpulab.inference.serve_stop import StopSignals
 
-    stop = StopSignals().install()  # before the imports (seconds): a stop then is still clean
+    stop = StopSignals(at_once=True).install()  # before the imports (seconds): a clean stop
     try:
         from tpulab.inference.config import ServeConfig
         from tpulab.ops.serving import serve

@@ -170,8 +170,8 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
                 self.should_exit = True
             try:
                 yield
-            finally:
-                self.stop.on_signal = None
+            finally:  # a signal while the process leaves is recorded, never "at once"
+                self.stop.on_signal = lambda sig: None
 
         def _on_signal(self, sig):
             if self.should_exit and sig == signal.SIGINT:

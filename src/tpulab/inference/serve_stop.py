@@ -1,9 +1,11 @@
 """How ``tpulab serve`` stops: SIGTERM/SIGINT latched from its first moment, and an exit that no
 thread still inside XLA can turn into an abort.
 
-A signal that lands before the server listens (while the registry is read, JAX imported, the
-service built) is recorded by ``StopSignals`` and honoured as soon as the server runs: it stops at
-once, exit 0, instead of dying of the signal (exit 143) or printing a KeyboardInterrupt traceback.
+A signal that lands before the server runs (while JAX is imported, the registry read, the service
+built: 10 s and more at load 30) ends the process at once with ``stopped before listening``, exit
+0 (``StopSignals(at_once=True)``, as the CLI installs it): no thread has started, nothing has been
+written, and waiting for the imports to finish took 10-12 s here, past a 4 s drain bound. Without
+the latch it died of the signal (exit 143) or printed a KeyboardInterrupt traceback.
 
 Why ``exit_now``: a daemon thread inside an XLA compile or a running batch when the interpreter
 finalizes is unwound by ``pthread_exit`` through C++ frames that do not allow it: ``terminate
@@ -30,11 +32,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class StopSignals:
     """Records SIGTERM and SIGINT from ``install`` on (in the main thread) and tells ``on_signal``
-    when it is set; ``restore`` puts the previous handlers back."""
+    when it is set (the server running); before that, with ``at_once``, the process ends there
+    (exit 0: nothing runs yet that could be drained). ``restore`` puts back the previous ones."""
 
-    def __init__(self):
+    def __init__(self, at_once: bool = False):
         self.received: list[int] = []
         self.on_signal: Callable[[int], None] | None = None
+        self.at_once = at_once
         self._previous: dict = {}
 
     def install(self) -> StopSignals:
@@ -51,6 +55,9 @@ class StopSignals:
         self.received.append(sig)
         if self.on_signal is not None:
             self.on_signal(sig)
+        elif self.at_once:
+            print(f"stopped before listening ({self.names()})", flush=True)
+            exit_now(0)
 
     def names(self) -> str:
         return ", ".join(signal.Signals(s).name for s in self.received)

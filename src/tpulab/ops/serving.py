@@ -29,6 +29,7 @@ import dataclasses
 import re
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from tpulab.checkpoint.rundir import RunDir, read_json
@@ -356,4 +357,7 @@ def serve(
         run_server(service, host, port, stop)
     except TpulabError as e:
         exit_now(e.exit_code, str(e))
+    except BaseException:  # a bug: its traceback, then out (an interpreter exit hung here once)
+        traceback.print_exc()
+        exit_now(ExitCode.FAILED)
     exit_now(ExitCode.OK)
