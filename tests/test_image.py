@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -247,7 +248,8 @@ def execs(monkeypatch) -> list:
         calls.append(argv)
         raise SystemExit(0)  # where the real run would end with the image process's code
 
-    monkeypatch.setattr(image_run.subprocess, "Popen", fake_popen)
+    # image_run's own name only: other code in the process (ctypes' ldconfig) still runs
+    monkeypatch.setattr(image_run, "subprocess", types.SimpleNamespace(Popen=fake_popen))
     return calls
 
 
