@@ -85,8 +85,9 @@ class ServeConfig:
         )
 
     def http_drain_s(self) -> float:
-        """uvicorn's own bound on the requests in flight: the drain bound less the linger and a
-        margin for the exit, so the process is gone by it."""
+        """uvicorn's own bound on the requests in flight, counted after the linger: the drain bound
+        less the linger and a margin for the exit, so the process is gone by it (the handlers
+        answer half a second before: ``Service.begin_drain``)."""
         return self.drain_timeout_s - LINGER_S - DRAIN_MARGIN_S
 
     def buckets(self) -> list[int]:

@@ -307,11 +307,12 @@ class Service:
     # --- the drain ---------------------------------------------------------------------------
 
     def begin_drain(self, bound_s: float) -> None:
-        """SIGTERM: every handler wait ends by ``bound_s`` - DRAIN_MARGIN_S from now (called in the
-        event loop by ``_Server.shutdown``)."""
+        """SIGTERM: every handler wait ends by ``bound_s`` - 2 x DRAIN_MARGIN_S from now (its
+        answer written before uvicorn's own bound, the process gone by ``bound_s``; called in the
+        event loop by ``serve_http``'s server)."""
         loop = asyncio.get_running_loop()
         self.draining = True
-        self._drain_at = loop.time() + bound_s - DRAIN_MARGIN_S
+        self._drain_at = loop.time() + bound_s - 2 * DRAIN_MARGIN_S
         self.drain["in_flight_at_stop"] = self._in_flight
         for t in list(self._timeouts):
             if t.when() is None or t.when() > self._drain_at:

@@ -198,7 +198,7 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
             return await super().on_tick(counter)
 
         async def shutdown(self, sockets=None):
-            self.service.begin_drain(self.config.timeout_graceful_shutdown)
+            self.service.begin_drain(self.service.cfg.drain_timeout_s)
             await asyncio.sleep(LINGER_S)  # readiness is 503; what the kernel accepted is read
             await super().shutdown(sockets)
 
