@@ -396,8 +396,9 @@ def _read_to_close(sock) -> bytes:
 
 def test_sigterm_drains_in_flight_bounds_a_trickling_body_and_exits_0(verified_artifacts, tmp_path):
     """At SIGTERM one request is mid-body (it finishes its body 0.5 s later and must be answered)
-    and another client trickles a byte every 0.1 s forever: it is answered 503 at 3 s, a second before the 4 s bound,
-    and the process exits 0 (uvicorn alone exits 143), with no traceback in its log."""
+    and another client trickles a byte every 0.1 s forever: it is answered 503 at 3 s, a second
+    before the 4 s bound, and the process exits 0 (uvicorn alone exits 143), with no traceback in
+    its log."""
     port, log_path = free_port(), tmp_path / "drain.log"
     body = json.dumps({"prompt": "ROMEO:", "max_new": 5, "temperature": 0.0}).encode()
     head = (
