@@ -781,7 +781,8 @@ def slow_server(verified_artifacts, trained_run):
         assert service.ready.is_set(), service.failure
         m = service.model
         service.batcher.swap(
-            dataclasses.replace(m, engines={p: _SlowEngine(e, 0.6) for p, e in m.engines.items()})
+            dataclasses.replace(m, engines={p: _SlowEngine(e, 0.6) for p, e in m.engines.items()}),
+            {"fp32": [1]},  # max_batch 1: the one path, compiled at ready
         )
         yield base, service
 
