@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -249,16 +250,17 @@ def _flipped_copy(layout: Path, dest: Path, rel: Path, at: int | None = None) ->
 
 @pytest.fixture
 def execs(monkeypatch) -> list:
-    """The exec of ``image run`` in this process, recorded instead of replacing pytest."""
+    """The bwrap process of ``image run`` in this process, recorded instead of started."""
     import tpulab.ops.image_run as image_run
 
     calls = []
 
-    def fake_exec(file, argv):
+    def fake_popen(argv, **_):
         calls.append(argv)
-        raise SystemExit(0)  # where the real exec would replace this process
+        raise SystemExit(0)  # where the real run would end with the image process's code
 
-    monkeypatch.setattr(image_run.os, "execvp", fake_exec)
+    # image_run's own name only: other code in the process (ctypes' ldconfig) still runs
+    monkeypatch.setattr(image_run, "subprocess", types.SimpleNamespace(Popen=fake_popen))
     return calls
 
 
@@ -725,3 +727,35 @@ def test_a_tampered_weight_blob_in_the_image_is_refused(image, rootfs, tmp_path)
     assert rc != 0 and 200 not in codes, (rc, codes, out)
     assert out.splitlines()[-1].startswith("error: ") and "sha256 mismatch in weights.npz" in out
     assert "Traceback" not in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_image_stops_cleanly_while_starting_and_once_ready(image, rootfs, tmp_path):
+    """SIGTERM to ``tpulab image run``'s process group, as an orchestrator sends it, while the
+    service in the image is starting (it listens, verifies and compiles cold: the image's cache is
+    on its tmpfs) and again once it is ready: exit 0 within the 4 s drain bound both times, no
+    abort or traceback, nothing of the group left. (bwrap alone dies of the signal at once, exit
+    -15, the service still draining inside: ``image_run`` forwards the signal instead.)"""
+    from test_serve_ready import stop_problems
+
+    layout, _ = image
+    for moment, line in (("starting", "listening on"), ("ready", "ready after")):
+        port, log_path = _free_port(), tmp_path / f"{moment}.log"
+        with open(log_path, "wb") as log:
+            proc = _run_image(layout, rootfs, port, log, "--drain-timeout", "4")
+            try:
+                deadline = time.monotonic() + 900
+                while line not in log_path.read_text():
+                    assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                    time.sleep(0.05)
+                t0 = time.monotonic()
+                os.killpg(proc.pid, signal.SIGTERM)
+                rc = proc.wait(timeout=60)
+                took = time.monotonic() - t0
+                time.sleep(0.2)
+            finally:
+                _reap(proc)
+        out = log_path.read_text()
+        assert stop_problems(rc, took, 4.0, out, proc.pid) == [], (moment, rc, took, out)
+        assert "stopped (SIGTERM" in out, out

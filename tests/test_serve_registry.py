@@ -166,6 +166,43 @@ def test_serve_refuses_a_retired_version_before_listening(store, art40, tmp_path
     assert rc == 2 and out == "error: tiny version 1 (@champion) is retired; it is not served", out
 
 
+def test_serve_model_stops_cleanly_while_resolving_and_once_ready(store, art40, tmp_path):
+    """``serve --model models:/NAME@ALIAS``: SIGTERM or SIGINT at a seeded moment in the first 3 s
+    after the process catches the signals (the registry read and JAX's import run in the main
+    thread then: the latch stops the server as soon as it runs), and once ready: exit 0 within the
+    4 s drain bound, no abort, traceback or process left."""
+    import random
+    import signal
+
+    from test_serve_ready import _signal_at, catching_sigterm, stop_problems
+
+    uri, client = store
+    client.set_registered_model_alias("tiny", "champion", _register(client, "tiny", art40))
+    rng = random.Random(4)
+    for when in ("early", "ready"):
+        sig = rng.choice([signal.SIGTERM, signal.SIGINT])
+        port, log_path = free_port(), tmp_path / f"{when}.log"
+        with open(log_path, "wb") as log:
+            proc = start_server(
+                log,
+                *("--model", "models:/tiny@champion", "--tracking-uri", uri),
+                *("--drain-timeout", "4"),
+                port=port,
+                max_batch=1,
+            )
+            try:
+                catching_sigterm(proc)
+                delay = rng.uniform(0.0, 3.0)
+                if when == "ready":
+                    wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
+                    delay = 0.0
+                rc, took, _, out = _signal_at(proc, log_path, sig, delay, 4.0)
+            finally:
+                reap(proc)
+        assert stop_problems(rc, took, 4.0, out, proc.pid) == [], (when, rc, took, out)
+        assert "stopped" in out, out
+
+
 def test_promotion_and_rollback_are_picked_up_by_a_running_service(
     registry_flow, art40, art20, tmp_path
 ):
@@ -364,7 +401,8 @@ def test_the_watcher_swaps_refuses_once_and_retries_after_the_alias_moves(store,
 
     service = SimpleNamespace(
         notes={},
-        warm=lambda model: None,
+        on_close=[],
+        prepare=lambda model: model,
         swap=lambda model, why: swaps.append(model.art.manifest_sha256[0]) or {},
     )
     serving = resolve(registry, ModelRef("tiny", "champion"))

@@ -90,30 +90,40 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from tpulab.inference.config import ServeConfig
-    from tpulab.ops.serving import serve
+    from tpulab.inference.serve_stop import StopSignals
 
-    cfg = from_flags(  # the time limits' flags are named without the unit
-        ServeConfig,
-        args,
-        request_timeout_s="request_timeout",
-        body_timeout_s="body_timeout",
-        drain_timeout_s="drain_timeout",
-        ready_timeout_s="ready_timeout",
-    )
-    serve(
-        artifacts=args.artifacts,
-        model_uri=args.model,
-        host=args.host,
-        port=args.port,
-        cfg=cfg,
-        run_dir=args.run_dir,
-        key_file=args.key_file,
-        tracking_uri=args.tracking_uri,
-        poll_interval_s=args.poll_interval,
-        trace_log=args.trace_log,
-        drift_reference=args.drift_reference,
-    )
+    stop = StopSignals(at_once=True).install()  # before the imports (seconds): a clean stop
+    try:
+        from tpulab.inference.config import ServeConfig
+        from tpulab.ops.serving import serve
+
+        args.cache_policy = tuple(args.cache_policy)  # nargs gives a list; the config a tuple
+        cfg = from_flags(  # the time limits' flags are named without the unit
+            ServeConfig,
+            args,
+            request_timeout_s="request_timeout",
+            body_timeout_s="body_timeout",
+            drain_timeout_s="drain_timeout",
+            ready_timeout_s="ready_timeout",
+            policies="cache_policy",
+        )
+        serve(
+            artifacts=args.artifacts,
+            model_uri=args.model,
+            host=args.host,
+            port=args.port,
+            cfg=cfg,
+            run_dir=args.run_dir,
+            key_file=args.key_file,
+            tracking_uri=args.tracking_uri,
+            poll_interval_s=args.poll_interval,
+            trace_log=args.trace_log,
+            drift_reference=args.drift_reference,
+            compile_cache_dir=args.compile_cache,
+            stop=stop,
+        )
+    finally:
+        stop.restore()
     return ExitCode.OK
 
 
@@ -277,6 +287,20 @@ def register(sub) -> None:
         default=None,
         help="text file or dir of *.txt the prompt drift statistic compares against (default: "
         "the training documents of the artifacts' run dir)",
+    )
+    p.add_argument(
+        "--cache-policy",
+        nargs="+",
+        choices=_POLICIES,
+        default=["fp32"],
+        help="KV-cache policies served, the first ready first (default fp32 alone; each more "
+        "is one compile per batch bucket)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        type=path_arg,
+        help="JAX persistent compilation cache dir, reused across starts (default: "
+        "$TPULAB_COMPILE_CACHE, else ~/.cache/tpulab/jax-compile)",
     )
     p.set_defaults(handler=cmd_serve)
 

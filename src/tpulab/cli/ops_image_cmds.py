@@ -76,8 +76,7 @@ def cmd_image_run(args) -> int:
     from tpulab.ops.image_run import run_image
 
     extra = args.args[1:] if args.args[:1] == ["--"] else args.args
-    run_image(args.layout, args.rootfs, extra or None)  # replaces this process (exec)
-    return ExitCode.OK
+    return run_image(args.layout, args.rootfs, extra or None)  # the image process's exit code
 
 
 def cmd_capacity(args) -> int:

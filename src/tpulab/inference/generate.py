@@ -90,11 +90,14 @@ def batch_arrays(requests: Sequence[Request], width: int, batch: int) -> tuple:
 
 
 def generate_batch(
-    engine: Engine, requests: Sequence[Request], stop_token: int = -1
+    engine: Engine, requests: Sequence[Request], stop_token: int = -1, batch: int | None = None
 ) -> list[list[int]]:
-    """New token ids for every request, in one dispatch of the engine's compiled loop."""
+    """New token ids for every request, in one dispatch of the engine's compiled loop, run at
+    ``batch`` rows (default: the engine's bucket for the request count; the service passes a
+    larger bucket already compiled: a row's tokens do not depend on the rows beside it)."""
     width = engine.width_for(max(len(r.ids) for r in requests))
-    args = batch_arrays(requests, width, engine.batch_for(len(requests)))
+    batch = engine.batch_for(len(requests)) if batch is None else batch
+    args = batch_arrays(requests, width, batch)
     out_bs, n_b = engine.generate(*args, np.int32(stop_token))
     out_bs, n_b = np.asarray(out_bs), np.asarray(n_b)
     return [out_bs[b, : n_b[b]].tolist() for b in range(len(requests))]

@@ -7,19 +7,26 @@ Lifecycle. ``serve_http.run_server`` listens at once, so ``/livez`` is 200 from 
 In the background the service calls its loader (``trust.load_recorded``: rehashes every file,
 deserializes and shape-checks every artifact, requires a passing verification record and, given a
 run dir, re-verifies the set against its checkpoint; ``tpulab.ops.serving`` adds the registry's
-checks), compiles the loop for every cache policy and batch bucket (each compile a real greedy
-generation), and sends one request through the batcher, whose tokens must equal the direct call's.
-Only then is ``/readyz`` (and ``/healthz``, its older name) 200. A failure at any stage is
-permanent (nothing retries it): the server stops on its next tick and exits 1 with the reason, at
-once rather than at the deadline. Still verifying or compiling is the only wait: a server not
-ready ``ready_timeout_s`` after it started exits 1 with the stage it was in.
+checks), compiles the loop of the first served cache policy at the smallest batch bucket (a real
+greedy generation), and sends one request through the batcher, whose tokens must equal the direct
+call's. Then ``/readyz`` (and ``/healthz``, its older name) is 200, and the other paths
+(``ServeConfig.compile_order``) compile in the same thread while the service answers: the
+batcher uses only compiled buckets (``serve_batcher``). Waiting for every path cost 15 compiles,
+271 s, on a loaded 2-core host. A failure before ready is permanent (nothing retries it): the
+server stops on its next tick and exits 1 with the reason, at once rather than at the deadline.
+Still verifying or compiling is the only wait: a server not ready ``ready_timeout_s`` after it
+started exits 1 with the stage it was in.
 
-Stopping. SIGTERM (or SIGINT) closes the listener and drains (``begin_drain``): requests in flight
-finish, bounded by ``drain_timeout_s`` (past it, what is still waiting for its body or its batch is
-answered 503), then the process exits 0. Every wait of a handler (the body, the batch) is an
-``asyncio.timeout`` the drain reschedules, so uvicorn's own bound (which cancels tasks and logs a
-traceback for each) is only a backstop. A client that disconnects before its body has arrived is
-counted and traced (status 499), with no traceback.
+Stopping. SIGTERM (or SIGINT), in any stage: readiness turns 503, the listener stays open briefly
+so what the kernel accepted is answered (``serve_http``), then closes and drains
+(``begin_drain``): requests in flight finish, bounded by ``drain_timeout_s`` (past it, what is
+still waiting for its body or its batch is answered 503); ``close`` stops the background compiles
+(one under way finishes, none starts) and the batcher, and the process exits 0 at once
+(``serve_stop.exit_now``: a thread inside XLA cannot abort it).
+Every wait of a handler (the body, the batch) is an ``asyncio.timeout`` the drain reschedules, so
+uvicorn's own bound (which cancels tasks and logs a traceback for each) is only a backstop. A
+client that disconnects before its body has arrived is counted and traced (status 499), with no
+traceback.
 
 Requests: the body is read under ``body_timeout_s`` (a client trickling bytes is answered 408),
 parsed and validated (``serve_request``: every refusal a 4xx with a reason), queued (full: 503 with
@@ -47,6 +54,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
+from tpulab.compile_cache import CompileCounter
 from tpulab.data.drift import DriftWindow
 from tpulab.errors import TpulabError
 from tpulab.inference.config import DRAIN_MARGIN_S, ServeConfig
@@ -80,7 +88,8 @@ class Service:
     """The model being served, the batcher, readiness, swaps, the drain, metrics and traces.
 
     ``loader`` returns a verified ``Model``; it runs in the background (``start``), so the server
-    is live while it works. ``clock`` times queueing, the ready deadline and probes.
+    is live while it works. ``cache_dir``: the persistent compilation cache its caller enabled
+    (named in /readyz). ``clock`` times queueing, the ready deadline and probes.
     """
 
     def __init__(
@@ -92,6 +101,7 @@ class Service:
         trace_log: TraceLog | None = None,
         drift: DriftWindow | None = None,
         prompts: Callable[[str, str], dict] | None = None,
+        cache_dir: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         cfg = cfg or ServeConfig()
@@ -111,6 +121,13 @@ class Service:
         self.swaps: list[dict] = []
         self.drain = {"in_flight_at_stop": 0, "answered": 0, "cut": 0}
         self.on_ready: list[Callable[[], None]] = []
+        self.on_close: list[Callable[[], None]] = []
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        self.compiles = CompileCounter()
+        self.pending: list[tuple[str, int]] = []  # [the path being compiled, then those to come]
+        self.compile_s: dict[str, dict[str, float]] = {}
+        self.compile_failed: dict[str, str] = {}
+        self._stop = threading.Event()
         self._in_flight = 0
         self._timeouts: set = set()
         self._drain_at: float | None = None
@@ -121,25 +138,35 @@ class Service:
     def model(self) -> Model | None:
         return self.batcher.model
 
-    # --- readiness ---------------------------------------------------------------------------
+    # --- readiness ----------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.compiles.start()
         threading.Thread(target=self._bring_up, name="bring-up", daemon=True).start()
 
     def _bring_up(self) -> None:
-        """Verify, compile, run one real request through the batcher; only then ready."""
+        """Verify, compile the first path, run one real request through the batcher: ready. Then
+        compile the other paths while serving."""
         try:
             self.stage = "verifying"
-            model = self.loader()
-            self.stage = "compiling"
             t0 = self.clock()
-            want = self.warm(model)
+            model = self.loader().serving(self.cfg.policies)
+            verify_s = self.clock() - t0
+            if self._stop.is_set():
+                return
+            self.stage = "compiling"
+            self.pending = list(self.cfg.compile_order())
+            t0 = self.clock()
+            policy, bucket = self.pending[0]
+            want = self._compile(model, policy, bucket)
             self._install(model)
-            self.batcher.swap(model)
+            self.batcher.swap(model, {policy: [bucket]})
             self.batcher.start()
+            if self._stop.is_set():
+                return
             self.stage = "probing"
             probe = self.probe_request(model)
-            out = self.batcher.submit(probe, "fp32").result(timeout=self.cfg.ready_timeout_s)
+            out = self.batcher.submit(probe, policy).result(timeout=self.cfg.ready_timeout_s)
             if out["ids"] != want:
                 raise TpulabError(
                     f"the readiness probe through the batcher gave {out['ids']}, the direct "
@@ -147,9 +174,14 @@ class Service:
                 )
             self.readiness = {
                 "verified": model.art.verification,
-                "compiled": {p: e.compiled_variants() for p, e in model.engines.items()},
-                "compile_s": round(self.clock() - t0, 3),
-                "probe": {"prompt": "a", "tokens": len(want), "batch_ms": out["compute_ms"]},
+                "probe": {
+                    "prompt": "a",
+                    "policy": policy,
+                    "tokens": len(want),
+                    "batch_ms": out["compute_ms"],
+                },
+                "verify_s": round(verify_s, 3),
+                "ready_compile_s": round(self.clock() - t0, 3),
                 "ready_after_s": round(self.clock() - self.started_at, 3),
             }
             self.stage = "ready"
@@ -157,14 +189,40 @@ class Service:
             print(
                 f"ready after {self.readiness['ready_after_s']:.1f} s: {self.describe} "
                 f"(manifest {model.art.manifest_sha256[:12]}, verified by "
-                f"{model.art.verification['mode']})",
+                f"{model.art.verification['mode']}; {policy} batch {bucket} compiled, "
+                f"{len(self.pending) - 1} path(s) to compile in the background)",
                 flush=True,
             )
             for callback in self.on_ready:
                 callback()
         except Exception as e:  # not swallowed: on /readyz, and ``run_server``'s one error line
-            self.failure = _reason(e)
-            self.stage = "failed"
+            if not self._stop.is_set():  # stopping cancels the probe: not a failure
+                self.failure = _reason(e)
+                self.stage = "failed"
+            return
+        self._compile_rest(model, {policy: want})
+
+    def _compile_rest(self, model: Model, want: dict[str, list[int]]) -> None:
+        """The paths readiness did not wait for, in ``compile_order``, each usable as soon as it
+        is compiled and its rows agree with its policy's batch-1 tokens; one that fails is
+        reported (``/readyz``, a warning line) and its requests go to the buckets that work."""
+        while len(self.pending) > 1 and not self._stop.is_set():
+            policy, bucket = self.pending[1]
+            try:
+                want.setdefault(policy, self._compile(model, policy, bucket, want.get(policy)))
+                self.batcher.mark_compiled(model, policy, bucket)
+            except Exception as e:
+                self.compile_failed[f"{policy}/{bucket}"] = _reason(e)
+                print(f"warning: {policy} batch {bucket} not served: {_reason(e)}", flush=True)
+            del self.pending[1]
+        if not self._stop.is_set():
+            done = self.compiles.snapshot()
+            print(
+                f"compiled every path after {self.clock() - self.started_at:.1f} s "
+                f"({done['compiles']} XLA compile(s), {done['cache_hits']} from the cache "
+                f"{self.cache_dir})",
+                flush=True,
+            )
 
     def probe_request(self, model: Model) -> GenerationRequest:
         new = max(1, min(4, model.max_len - 2))
@@ -172,17 +230,48 @@ class Service:
             "a", SamplingConfig(max_new=new, temperature=0.0), model.max_len
         )
 
-    def warm(self, model: Model) -> list[int]:
-        """Compile ``model``'s loop for every policy and batch bucket (one executable each, reused
-        after); each compile runs a real greedy generation. Returns fp32's batch-1 tokens."""
-        probe = self.probe_request(model)
-        want = None
-        for policy, engine in model.engines.items():
-            for b in self.cfg.buckets():
-                outs = generate_batch(engine, [probe] * b)
-                if policy == "fp32" and b == 1:
-                    want = outs[0]
-        return want
+    def _compile(
+        self, model: Model, policy: str, bucket: int, want: list[int] | None = None
+    ) -> list[int]:
+        """Compile ``policy``'s loop at ``bucket`` rows by running it: a real greedy generation of
+        the probe in every row. Every row must give the same tokens (and ``want``, when given):
+        a row's tokens do not depend on its batch. Returns row 0's tokens."""
+        t0 = self.clock()
+        outs = generate_batch(model.engines[policy], [self.probe_request(model)] * bucket)
+        self.compile_s.setdefault(policy, {})[str(bucket)] = round(self.clock() - t0, 3)
+        first = outs[0] if want is None else want
+        if any(o != first for o in outs):
+            raise TpulabError(
+                f"{policy} at batch {bucket} gave rows {sorted(set(map(tuple, outs)))}, not all "
+                f"{first}"
+            )
+        return first
+
+    def prepare(self, model: Model) -> Model:
+        """``model`` with the served policies alone, compiled for every batch bucket (a swap's
+        candidate: it is compiled beside the model serving, which keeps answering)."""
+        model = model.serving(self.cfg.policies)
+        want: dict[str, list[int]] = {}
+        for policy, bucket in self.cfg.compile_order():
+            want.setdefault(policy, self._compile(model, policy, bucket, want.get(policy)))
+        return model
+
+    def readiness_report(self) -> dict:
+        """/readyz when ready: what was verified, the probe, what is compiled and still compiling,
+        the compile seconds per policy and bucket, and the compilation cache's counts."""
+        return {
+            **self.readiness,
+            "policies": list(self.cfg.policies),
+            "compiled": dict(self.batcher.compiled),
+            "compiling": [f"{p}/{b}" for p, b in self.pending[1:]],
+            "compile_failed": dict(self.compile_failed),
+            "compile_s": self.compile_s,
+            "executables": self.compiled_variants(),
+            "compile_cache": {
+                "dir": None if self.cache_dir is None else str(self.cache_dir),
+                **self.compiles.snapshot(),
+            },
+        }
 
     def overdue(self) -> bool:
         """Not ready ``ready_timeout_s`` after start: the server should exit 1."""
@@ -202,9 +291,9 @@ class Service:
         self.drift.set_reference(model.reference)
 
     def swap(self, model: Model, why: str = "") -> dict:
-        """Serve ``model`` (verified and ``warm``ed by the caller) from the next batch on."""
+        """Serve ``model`` (verified, then ``prepare``d by the caller) from the next batch on."""
         self._install(model)
-        old = self.batcher.swap(model)
+        old = self.batcher.swap(model, {p: self.cfg.buckets() for p in model.engines})
         record = {
             "at": _utc_now(),
             "from": old.identity() if old else None,
@@ -218,11 +307,12 @@ class Service:
     # --- the drain ---------------------------------------------------------------------------
 
     def begin_drain(self, bound_s: float) -> None:
-        """SIGTERM: every handler wait ends by ``bound_s`` - DRAIN_MARGIN_S from now (called in the
-        event loop by ``_Server.shutdown``)."""
+        """SIGTERM: every handler wait ends by ``bound_s`` - 2 x DRAIN_MARGIN_S from now (its
+        answer written before uvicorn's own bound, the process gone by ``bound_s``; called in the
+        event loop by ``serve_http``'s server)."""
         loop = asyncio.get_running_loop()
         self.draining = True
-        self._drain_at = loop.time() + bound_s - DRAIN_MARGIN_S
+        self._drain_at = loop.time() + bound_s - 2 * DRAIN_MARGIN_S
         self.drain["in_flight_at_stop"] = self._in_flight
         for t in list(self._timeouts):
             if t.when() is None or t.when() > self._drain_at:
@@ -246,7 +336,15 @@ class Service:
                 self._timeouts.discard(t)
 
     def close(self) -> None:
+        """Stop what runs in the background (a compile under way finishes; none starts after it)
+        and close the trace log. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        for callback in self.on_close:
+            callback()
         self.batcher.stop()
+        self.compiles.stop()
         if self.trace_log is not None:
             self.trace_log.close()
 
@@ -331,6 +429,9 @@ class Service:
             req, gen = parse_request(body, model.max_len)
         except TpulabError as e:
             return 422, {"detail": str(e)}, {}
+        if req.cache not in model.engines:
+            served = ", ".join(model.engines)
+            return 422, {"detail": f"cache {req.cache!r} is not served here (served: {served})"}, {}
         prompt = req.prompt.encode("utf-8")
         trace.update(
             prompt_sha256=hashlib.sha256(prompt).hexdigest(),

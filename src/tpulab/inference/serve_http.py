@@ -6,14 +6,20 @@ and stops on SIGTERM/SIGINT (drained: ``Service.begin_drain``; uvicorn re-raises
 its graceful shutdown, which made a drained stop exit 143, so ``Server`` keeps it), when the
 service's bring-up failed (exit 1 at once: nothing would make it ready) or when it is not ready
 ``ready_timeout_s`` after start (exit 1).
+
+The stop, in order: readiness turns 503; the listener stays open ``LINGER_S`` longer, so that
+every connection the kernel has accepted is read and answered (503 with Retry-After, or the
+answer of a request already running) rather than closed unread (uvicorn closes a connection
+whose request it has not parsed: 2 of 8 concurrent requests were dropped that way); then it
+closes and the requests in flight drain.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import signal
-import threading
 import uuid
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -24,7 +30,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tpulab.errors import ExitCode, TpulabError
+from tpulab.inference.config import LINGER_S
 from tpulab.inference.serve import Service
+from tpulab.inference.serve_stop import StopSignals
 from tpulab.inference.serve_telemetry import CLIENT_CLOSED
 
 if TYPE_CHECKING:
@@ -96,10 +104,12 @@ def create_app(service: Service) -> FastAPI:
     def readiness(request: HttpRequest):
         rid = request_id(request.scope)
         if service.ready.is_set() and not service.draining:
-            return {"status": "ready", **service.readiness, "request_id": rid}
+            return {"status": "ready", **service.readiness_report(), "request_id": rid}
         status = "stopping" if service.draining else f"not ready: {service.not_ready_reason()}"
         return JSONResponse(
-            {"status": status, "stage": service.stage, "request_id": rid}, status_code=503
+            {"status": status, "stage": service.stage, "request_id": rid},
+            status_code=503,
+            headers={"Retry-After": str(service.cfg.retry_after_s)},
         )
 
     app.get("/readyz")(readiness)
@@ -146,25 +156,24 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
         learns when the drain begins, and a server whose bring-up failed, or that is not ready in
         time, stops."""
 
-        def __init__(self, config: uvicorn.Config, service: Service):
+        def __init__(self, config: uvicorn.Config, service: Service, stop: StopSignals):
             super().__init__(config)
-            self.service, self.signals = service, []
+            self.service, self.stop = service, stop
             self.overdue = self.failed = False
 
         @contextlib.contextmanager
         def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            """The caller's latch, already installed, now tells this server; a signal that came
+            before it ran stops it at once."""
+            self.stop.on_signal = self._on_signal
+            if self.stop.received:
+                self.should_exit = True
             try:
                 yield
-            finally:
-                for s, handler in old.items():
-                    signal.signal(s, handler)
+            finally:  # a signal while the process leaves is recorded, never "at once"
+                self.stop.on_signal = lambda sig: None
 
-        def _on_signal(self, sig, frame):
-            self.signals.append(sig)
+        def _on_signal(self, sig):
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True  # a second Ctrl-C: stop waiting
             self.should_exit = True
@@ -173,9 +182,11 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
             await super().startup(sockets)
             if self.started:
                 host, port = self.config.host, self.servers[0].sockets[0].getsockname()[1]
+                cache = self.service.cache_dir
                 print(
                     f"listening on http://{host}:{port} (live now; ready once "
-                    f"{self.service.describe} is verified, compiled and has answered a probe)",
+                    f"{self.service.describe} is verified, its first path compiled and has "
+                    f"answered a probe; compilation cache {cache or 'off'})",
                     flush=True,
                 )
 
@@ -187,26 +198,45 @@ def _server_class():  # built on first use: uvicorn is imported only by a server
             return await super().on_tick(counter)
 
         async def shutdown(self, sockets=None):
-            self.service.begin_drain(self.config.timeout_graceful_shutdown)
+            self.service.begin_drain(self.service.cfg.drain_timeout_s)
+            await asyncio.sleep(LINGER_S)  # readiness is 503; what the kernel accepted is read
             await super().shutdown(sockets)
 
     return Server
 
 
-def run_server(service: Service, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until SIGTERM/SIGINT (drained: returns; SIGINT then raises KeyboardInterrupt), until
-    bring-up fails (TpulabError, exit 1, at once) or until the ready deadline passes unready
-    (TpulabError, exit 1)."""
+def run_server(
+    service: Service, host: str = "127.0.0.1", port: int = 8000, stop: StopSignals | None = None
+) -> None:
+    """Serve until SIGTERM/SIGINT (drained: returns), until bring-up fails (TpulabError, exit 1,
+    at once) or until the ready deadline passes unready (TpulabError, exit 1); the service is
+    closed after. ``stop``: the caller's signal latch, installed early (``serve_stop``); without
+    one, a latch is installed here in the main thread and no signal is caught in another."""
     import uvicorn
+
+    own = stop is None
+    stop = stop or StopSignals().install()
+    try:
+        if stop.received:
+            print(f"stopped before listening ({stop.names()})", flush=True)
+            return
+        _run(uvicorn, service, host, port, stop)
+    finally:
+        service.close()
+        if own:
+            stop.restore()
+
+
+def _run(uvicorn, service: Service, host: str, port: int, stop: StopSignals) -> None:
 
     config = uvicorn.Config(
         create_app(service),
         host=host,
         port=port,
         log_level="warning",
-        timeout_graceful_shutdown=service.cfg.drain_timeout_s,
+        timeout_graceful_shutdown=service.cfg.http_drain_s(),
     )
-    server = _server_class()(config, service)
+    server = _server_class()(config, service, stop)
     server.run()
     if server.failed:
         raise TpulabError(
@@ -219,9 +249,8 @@ def run_server(service: Service, host: str = "127.0.0.1", port: int = 8000) -> N
         )
     d = service.drain
     print(
-        f"stopped: {d['answered']} request(s) answered and {d['cut']} cut at the bound while "
-        f"draining ({d['in_flight_at_stop']} in flight at the signal)",
+        f"stopped ({stop.names() or 'shutdown'}, {service.stage}): {d['answered']} request(s) "
+        f"answered and {d['cut']} cut at the bound while draining ({d['in_flight_at_stop']} in "
+        "flight at the signal)",
         flush=True,
     )
-    if signal.SIGINT in server.signals:
-        raise KeyboardInterrupt

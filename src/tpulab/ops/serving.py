@@ -29,15 +29,17 @@ import dataclasses
 import re
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from tpulab.checkpoint.rundir import RunDir, read_json
 from tpulab.data.drift import byte_histogram
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 from tpulab.inference.config import ServeConfig
 from tpulab.inference.serve import Service, artifacts_loader
 from tpulab.inference.serve_batcher import Model
 from tpulab.inference.serve_http import run_server
+from tpulab.inference.serve_stop import StopSignals, exit_now
 from tpulab.inference.serve_telemetry import TraceLog
 from tpulab.inference.trust import load_recorded, read_key
 from tpulab.ops import prompts as P
@@ -218,6 +220,7 @@ class AliasWatcher:
         self.refused: tuple | None = None  # (version, source, why) of the last refusal
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="alias-watcher", daemon=True)
+        service.on_close.append(self.stop)
         self.status = {
             "alias": serving.alias,
             "poll_interval_s": interval_s,
@@ -260,8 +263,7 @@ class AliasWatcher:
             return f"refused: {self.refused[2]}"  # tried again once the alias moves elsewhere
         t0 = self.clock()
         try:
-            model = self.load(reg)
-            self.service.warm(model)
+            model = self.service.prepare(self.load(reg))
         except Exception as e:
             why = str(e) if isinstance(e, TpulabError) else f"{type(e).__name__}: {e}"
             self.refused = (reg.version, reg.source, why)
@@ -293,9 +295,18 @@ def serve(
     poll_interval_s: float = 10.0,
     trace_log="serve_traces.jsonl",
     drift_reference=None,
+    compile_cache_dir=None,
+    stop: StopSignals | None = None,
 ) -> None:
     """``tpulab serve``: check what was asked for, then listen (``run_server``) while the model is
-    verified, compiled and probed in the background; follow an alias while serving."""
+    verified, compiled and probed in the background; follow an alias while serving.
+
+    ``compile_cache_dir``: the persistent compilation cache (default ``compile_cache.default_dir``),
+    so a restart of the same artifacts on the same host compiles nothing. ``stop``: the CLI's
+    signal latch, installed before the imports. Once the server has run, the process leaves by
+    ``serve_stop.exit_now`` (the service closed, stdout flushed): the interpreter's own exit took
+    2.8 s more here and aborts when a thread is inside XLA."""
+    from tpulab import compile_cache
     from tpulab.tracking.store import default_uri
 
     if (artifacts is None) == (model_uri is None):
@@ -326,15 +337,27 @@ def serve(
             (lambda: with_reference(plain(), run_dir, fixed)),
             f"artifacts {artifacts}",
         )
+    try:
+        cache_dir = compile_cache.enable(compile_cache_dir)
+    except OSError as e:
+        raise TpulabError(f"compile cache {compile_cache_dir}: {e.strerror or e}") from None
     service = Service(
         loader,
         cfg or ServeConfig(),
         describe=describe,
         trace_log=TraceLog(trace_log),
         prompts=P.PromptResolver(registry, poll_interval_s) if registry is not None else None,
+        cache_dir=cache_dir,
     )
     if follow is not None:
         reg, load = follow
         watcher = AliasWatcher(service, registry, reg, poll_interval_s, load)
         service.on_ready.append(watcher.start)
-    run_server(service, host, port)
+    try:
+        run_server(service, host, port, stop)
+    except TpulabError as e:
+        exit_now(e.exit_code, str(e))
+    except BaseException:  # a bug: its traceback, then out (an interpreter exit hung here once)
+        traceback.print_exc()
+        exit_now(ExitCode.FAILED)
+    exit_now(ExitCode.OK)
