@@ -36,6 +36,7 @@ LONGEST_FIRST = (
     "test_scaleout_procs",  # 244
     "test_cloud_rehearsal",  # 201
     "test_serve",  # 192
+    "test_serve_ready",  # new in 77ce712: four real service starts and six signal trials
     "test_export",  # 168
     "test_image",  # 157
     "test_ppo",  # 147
