@@ -122,7 +122,11 @@ def test_ppo_env_resume_without_the_key_fails_the_verdict(proof, tmp_path):
     )
     assert out.returncode != 0
     v = json.loads((bad / "proof" / "verdict.json").read_text())
-    assert not v["final_state_identical"] and "rng" in v["first_differing_leaf"]
+    assert not v["identical"] and not v["final_state_identical"] and v["skip_restore"] == ["rng"]
+    # the key drives every rollout: the curves part on the first step after the resume, and the
+    # params (first in tree order) differ, not only the key
+    assert v["first_differing_step"] == v["resumed_from_step"] + 1
+    assert v["first_differing_step_before_kill"] is None and "params" in v["first_differing_leaf"]
 
 
 @pytest.mark.slow
@@ -141,8 +145,8 @@ def test_a_resume_with_another_num_envs_is_refused_and_changes_nothing(proof):
     [
         (["objective.ppo_env.env=nope"], "unknown environment 'nope'; registered: cartpole"),
         (["objective.ppo_env.minibatches=5"], "minibatches=5 does not divide"),
-        (["objective.ppo_env.ent_coef=nan"], "ent_coef=nan must be finite"),
-        (["objective.ppo_env.vf_coef=inf"], "vf_coef=inf must be finite"),
+        (["objective.ppo_env.ent_coef=nan"], "ppo_env.ent_coef' must be a finite number"),
+        (["objective.ppo_env.vf_coef=inf"], "ppo_env.vf_coef' must be a finite number"),
         (["objective.ppo_env.num_envs=0"], "num_envs=0 must be a positive integer"),
     ],
 )
@@ -151,3 +155,52 @@ def test_bad_ppo_env_settings_are_one_line_and_write_nothing(tmp_path, sets, why
     out = run_cli("train", *_args(*sets), "--run-dir", str(run), "--no-track")
     assert out.returncode != 0 and why in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_actor_critic_init_is_orthogonal_with_zero_biases():
+    from flax import nnx
+
+    from tpulab.train.objectives.rl_ppo import ActorCritic
+
+    net = ActorCritic(4, 2, 64, rngs=nnx.Rngs(0))
+    gains = {"a1": 2.0, "a2": 2.0, "a3": 0.01**2, "c1": 2.0, "c2": 2.0, "c3": 1.0}
+    for name, g2 in gains.items():
+        layer = getattr(net, name)
+        w = np.asarray(layer.kernel.value)
+        small = w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T  # the orthonormal side
+        assert np.allclose(small, g2 * np.eye(small.shape[0]), atol=1e-5 * max(g2, 1)), name
+        assert not np.asarray(layer.bias.value).any(), name
+    # control: flax's default (lecun normal) kernel is not orthogonal
+    w = np.asarray(nnx.Linear(64, 64, rngs=nnx.Rngs(0)).kernel.value)
+    assert not np.allclose(w.T @ w, np.eye(64) * np.trace(w.T @ w) / 64, atol=1e-2)
+
+
+def _returns(run: Path) -> list[float]:
+    records = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    return [r["episode_return"] for r in records if "episode_return" in r]
+
+
+@pytest.mark.slow
+def test_cartpole_learns_and_flipped_advantages_do_not(tmp_path):
+    """configs/cartpole.yaml for 30 loop steps (61,440 env steps): the normal run's return climbs
+    (to 500, the cap, by 165k env steps in the full run); the control, the same run with the
+    advantages' sign flipped (tests/rl_variants.py), learns to fall."""
+    import yaml
+
+    config = yaml.safe_load(CONFIG.read_text())
+    config["objective"] = {
+        "kind": "rl_variants:FlippedPPO",
+        "flipped_ppo": config["objective"]["ppo_env"],
+    }
+    flipped_config = tmp_path / "flipped.yaml"
+    flipped_config.write_text(yaml.safe_dump(config))
+    env = {"PYTHONPATH": str(REPO / "tests")}
+    sets = ("--set", "train.steps=30", "--no-track", "--no-progress")
+    runs = {"normal": ["--config", str(CONFIG)], "flipped": ["--config", str(flipped_config)]}
+    last = {}
+    for name, config_args in runs.items():
+        run = tmp_path / name
+        out = run_cli("train", *config_args, *sets, "--run-dir", str(run), env=env, timeout=600)
+        assert out.returncode == 0, out.stderr
+        last[name] = float(np.mean(_returns(run)[-5:]))
+    assert last["normal"] > 150 and last["flipped"] < 30, last

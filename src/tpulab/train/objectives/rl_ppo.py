@@ -74,10 +74,6 @@ class ActorCritic(nnx.Module):
         return self.a3(h), self.c3(v)[..., 0]
 
 
-def _finite(name: str, x: float) -> None:
-    check(math.isfinite(x), f"objective.ppo_env.{name}={x} must be finite")
-
-
 def td_targets(reward, final_value, terminated, gamma: float):
     """One-step targets: r + gamma V(final_obs), with nothing past a termination. A truncated
     transition bootstraps (its final_obs is a live state the time limit cut off)."""
@@ -139,8 +135,7 @@ class PPOEnv(Objective):
                 f"objective.ppo_env.minibatches={self.minibatches} does not divide the batch "
                 f"num_envs * num_steps = {batch}",
             )
-            for name in ("gamma", "gae_lambda", "clip_coef", "vf_coef", "ent_coef"):
-                _finite(name, getattr(self, name))
+            # non-finite floats are refused by the config layer before this runs
             check(0 < self.gamma <= 1, f"objective.ppo_env.gamma={self.gamma} not in (0, 1]")
             check(
                 0 <= self.gae_lambda <= 1,
@@ -149,6 +144,12 @@ class PPOEnv(Objective):
             check(self.clip_coef > 0, f"objective.ppo_env.clip_coef={self.clip_coef} must be > 0")
             for name in ("vf_coef", "ent_coef"):
                 check(getattr(self, name) >= 0, f"objective.ppo_env.{name} must be >= 0")
+
+    @staticmethod
+    def surrogate(adv, ratio, clip: float):
+        """The policy loss: PPO's clipped surrogate, negated (minimised). A variant of PPO is a
+        subclass that overrides this one function and keeps everything else."""
+        return jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - clip, 1 + clip)).mean()
 
     # --- the graph and the state ----------------------------------------------------------------
 
@@ -244,9 +245,7 @@ class PPOEnv(Objective):
             adv = mb_data["adv"]
             if o.norm_adv:
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-            pg = jnp.maximum(
-                -adv * ratio, -adv * jnp.clip(ratio, 1 - o.clip_coef, 1 + o.clip_coef)
-            ).mean()
+            pg = self.surrogate(adv, ratio, o.clip_coef)
             ret, old_v = mb_data["ret"], mb_data["value"]
             if o.clip_vloss:
                 clipped = old_v + jnp.clip(value - old_v, -o.clip_coef, o.clip_coef)
