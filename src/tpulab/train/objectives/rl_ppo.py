@@ -28,7 +28,7 @@ from tpulab.envs.rollout import RolloutState, rollout
 from tpulab.train import sharding
 from tpulab.train.objective import DataSource, Objective
 from tpulab.train.registry import register_objective
-from tpulab.train.step import Update, compile_steps
+from tpulab.train.step import Update, compile_steps, optimizer
 
 
 class PPOEnvState(NamedTuple):
@@ -199,7 +199,7 @@ class PPOEnv(Objective):
     @classmethod
     def abstract_state(cls, config, mesh):
         _, init_params = cls._graph(config)
-        start = cls._start(config, Update.of(lambda p: (0.0, {}), config.optim).tx)
+        start = cls._start(config, optimizer(config.optim))
         shapes = jax.eval_shape(lambda: start(init_params()))
         return sharding.placed_shapes(shapes, mesh)
 
