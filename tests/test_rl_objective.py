@@ -133,10 +133,14 @@ def test_ppo_env_resume_without_the_key_fails_the_verdict(proof, tmp_path):
 def test_a_resume_with_another_num_envs_is_refused_and_changes_nothing(proof):
     run = proof / "proof" / "reference"
     before = _tree(run)
-    out = run_cli(
-        "train", *_args("objective.ppo_env.num_envs=8", "train.steps=20"), "--run-dir", str(run)
-    )
+    args = _args("objective.ppo_env.num_envs=8", "train.steps=20")
+    out = run_cli("train", *args, "--run-dir", str(run), "--no-track")
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert _tree(run) == before
+    # --force passes the config check; the state's shapes still refuse it, in one line
+    out = run_cli("train", *args, "--run-dir", str(run), "--force", "--no-track")
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "env_state" in out.stderr and "(4,)" in out.stderr and "(8,)" in out.stderr
     assert _tree(run) == before
 
 
