@@ -8,10 +8,11 @@ from tpulab.train.objectives.dpo import DPO
 from tpulab.train.objectives.ppo import PPO
 from tpulab.train.objectives.pretrain import Pretrain
 from tpulab.train.objectives.reward import Reward
+from tpulab.train.objectives.rl_ppo import PPOEnv
 from tpulab.train.objectives.sft import SFT
 from tpulab.train.registry import objective_class
 
-__all__ = ["DPO", "PPO", "SFT", "DataSource", "Objective", "Pretrain", "Reward", "build"]
+__all__ = ["DPO", "PPO", "SFT", "PPOEnv", "DataSource", "Objective", "Pretrain", "Reward", "build"]
 
 
 def build(config) -> Objective:
