@@ -216,7 +216,6 @@ def compile_steps(
     mesh: Mesh,
     graphdef: Any,
     tx: optax.GradientTransformation,
-    shapes: Any,
     start: Callable[[Any], Any],
     train_step: Callable[..., tuple[Any, dict]],
     evaluate: Callable[..., Any],
@@ -227,9 +226,11 @@ def compile_steps(
     host_args: int = 0,
     host_train: Callable[[Any], Any] | None = None,
     host_eval: Callable[[Any], Any] | None = None,
+    shapes: Any = None,
 ) -> Steps:
     """Every objective's steps, jitted once with shardings from the one table
-    (``tpulab.train.sharding``): the state's (``shapes``, from ``jax.eval_shape``), the batch's
+    (``tpulab.train.sharding``): the state's (``shapes``, from ``jax.eval_shape``; by default
+    ``start(init_params())``'s, traced), the batch's
     over ``data`` x ``fsdp``, the frozen arrays' by the state's rules; the train step donates the
     incoming state; ``all_finite`` is the loop's guard before a state is saved.
 
@@ -241,6 +242,8 @@ def compile_steps(
     digest at a round start, its gold reward).
     """
     replicated = NamedSharding(mesh, P())
+    if shapes is None:
+        shapes = jax.eval_shape(lambda: start(init_params()))
     state_sharding = sharding.state_shardings(shapes, mesh)
     batch_sharding = NamedSharding(mesh, sharding.BATCH_SPEC)
     frozen_sharding = sharding.state_shardings(frozen, mesh) if frozen is not None else None
@@ -320,7 +323,6 @@ def gradient_steps(
         mesh=mesh,
         graphdef=graphdef,
         tx=update.tx,
-        shapes=jax.eval_shape(lambda: start(init_params())),
         start=start,
         train_step=train_step,
         evaluate=evaluate,

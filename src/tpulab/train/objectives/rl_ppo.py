@@ -343,7 +343,6 @@ class PPOEnv(Objective):
             mesh=mesh,
             graphdef=graphdef,
             tx=update.tx,
-            shapes=jax.eval_shape(lambda: start(init_params())),
             start=start,
             train_step=train_step,
             evaluate=evaluate,
