@@ -80,7 +80,7 @@ def run_image(layout: str | Path, rootfs: str | Path, args: list[str] | None = N
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return rc if rc >= 0 else 128 - rc
+    return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N
 
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
