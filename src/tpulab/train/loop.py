@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from tpulab import compile_cache
-from tpulab.checkpoint.rundir import DOCUMENTS, SUMMARY, RunDir, RunEnv, RunSummary
+from tpulab.checkpoint.rundir import AUDITS, DOCUMENTS, SUMMARY, RunDir, RunEnv, RunSummary
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -165,6 +165,17 @@ def host_metrics(metrics: dict) -> dict:
             else:
                 out[k] = int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
     return out
+
+
+def checked_audits(audits: dict, kind: str) -> dict[str, dict]:
+    """An objective's audits as the loop writes them: every entry a dict with a bool ``passed``."""
+    for name, audit in audits.items():
+        if not (isinstance(audit, dict) and isinstance(audit.get("passed"), bool)):
+            raise TpulabError(
+                f"objective {kind}: audit {name!r} is not a dict with a bool 'passed' "
+                f"({audit!r:.80})"
+            )
+    return {name: dict(audit) for name, audit in audits.items()}
 
 
 def write_run_files(
@@ -354,6 +365,7 @@ def _train(
         store = open_store(run, steps, hooks, force)
         built = build_or_restore(run, steps, store)
         loop = StepLoop(run, steps, store, built, hooks, clock, preempt, progress)
+        loop.before_training()
         loop.run()
         summary = finish(run, loop, frozen_digest)
     except _NonFinite as e:
@@ -456,6 +468,29 @@ class StepLoop:
                 "identities": {"data": data.identity, **identities},
             }
         )
+
+    def before_training(self) -> None:
+        """A fresh run's audits (written, logged; one failed: no step is taken) and, when the
+        objective asks, the evaluation of its starting parameters at step 0."""
+        objective, run_dir = self.opened.objective, RunDir(self.opened.run_dir)
+        if self.resume is not None and run_dir.audits.exists():
+            return  # audited when the run started: the resume's identity checks held it to that
+        audits = checked_audits(objective.audits(self.steps, self.state), objective.kind)
+        if audits:
+            if self.primary:
+                run_dir.write(AUDITS, audits)
+            failed = sorted(name for name, a in audits.items() if not a["passed"])
+            self.log.event(
+                "audits", step=self.start, passed=sorted(set(audits) - set(failed)), failed=failed
+            )
+            if failed:
+                raise TpulabError(
+                    f"audit {', '.join(failed)} failed: refusing to train a curve on it "
+                    f"(see {run_dir.audits})",
+                    exit_code=ExitCode.FAILED,
+                )
+        if objective.eval_before_training and self.resume is None:
+            self.evaluate()
 
     def read(self, step: int, m: dict) -> None:
         record = host_metrics(m)
