@@ -296,8 +296,9 @@ def test_cli_refuses_a_bad_ratio_and_writes_nothing(tmp_path):
 @pytest.mark.slow
 def test_prove_resume_is_bitwise_with_the_mask_key_in_the_state(tmp_path):
     sets = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32"]
-    sets += ["data.seq_len=32", "data.batch_size=8", "train.steps=12", "train.eval_every=6"]
-    sets += ["checkpoint.save_every=4", "objective.mlm.audit_devices=0"]
+    sets += ["data.seq_len=32", "data.batch_size=8", "train.steps=40", "train.eval_every=20"]
+    sets += ["checkpoint.save_every=10", "optim.schedule_steps=40", "optim.warmup_steps=5"]
+    sets += ["objective.mlm.audit_devices=0"]  # the 4-device audit: test_a_run_writes_passed..
     out = run_cli(
         "prove-resume", "--config", str(REPO / "configs" / "mlm.yaml"),
         *(x for s in sets for x in ("--set", s)), "--run-dir", str(tmp_path / "p"), "--no-track",
