@@ -168,6 +168,15 @@ def test_the_first_record_is_step_one_before_the_update(run_dir):
     assert env["shapes"]["vocab"] == 259
 
 
+def test_the_loop_refuses_an_audit_record_without_a_bool_passed():
+    from tpulab.train.loop import checked_audits
+
+    assert checked_audits({"a": {"passed": True, "n": 3}}, "k") == {"a": {"passed": True, "n": 3}}
+    for bad in ({"passed": "yes"}, {"n": 3}, "passed"):
+        with pytest.raises(TpulabError, match="audit 'a' is not a dict with a bool 'passed'"):
+            checked_audits({"a": bad}, "k")
+
+
 # --- negative controls ------------------------------------------------------------------------
 
 

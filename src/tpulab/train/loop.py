@@ -5,11 +5,12 @@ already holds a valid checkpoint the run resumes from the newest one, after chec
 config (all but step count and logging) and the corpus identity match the checkpoint's. Metrics
 are read one step late (dispatch step N, then read step N-1) so the host never waits on the
 device except where a number is logged, and a step's numbers and state are checked finite before it
-is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the
-current step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks``
-(tpulab.train.hooks). With several processes (tpulab.train.distributed) every process runs this
-loop on its own rows of each batch and takes part in every save; process 0 alone writes the run's
-files and checkpoint manifests.
+is saved, so a non-finite state is never committed. Before a fresh run's first step the objective's
+audits are written to audits.json and logged; one failed, and no step is taken. SIGTERM (a
+preemption notice) finishes the current step, saves and exits 0. Proofs, tests and trackers add
+behaviour through ``hooks`` (tpulab.train.hooks). With several processes
+(tpulab.train.distributed) every process runs this loop on its own rows of each batch and takes
+part in every save; process 0 alone writes the run's files and checkpoint manifests.
 """
 
 from __future__ import annotations

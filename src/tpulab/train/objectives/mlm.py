@@ -48,10 +48,9 @@ from tpulab.train import sharding
 from tpulab.train.objectives.pretrain import Pretrain
 from tpulab.train.registry import register_objective
 from tpulab.train.step import (
+    Carried,
     Steps,
-    Update,
-    compile_steps,
-    initial_state,
+    gradient_steps,
     masked_xent,
     merge_model,
     transformer_graph,
@@ -258,33 +257,31 @@ class MLM(Pretrain):
     def build_steps(cls, config, mesh) -> Steps:
         options = config.objective.options
         graphdef, init_params = transformer_graph(config)
-        update = Update.of(cls.loss(graphdef), config.optim)
         nll = byte_nll(graphdef)
         eval_key = jax.random.fold_in(jax.random.PRNGKey(options.mask_seed), 1)
 
-        def start(params) -> MaskedState:
+        def start(state) -> MaskedState:
             key = jax.random.fold_in(jax.random.PRNGKey(options.mask_seed), 0)
-            return MaskedState(*initial_state(update.tx, params, config.seed), mask_key=key)
+            return MaskedState(*state, mask_key=key)
 
-        def train_step(state: MaskedState, frozen, batch):
-            rng, dropout_key = jax.random.split(state.rng)
+        def prepare(state: MaskedState, batch):
             mask_key, step_key = jax.random.split(state.mask_key)
-            masked = cls.corrupt(options, step_key, batch["inputs"])
-            return update(state._replace(rng=rng, mask_key=mask_key), frozen, masked, dropout_key)
+            return state._replace(mask_key=mask_key), cls.corrupt(
+                options, step_key, batch["inputs"]
+            )
 
         def evaluate(params, frozen, batch):
             mean, count = nll(params, cls.corrupt(options, eval_key, batch["inputs"]))
             return {"val_loss": (mean * count, count)}
 
-        return compile_steps(
-            mesh=mesh,
+        return gradient_steps(
+            config,
+            mesh,
             graphdef=graphdef,
-            tx=update.tx,
-            start=start,
-            train_step=train_step,
-            evaluate=evaluate,
-            merge=lambda params, frozen: merge_model(graphdef, params, frozen),
             init_params=init_params,
+            loss=cls.loss(graphdef),
+            evaluate=evaluate,
+            carried=Carried(start, prepare),
         )
 
     @staticmethod
