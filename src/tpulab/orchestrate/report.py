@@ -196,6 +196,27 @@ def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
     return f"## Training curves\n\n![training and validation loss]({rel})"
 
 
+def audits_section(run_dir: Path) -> tuple[str | None, list[str]]:
+    """The objective's audits (audits.json) as a table, and the names of those that failed (the
+    curves are not shown then); (None, []) for a run without audits."""
+    audits = read_json(RunDir(run_dir).audits, None)
+    if audits is None:
+        return None, []
+    failed = sorted(name for name, a in audits.items() if not a.get("passed"))
+    rows = [
+        [
+            name,
+            "passed" if a.get("passed") else "FAILED",
+            "; ".join(f"{k}: {v}" for k, v in a.items() if k != "passed"),
+        ]
+        for name, a in audits.items()
+    ]
+    title = f"Audits, run before step 1 ({rundir.AUDITS})"
+    return report_kit.section(
+        title, report_kit.table(["audit", "result", "measured"], rows)
+    ), failed
+
+
 def _draw_curves(ax, recs: list[dict], loss: dict, val: dict) -> None:
     xs = sorted(loss)
     ax.plot(xs, [loss[s] for s in xs], lw=1.2, label="train loss (per step)")
@@ -246,7 +267,13 @@ def build_report(d: str | Path) -> str:
             sections.append(
                 f"## The training run\n\nNo {rundir.SUMMARY}: this run has not ended normally yet."
             )
-        sections.append(curves_section(run_dir, d / "plots" / "curves.png", "plots/curves.png"))
+        audits, failed = audits_section(run_dir)
+        sections += [audits] if audits else []
+        sections.append(
+            curves_section(run_dir, d / "plots" / "curves.png", "plots/curves.png")
+            if not failed
+            else f"## Training curves\n\nNot shown: audit {', '.join(failed)} failed."
+        )
         sections.append(goodput_section(run_dir, f"Goodput of `{rel or '.'}`"))
     if proof.verdict.exists():
         sections.append(

@@ -5,11 +5,12 @@ already holds a valid checkpoint the run resumes from the newest one, after chec
 config (all but step count and logging) and the corpus identity match the checkpoint's. Metrics
 are read one step late (dispatch step N, then read step N-1) so the host never waits on the
 device except where a number is logged, and a step's numbers and state are checked finite before it
-is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the
-current step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks``
-(tpulab.train.hooks). With several processes (tpulab.train.distributed) every process runs this
-loop on its own rows of each batch and takes part in every save; process 0 alone writes the run's
-files and checkpoint manifests.
+is saved, so a non-finite state is never committed. Before a fresh run's first step the objective's
+audits are written to audits.json and logged; one failed, and no step is taken. SIGTERM (a
+preemption notice) finishes the current step, saves and exits 0. Proofs, tests and trackers add
+behaviour through ``hooks`` (tpulab.train.hooks). With several processes
+(tpulab.train.distributed) every process runs this loop on its own rows of each batch and takes
+part in every save; process 0 alone writes the run's files and checkpoint manifests.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import numpy as np
 
 from tpulab import compile_cache
-from tpulab.checkpoint.rundir import DOCUMENTS, SUMMARY, RunDir, RunEnv, RunSummary
+from tpulab.checkpoint.rundir import AUDITS, DOCUMENTS, SUMMARY, RunDir, RunEnv, RunSummary
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -165,6 +166,17 @@ def host_metrics(metrics: dict) -> dict:
             else:
                 out[k] = int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v)
     return out
+
+
+def checked_audits(audits: dict, kind: str) -> dict[str, dict]:
+    """An objective's audits as the loop writes them: every entry a dict with a bool ``passed``."""
+    for name, audit in audits.items():
+        if not (isinstance(audit, dict) and isinstance(audit.get("passed"), bool)):
+            raise TpulabError(
+                f"objective {kind}: audit {name!r} is not a dict with a bool 'passed' "
+                f"({audit!r:.80})"
+            )
+    return {name: dict(audit) for name, audit in audits.items()}
 
 
 def write_run_files(
@@ -354,6 +366,7 @@ def _train(
         store = open_store(run, steps, hooks, force)
         built = build_or_restore(run, steps, store)
         loop = StepLoop(run, steps, store, built, hooks, clock, preempt, progress)
+        loop.before_training()
         loop.run()
         summary = finish(run, loop, frozen_digest)
     except _NonFinite as e:
@@ -456,6 +469,29 @@ class StepLoop:
                 "identities": {"data": data.identity, **identities},
             }
         )
+
+    def before_training(self) -> None:
+        """A fresh run's audits (written, logged; one failed: no step is taken) and, when the
+        objective asks, the evaluation of its starting parameters at step 0."""
+        objective, run_dir = self.opened.objective, RunDir(self.opened.run_dir)
+        if self.resume is not None and run_dir.audits.exists():
+            return  # audited when the run started: the resume's identity checks held it to that
+        audits = checked_audits(objective.audits(self.steps, self.state), objective.kind)
+        if audits:
+            if self.primary:
+                run_dir.write(AUDITS, audits)
+            failed = sorted(name for name, a in audits.items() if not a["passed"])
+            self.log.event(
+                "audits", step=self.start, passed=sorted(set(audits) - set(failed)), failed=failed
+            )
+            if failed:
+                raise TpulabError(
+                    f"audit {', '.join(failed)} failed: refusing to train a curve on it "
+                    f"(see {run_dir.audits})",
+                    exit_code=ExitCode.FAILED,
+                )
+        if objective.eval_before_training and self.resume is None:
+            self.evaluate()
 
     def read(self, step: int, m: dict) -> None:
         record = host_metrics(m)

@@ -20,6 +20,14 @@ sections (PPO's rollouts against data.batch_size). ``tpulab.train.registry`` reg
 
 This module imports nothing of ``tpulab.train``: the registry and the run config import it.
 
+Before the first step of a fresh run the loop asks for ``audits(steps, state)``: checks of what
+the objective feeds its loss (mask counts, reduction counts, leakage),
+``{name: {"passed": bool, ...}}``.
+It writes them to the run's audits.json, logs them as an ``audits`` event and refuses to train when
+one failed, so a curve whose audits failed is never produced. ``eval_before_training`` asks for one
+evaluation of the starting parameters, logged at step 0. Step 1's record is already the loss
+before the first update: ``Update`` takes the loss at the incoming parameters.
+
 Every metric a step returns reaches metrics.jsonl, the hooks (MLflow) and the report: there is no
 key list to edit. ``identities()`` names, by digest, every model and dataset the run depends on; the
 loop records them in every checkpoint and refuses a resume when any of them changed.
@@ -85,6 +93,8 @@ class Objective:
     needs: ClassVar[dict[str, str]] = {}  # shared settings it must be given -> what they name
     refuses: ClassVar[dict[str, str]] = {}  # shared settings it refuses -> why (for the error)
 
+    # evaluate the starting parameters (an ``eval`` event at step 0) before a fresh run's first step
+    eval_before_training: ClassVar[bool] = False
     produces: ClassVar[str] = "model"  # what its checkpoints hold, for objectives that read them
     # what a checkpoint's data must have been cut by (compared on resume); None: no tokenizer
     tokenizer: ClassVar[str | None] = None
@@ -131,6 +141,12 @@ class Objective:
     def steps(self, mesh: Any) -> Any:
         """A ``tpulab.train.step.Steps``: the state, its shardings and the jitted steps."""
         raise NotImplementedError
+
+    def audits(self, steps: Any, state: Any) -> dict[str, dict]:
+        """name -> ``{"passed": bool, ...what was measured}``: checks run before a fresh run's first
+        step, on its starting ``state`` (never donated here). The loop writes them to audits.json
+        and refuses to train when one failed. None by default."""
+        return {}
 
     def identities(self) -> dict[str, str]:
         """name -> digest of every model and dataset this run depends on (beyond its config)."""

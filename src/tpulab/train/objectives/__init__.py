@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tpulab.train.objective import DataSource, Objective
 from tpulab.train.objectives.dpo import DPO
+from tpulab.train.objectives.mlm import MLM
 from tpulab.train.objectives.ppo import PPO
 from tpulab.train.objectives.pretrain import Pretrain
 from tpulab.train.objectives.reward import Reward
@@ -12,7 +13,18 @@ from tpulab.train.objectives.rl_ppo import PPOEnv
 from tpulab.train.objectives.sft import SFT
 from tpulab.train.registry import objective_class
 
-__all__ = ["DPO", "PPO", "SFT", "PPOEnv", "DataSource", "Objective", "Pretrain", "Reward", "build"]
+__all__ = [
+    "DPO",
+    "MLM",
+    "PPO",
+    "SFT",
+    "PPOEnv",
+    "DataSource",
+    "Objective",
+    "Pretrain",
+    "Reward",
+    "build",
+]
 
 
 def build(config) -> Objective:
