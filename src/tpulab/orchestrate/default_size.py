@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tpulab.evidence.provenance import hardware_label
 from tpulab.evidence.report_kit import table
+from tpulab.orchestrate import recipe
 
 # in a checkout (src/tpulab/orchestrate/ -> the repo root); absent from an installed wheel
 RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "preference_chain.json"
@@ -37,7 +38,7 @@ def headline(reward_accuracy: float, reward_pairs: int, wins: dict[str, dict]) -
     """The chain's headline numbers in one column: the reward model's held-out accuracy, then
     DPO's and PPO's gold win rate against SFT, mean gold reward and stop rate (``wins``: per
     policy, ``posttrain.winrate.win_rate``'s fields)."""
-    d, p = wins["dpo"], wins["ppo"]
+    d, p = (wins[name] for name in recipe.chain()["win_rate"])
 
     def rate(w):
         return f"{w['win_rate']:.3f} ({w['wins']} / {w['ties']} / {w['losses']} of {w['prompts']})"
@@ -69,9 +70,10 @@ def committed_headline(results: dict) -> list[str]:
             "gold_mean": results["gold_mean"][k],
             "stop_rate": results["stop_rate"][k],
         }
-        for k in ("dpo", "ppo")
+        for k in recipe.chain()["win_rate"]
     }
-    return headline(results["reward"]["val_accuracy"], results["pairs"]["eval"]["pairs"], wins)
+    reward = results[recipe.chain()["scorer"]]["val_accuracy"]
+    return headline(reward, results["pairs"]["eval"]["pairs"], wins)
 
 
 def provenance(results: dict) -> str:
