@@ -154,15 +154,7 @@ def posttrain_stage(
     configs = posttrain_configs(config, base)
     runs = {name: d / name for name in configs}
     for name, cfg in configs.items():
-        run_to_completion(
-            train_child_argv(
-                write_child_config(cfg, d / f"{name}.yaml"), runs[name], compile_cache=compile_cache
-            ),
-            d / f"{name}.log",
-            {**os.environ, **(env or {})},
-            1800,
-            f"{name} run",
-        )
+        recipe.train_stage(name, cfg, d, compile_cache, env)
     merges, evals, problems = {}, {}, []
     for i, (name, cfg) in enumerate(configs.items()):
         merged = d / f"{name}-merged" if cfg.objective.lora.rank else None

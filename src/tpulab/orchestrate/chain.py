@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from pathlib import Path
 
@@ -38,8 +37,7 @@ from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.report_kit import table
 from tpulab.orchestrate import default_size, recipe, report
-from tpulab.proofs.driver import run_to_completion
-from tpulab.proofs.transformer import prove_transformer_resume, train_child_argv, write_child_config
+from tpulab.proofs.transformer import prove_transformer_resume
 from tpulab.train.config import RunConfig
 from tpulab.train.restore import checkpoint_dir
 
@@ -78,7 +76,8 @@ PROVES = (
 def chain_configs(sft_config: RunConfig, sft: Path, pairs: Path, reward: Path, s: ChainSizes):
     """stage name -> RunConfig of the chain's stages (the recipe's, ``recipe.chain``), each laid
     over the source run's config; ``reward``: the run dir of the stage that scores."""
-    rl_steps = s.ppo_rounds * 4  # 2 epochs x 2 minibatches a round
+    rl = recipe.chain()["stages"][recipe.chain()["rl"]]["config"]["objective"]
+    rl_steps = s.ppo_rounds * rl[rl["kind"]]["epochs"] * rl[rl["kind"]]["minibatches"]  # a round
     values = {
         "source": str(Path(sft).absolute()),
         "pairs": str(Path(pairs).absolute()),
@@ -138,17 +137,7 @@ def run_chain(
     pairs_cfg = PairsConfig(train_prompts=sizes.train_prompts, eval_prompts=sizes.eval_prompts)
     pairs = timed("pairs", make_pairs, sft, runs["pairs"], pairs_cfg)
     for name in c["stages"]:
-        path = write_child_config(configs[name], out / f"{name}.yaml")
-        argv = train_child_argv(path, runs[name], compile_cache=compile_cache)
-        timed(
-            name,
-            run_to_completion,
-            argv,
-            out / f"{name}.log",
-            {**os.environ, **(env or {})},
-            1800,
-            f"{name} run",
-        )
+        timed(name, recipe.train_stage, name, configs[name], out, compile_cache, env)
     timed(
         f"{proof} resume proof",
         prove_transformer_resume,
@@ -289,7 +278,7 @@ def chain_section(
     proved = chain["resume_proof"]
     rm, dpo = _evals(runs[chain["scorer"]])[-1], _evals(runs[proved])[-1]
     dpo_first = next(r for r in read_records(runs[proved]) if r.get("step") == 1 and "loss" in r)
-    ppo_evals = _evals(runs[chain["curve"]])
+    ppo_evals = _evals(runs[chain["rl"]])
     v = RunDir(out / f"{proved}-resume").proof.read_verdict()
     curves = []
     for name, stage in chain["stages"].items():

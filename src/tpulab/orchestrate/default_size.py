@@ -82,9 +82,10 @@ def provenance(results: dict) -> str:
     reused = sorted({r["git_commit"][:7] for r in results.get("reused", {}).values()})
     earlier = f", earlier stages reused from commit `{'`, `'.join(reused)}`" if reused else ""
     hardware = hardware_label(env["backend"], env["device_kind"], env["device_count"])
+    rl = results[recipe.chain()["rl"]]
     return (
         f"Default size: `configs/default.yaml`, {results['steps']} steps a stage, PPO "
-        f"{results['ppo']['rounds']} rounds; run at commit `{env['git_commit'][:7]}` on "
+        f"{rl['rounds']} rounds; run at commit `{env['git_commit'][:7]}` on "
         f"{env['time_utc'][:10]} ({hardware}){earlier}; raw: `{RESULTS_NAME}` (and `.md`)."
     )
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from tpulab.config import from_dict, to_dict
 from tpulab.errors import ConfigError
+from tpulab.proofs.driver import run_to_completion
+from tpulab.proofs.transformer import train_child_argv, write_child_config
 from tpulab.train.config import RunConfig
 
 RECIPE = "posttrain.yaml"  # in tpulab/orchestrate/recipes/
@@ -73,3 +77,17 @@ def stage_config(start: RunConfig, stage: dict, values: dict[str, Any]) -> RunCo
     for section, settings in overlay.items():
         d[section].update(settings)
     return from_dict(RunConfig, d)
+
+
+def train_stage(
+    name: str, config: RunConfig, where: Path, compile_cache: Path | None, env: dict | None
+) -> Path:
+    """Stage ``name`` trained as a `tpulab train` child into ``where/name`` (its config written to
+    ``where/name.yaml``, its output to ``where/name.log``; ``env`` added to its environment);
+    raises TpulabError when it fails. Returns the run dir."""
+    run_dir = Path(where) / name
+    path = write_child_config(config, Path(where) / f"{name}.yaml")
+    argv = train_child_argv(path, run_dir, compile_cache=compile_cache)
+    environ = {**os.environ, **(env or {})}
+    run_to_completion(argv, Path(where) / f"{name}.log", environ, 1800, f"{name} run")
+    return run_dir
