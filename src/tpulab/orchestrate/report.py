@@ -19,7 +19,7 @@ from tpulab.evidence import report_kit
 from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.evidence.provenance import hardware_label
-from tpulab.orchestrate import default_size
+from tpulab.orchestrate import default_size, recipe
 from tpulab.proofs.checks import table_markdown
 
 
@@ -354,15 +354,24 @@ def _draw_posttrain(ax, runs: dict[str, Path], base_val: float) -> None:
     ax.legend(fontsize=8)
 
 
-def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, rel: str) -> str:
-    """The capstone's post-training section: the runs, their evaluation against the base, the
-    merge, curves and sample generations (links relative to ``d.parent``)."""
+def posttrain_section(
+    d: Path, runs: dict[str, Path], evals: dict, merges: dict[str, dict], rel: str
+) -> str:
+    """The capstone's post-training section: the recipe's two fine-tuning runs (full, then LoRA:
+    ``recipe.finetune``), their evaluation against the base, the LoRA run's merge (``merges``:
+    stage name -> ``merge_lora``'s record), curves and sample generations (links relative to
+    ``d.parent``)."""
     from tpulab.evidence.provenance import describe_hardware
+    from tpulab.posttrain.evaluate import TRAINED
 
-    sft, lora = evals["sft"], evals["lora"]
+    (full, sft), (adapted, lora) = evals.items()
+    merge = merges[adapted]
     stop, ds, prov = sft["stop"], sft["dataset"], sft["provenance"]
     posttrain_curves(runs, evals, d / "curves.png")
-    names = {"sft": "full SFT", "lora": f"LoRA r{lora['lora']['rank']}"}
+    names = {
+        name: recipe.finetune()[name]["title"] + (f" r{e['lora']['rank']}" if e["lora"] else "")
+        for name, e in evals.items()
+    }
     train_rows = []
     for name, run_dir in runs.items():
         rd = RunDir(run_dir)
@@ -409,8 +418,8 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
             s["prompt"].rstrip("\n"),
             f"--- reference: {s['reference']}",
             f"--- base:      {s['base']!r} (stop: {s['base_stop_bytes'] or 'none'})",
-            f"--- full SFT:  {s['sft']!r} (stop: {s['sft_stop_bytes'] or 'none'})",
-            f"--- LoRA:      {lo['sft']!r} (stop: {lo['sft_stop_bytes'] or 'none'})",
+            f"--- full SFT:  {s[TRAINED]!r} (stop: {s[f'{TRAINED}_stop_bytes'] or 'none'})",
+            f"--- LoRA:      {lo[TRAINED]!r} (stop: {lo[f'{TRAINED}_stop_bytes'] or 'none'})",
             "```",
             "",
         ]
@@ -478,9 +487,9 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
                 ],
                 [
                     eval_row("base (pretrained, step 0)", sft["models"]["base"]),
-                    eval_row(names["sft"], sft["models"]["sft"]),
-                    eval_row(names["lora"], lora["models"]["sft"]),
-                    eval_row(f"{names['lora']} merged", lora["models"]["merged"]),
+                    eval_row(names[full], sft["models"][TRAINED]),
+                    eval_row(names[adapted], lora["models"][TRAINED]),
+                    eval_row(f"{names[adapted]} merged", lora["models"]["merged"]),
                     ("the reference responses", "-", "-", "-", "-", pct(stop["reference_rate"]))
                     + ("-", "-"),
                 ],
@@ -502,8 +511,8 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
             "Sample generations (greedy; the response is what follows the prompt):",
             "",
             *samples,
-            f"Evidence: `{rel}/eval_sft.json`, `{rel}/eval_lora.json` (also in each run's MLflow "
-            f"run, with its numbers as `eval.*` metrics), `{rel}/lora-merged/merge.json`, the runs "
-            f"`{rel}/sft/` and `{rel}/lora/`.",
+            f"Evidence: `{rel}/eval_{full}.json`, `{rel}/eval_{adapted}.json` (also in each run's "
+            f"MLflow run, with its numbers as `eval.*` metrics), `{rel}/{adapted}-merged/"
+            f"merge.json`, the runs `{rel}/{full}/` and `{rel}/{adapted}/`.",
         ]
     )
