@@ -205,7 +205,7 @@ def test_the_greedy_comparison_can_fail(pair):
     from tpulab.inference.cache_eval import heldout_windows
 
     model, config, _, sd = pair
-    bad = {**sd, "blocks.0.mlp.down.weight": sd["blocks.0.mlp.down.weight"] * 3}
+    bad = {**sd, "final_norm.weight": -sd["final_norm.weight"]}  # argmax -> argmin
     g = greedy_pair(
         model, load_twin(bad, config.model, 1e-6, "control"), heldout_windows(config, 32)
     )

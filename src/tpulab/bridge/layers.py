@@ -31,13 +31,16 @@ from tpulab.model.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class Bounds:
-    """fp32 bounds of one conversion; measured values in docs/interop.md."""
+    """fp32 bounds of one conversion. Measured (docs/interop.md): the default model trained 100
+    steps gave at most max abs 4.8e-6, rel L2 3.9e-7 (SQNR 128 dB), per-token KL 2.3e-12; each
+    bound leaves 20x or more, and the four agree with one another (rel L2 1e-5 is SQNR 100 dB and
+    1 - cosine 5e-11; logit differences of 1e-5 relative give KL near 1e-9)."""
 
-    max_abs: float = 1e-3  # |b - a| anywhere in a layer's output (logits are O(10))
+    max_abs: float = 1e-4  # |b - a| anywhere in a layer's output (the logits are O(10))
     rel_l2: float = 1e-5
     cosine: float = 1 - 1e-9  # at least
-    sqnr_db: float = 100.0  # at least (rel_l2 1e-5 is 100 dB)
-    kl: float = 1e-7  # nats, the largest per-token KL of the final logits
+    sqnr_db: float = 100.0  # at least
+    kl: float = 1e-9  # nats, the largest per-token KL of the final logits
 
 
 BOUNDS = Bounds()
@@ -104,7 +107,8 @@ def flax_outputs(model: nnx.Module, tokens_bt: np.ndarray) -> dict[str, np.ndarr
             m(tokens_bt, deterministic=True)
         return {n: seen[n] for n in names}
 
-    return {n: np.asarray(x) for n, x in run(state, jax.numpy.asarray(tokens_bt)).items()}
+    out = run(state, jax.numpy.asarray(tokens_bt))
+    return {n: np.asarray(out[n]) for n in names}  # a returned dict comes back sorted by key
 
 
 @torch.inference_mode()
