@@ -290,3 +290,27 @@ def test_an_existing_out_is_never_overwritten(trained_run, converted, capfd):
     r = run_main(capfd, "convert", "--run-dir", trained_run, "--to", "torch", "--out", path)
     assert_one_line_error(r, "already exists")
     assert path.read_bytes() == before
+
+
+def test_a_lora_run_converts_as_its_merged_model(trained_run, tmp_path):
+    """A post-trained run goes through the same code: a LoRA SFT run's adapters merged into its
+    base (``Restored.plain_params``), written back as a plain pretraining-kind model run."""
+    from conftest import tiny_config
+    from tpulab.bridge.convert import flat_params, from_torch_file, to_torch_file
+    from tpulab.train.loop import train
+    from tpulab.train.restore import load_model
+
+    sets = ("objective.kind=sft", f"objective.init={trained_run}", "objective.lora.rank=4")
+    cfg = tiny_config(*sets, "train.steps=4", "train.eval_every=4", "checkpoint.save_every=4")
+    train(cfg, tmp_path / "lora", progress=False)
+    to = to_torch_file(tmp_path / "lora", tmp_path / "l.pt")
+    assert to["passed"] and to["greedy"]["equal"]
+    back = from_torch_file(tmp_path / "l.pt", tmp_path / "back")
+    assert back["passed"]
+    src, dst = load_model(tmp_path / "lora"), load_model(tmp_path / "back")
+    assert dst.config.objective.kind == "pretrain" and dst.config.objective.lora.rank == 0
+    a, b = flat_params(src.plain_params()), flat_params(dst.plain_params())
+    assert sorted(a) == sorted(b)
+    assert all(np.array_equal(a[n].view(np.uint32), b[n].view(np.uint32)) for n in a)
+    base = flat_params(src.base.plain_params())  # the adapters did change the weights
+    assert not np.array_equal(a["blocks.0.attn.qkv.kernel"], base["blocks.0.attn.qkv.kernel"])
