@@ -76,7 +76,11 @@ def flat_params(state: nnx.State) -> dict[str, np.ndarray]:
 
 
 def _template(config: RunConfig) -> tuple[list[str], list, object]:
-    graphdef, init = transformer_graph(config)
+    """Parameter names, shapes and structure of the run's Transformer, built without remat: the
+    same parameters and forward, and each block called as itself, so its hooks see it (under
+    ``nnx.remat`` a block runs as a copy)."""
+    plain = dataclasses.replace(config.model, remat="none")
+    graphdef, init = transformer_graph(dataclasses.replace(config, model=plain))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init))
     names = [
         jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value")
