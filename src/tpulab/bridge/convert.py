@@ -16,6 +16,7 @@ checkpoint are for.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from pathlib import Path
@@ -96,30 +97,38 @@ def flax_model(config: RunConfig, flat: dict[str, np.ndarray]) -> tuple[nnx.Modu
     return merge_model(graphdef, params), params
 
 
-def greedy_pair(model: nnx.Module, twin: TorchTransformer, windows: np.ndarray) -> dict:
-    """Greedy generations from held-out prompts: tpulab's KV-cache generation (the jitted prefill
-    and decode step its streaming path runs, ``model.decode.Decoder``) and the twin's, compared
-    token for token. Not the one-dispatch compiled loop: at the default size its compile alone
-    took 9.3 s at load 5.5 on 2 cores, prefill + decode 5.2 s."""
+def greedy_prompts(cfg, windows: np.ndarray) -> tuple[np.ndarray, int]:
+    """Up to GREEDY_PROMPTS held-out prompts of max_seq_len // 2 bytes (no padding), and how many
+    tokens to generate from each: max_seq_len // 4."""
     from tpulab.data.tokenizer import PAD
-    from tpulab.model.decode import Decoder, pad_prompt
 
-    n = model.cfg.max_seq_len
-    p, new = n // 2, n // 4
+    p = cfg.max_seq_len // 2
     rows = [w[:p] for w in windows if (w[:p] != PAD).all()][:GREEDY_PROMPTS]
     if not rows:
         raise TpulabError(f"no held-out window has {p} bytes for a greedy prompt")
-    prompts = np.stack(rows).astype(np.int32)
+    return np.stack(rows).astype(np.int32), cfg.max_seq_len // 4
+
+
+def tpulab_greedy(model: nnx.Module, prompts: np.ndarray, new: int) -> list[list[int]]:
+    """tpulab's greedy generation: its KV-cache path (the jitted prefill and decode step that
+    streaming runs, ``model.decode.Decoder``). Not the one-dispatch compiled loop: at the default
+    size its compile alone took 9.3 s at load 5.5 on 2 cores, prefill + decode 5.2 s."""
+    from tpulab.model.decode import Decoder, pad_prompt
+
+    n, p = model.cfg.max_seq_len, prompts.shape[1]
     engine = Decoder.of(model, "fp32")
-    tokens = np.concatenate([pad_prompt(r, n) for r in prompts])
-    logits_bv, cache = engine.prefill(tokens, np.int32(p))
+    logits_bv, cache = engine.prefill(np.concatenate([pad_prompt(r, n) for r in prompts]), p)
     steps = []
     for i in range(new):
         token_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
         steps.append(np.asarray(token_b))
         if i + 1 < new:
             logits_bv, cache = engine.decode(cache, token_b, np.int32(p + i))
-    ours = np.stack(steps, axis=1).tolist()
+    return np.stack(steps, axis=1).tolist()
+
+
+def compare_generations(ours: list, twin: TorchTransformer, prompts: np.ndarray, new: int) -> dict:
+    """tpulab's greedy tokens against the twin's from the same prompts, token for token."""
     with torch_threads(1):
         theirs = greedy(twin, prompts, new).tolist()
     first = next(
@@ -127,12 +136,18 @@ def greedy_pair(model: nnx.Module, twin: TorchTransformer, windows: np.ndarray) 
         None,
     )
     return {
-        "prompts": len(rows),
-        "prompt_len": p,
+        "prompts": len(prompts),
+        "prompt_len": prompts.shape[1],
         "new_tokens": new,
         "equal": first is None,
         "first_difference": None if first is None else {"prompt": first[0], "token": first[1]},
     }
+
+
+def greedy_pair(model: nnx.Module, twin: TorchTransformer, windows: np.ndarray) -> dict:
+    """Greedy generations from held-out prompts, tpulab's and the twin's, compared."""
+    prompts, new = greedy_prompts(model.cfg, windows)
+    return compare_generations(tpulab_greedy(model, prompts, new), twin, prompts, new)
 
 
 def check_conversion(
@@ -143,19 +158,25 @@ def check_conversion(
     bounds: layers.Bounds = layers.BOUNDS,
 ) -> dict:
     """The per-layer table of the converted side against ``source`` ("tpulab" or "torch") over
-    the held-out batch, and the greedy comparison when every bound holds."""
+    the held-out batch, and the greedy comparison when every bound holds. tpulab's generations
+    run in a second thread meanwhile: its two compiles overlap the table's (on 2 idle cores the
+    command's wall time drops by about their length). The hooks patch module classes while the
+    table's forward is traced; the generation's modules are other instances, never recorded."""
     held = heldout_windows(config, 4 * CHECK_WINDOWS)  # evenly spaced over the held-out documents
     windows = held[::4, :-1]  # the fixed batch
-    ours = layers.flax_outputs(model, windows)
-    with torch_threads(1):
-        theirs = layers.torch_outputs(twin, windows)
-    src, dst = (ours, theirs) if source == "tpulab" else (theirs, ours)
-    result = layers.compare(src, dst, bounds)
-    result["source"] = source
-    result["batch"] = {"shape": list(windows.shape), "sha256": sha256_bytes(windows.tobytes())}
-    if result["passed"]:
-        result["greedy"] = greedy_pair(model, twin, held)
-        result["passed"] = result["greedy"]["equal"]
+    prompts, new = greedy_prompts(config.model, held)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        generated = pool.submit(tpulab_greedy, model, prompts, new)
+        ours = layers.flax_outputs(model, windows)
+        with torch_threads(1):
+            theirs = layers.torch_outputs(twin, windows)
+        src, dst = (ours, theirs) if source == "tpulab" else (theirs, ours)
+        result = layers.compare(src, dst, bounds)
+        result["source"] = source
+        result["batch"] = {"shape": list(windows.shape), "sha256": sha256_bytes(windows.tobytes())}
+        if result["passed"]:
+            result["greedy"] = compare_generations(generated.result(), twin, prompts, new)
+            result["passed"] = result["greedy"]["equal"]
     return result
 
 
