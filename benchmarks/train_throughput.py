@@ -2,7 +2,8 @@
 start-up.
 
 Part 1 (throughput, one process): tpulab's jitted, donated train step (``make_steps``) and an eager
-PyTorch implementation of the identical model and optimizer train side by side on the same numpy
+PyTorch implementation of the identical model (tpulab's PyTorch twin, ``tpulab.bridge.twin``, loaded
+through the conversion table) and optimizer train side by side on the same numpy
 batches from the Grain pipeline, starting from the same parameters (tpulab's init, copied into
 torch). Compile and warm-up steps are excluded; every timed step is synchronized
 (``block_until_ready`` / ``loss.item()``); the two are timed in interleaved rounds, so a change in
@@ -39,15 +40,16 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from tpulab.bridge.convert import flat_params
+from tpulab.bridge.convert_table import load_twin, to_torch
 from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.config import load, to_dict
 from tpulab.data.corpus import load_corpus
 from tpulab.data.pipeline import build_splits, train_dataset
 from tpulab.evidence.metrics import METRICS, read_records, starts
 from tpulab.evidence.report_kit import table
-from tpulab.model.config import ModelConfig
+from tpulab.model.transformer import NORM_EPS
 from tpulab.perf.timing import benchmark_environment, summarize, time_steps
 from tpulab.process_setup import prepare
 from tpulab.proofs.driver import tpulab_argv
@@ -59,78 +61,7 @@ CONFIG = ROOT / "configs" / "default.yaml"
 OVERRIDES = ["model.dropout=0"]  # the benchmark measures the deterministic step
 
 
-# --- the PyTorch eager baseline: the same architecture as tpulab.model.transformer ---------------
-
-
-class TorchBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d, hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.attn_norm = nn.Parameter(torch.ones(d))
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.out = nn.Linear(d, d, bias=False)
-        self.mlp_norm = nn.Parameter(torch.ones(d))
-        self.up = nn.Linear(d, hidden, bias=False)
-        self.down = nn.Linear(hidden, d, bias=False)
-
-    def forward(self, x_btd, cos_td, sin_td):
-        b, t, d = x_btd.shape
-        h_btd = F.rms_norm(x_btd, (d,), self.attn_norm, eps=1e-6)
-        qkv = self.qkv(h_btd).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q_bhtd, k_bhtd, v_bhtd = rope(qkv[0], cos_td, sin_td), rope(qkv[1], cos_td, sin_td), qkv[2]
-        a_bhtd = F.scaled_dot_product_attention(
-            q_bhtd, k_bhtd, v_bhtd, is_causal=True
-        )  # scale 1/sqrt(Dh)
-        x_btd = x_btd + self.out(a_bhtd.transpose(1, 2).reshape(b, t, d))
-        h_btd = F.rms_norm(x_btd, (d,), self.mlp_norm, eps=1e-6)
-        # jax.nn.gelu defaults to approximate=True, the tanh form.
-        return x_btd + self.down(F.gelu(self.up(h_btd), approximate="tanh"))
-
-
-def rope(x_bhtd, cos_td, sin_td):
-    """Rotate (first half, second half) channel pairs, as tpulab's apply_rope."""
-    x1, x2 = x_bhtd.chunk(2, dim=-1)
-    return torch.cat([x1 * cos_td - x2 * sin_td, x1 * sin_td + x2 * cos_td], dim=-1)
-
-
-class TorchTransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, seq_len: int):
-        super().__init__()
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(TorchBlock(cfg) for _ in range(cfg.n_layers))
-        self.final_norm = nn.Parameter(torch.ones(cfg.d_model))
-        inv_freq = 1.0 / (
-            cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-        )
-        angles_td = torch.arange(seq_len, dtype=torch.float32)[:, None] * inv_freq
-        self.register_buffer("cos_td", angles_td.cos(), persistent=False)
-        self.register_buffer("sin_td", angles_td.sin(), persistent=False)
-
-    def forward(self, tokens_bt):
-        x_btd = self.embed(tokens_bt)
-        for block in self.blocks:
-            x_btd = block(x_btd, self.cos_td, self.sin_td)
-        h_btd = F.rms_norm(x_btd, (x_btd.shape[-1],), self.final_norm, eps=1e-6)
-        return h_btd @ self.embed.weight.T  # tied head
-
-    @torch.no_grad()
-    def load_tpulab(self, params) -> None:
-        """Copy tpulab parameters (nnx.State as numpy) in; Linear kernels are [in, out], torch's
-        [out, in]."""
-        self.embed.weight.copy_(torch.tensor(np.asarray(params["embed"]["embedding"])))
-        self.final_norm.copy_(torch.tensor(np.asarray(params["final_norm"]["scale"])))
-        for i, blk in enumerate(self.blocks):
-            p = params["blocks"][i]
-            blk.attn_norm.copy_(torch.tensor(np.asarray(p["attn_norm"]["scale"])))
-            blk.mlp_norm.copy_(torch.tensor(np.asarray(p["mlp_norm"]["scale"])))
-            for lin, src in (
-                (blk.qkv, p["attn"]["qkv"]),
-                (blk.out, p["attn"]["out"]),
-                (blk.up, p["mlp"]["up"]),
-                (blk.down, p["mlp"]["down"]),
-            ):
-                lin.weight.copy_(torch.tensor(np.asarray(src["kernel"])).T)
+# --- the PyTorch eager baseline: tpulab's PyTorch twin (tpulab.bridge.twin), trained ------------
 
 
 def masked_xent(logits_btv, targets_bt, mask_bt):
@@ -146,8 +77,9 @@ class TorchTrainer:
 
     def __init__(self, config: RunConfig, params, lrs: np.ndarray):
         o = config.optim
-        self.model = TorchTransformer(config.model, config.data.seq_len)
-        self.model.load_tpulab(params)
+        cfg = config.model
+        self.model = load_twin(to_torch(flat_params(params), cfg), cfg, NORM_EPS, "tpulab's init")
+        self.model.train()
         ps = list(self.model.parameters())
         groups = [
             {"params": [p for p in ps if p.ndim >= 2], "weight_decay": o.weight_decay},

@@ -41,6 +41,7 @@ def dir_commands(missing, run, out):
         "dossier": ["dossier", "--config", TINY, "--out", out],
         "budget": ["budget", "--config", TINY, "--out", out],
         "receipt": ["receipt", "--out", out, "--matmul-size", "0"],
+        "convert --from": ["convert", "--from", "torch", missing, "--out", out],
     }
 
 
@@ -50,6 +51,7 @@ def file_commands(missing, out):
         "sft-eval": ["sft-eval", "--run-dir", missing, "--out", out],
         "win-rate": ["win-rate", "--run-dir", missing, "--against", missing, "--out", out],
         "contract record": ["contract", "record", "--data", missing, "--out", out],
+        "convert --to": ["convert", "--run-dir", missing, "--to", "torch", "--out", out],
     }
 
 

@@ -1,5 +1,5 @@
 """`tpulab bridge ...`: the small MLP through a PyTorch-to-XLA bridge (train, prove-resume,
-compare)."""
+compare); `tpulab convert`: the byte Transformer to its PyTorch twin and back."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from tpulab.cli.args import (
     add_children_no_track_arg,
     add_proof_children_args,
     add_run_dir,
+    checked_path,
+    path_arg,
     verdict_exit,
 )
 from tpulab.errors import ExitCode
@@ -115,6 +117,58 @@ def register(sub) -> None:
     add_children_no_track_arg(p, "bridge train")
     _config_args(p)
     p.set_defaults(handler=cmd_compare)
+    _register_convert(sub)
+
+
+def _register_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="a trained byte Transformer to its PyTorch twin (or back), checked layer by layer",
+        description="--run-dir D --to torch --out T.pt: the run's newest verified model as a "
+        "self-describing torch file; --from torch T.pt --out D: that file back as a run dir "
+        "load_model verifies. Each prints its per-layer table (docs/interop.md); a layer over "
+        "its fp32 bound, or a greedy generation that differs, fails it with nothing written.",
+    )
+    add_run_dir(p, "the run to convert (its newest verified checkpoint)", required=False)
+    p.add_argument("--to", choices=("torch",), help="the format to write")
+    p.add_argument(
+        "--from",
+        dest="source",
+        nargs=2,
+        metavar=("FORMAT", "FILE"),
+        help="convert FILE (FORMAT: torch, a file `tpulab convert --to torch` wrote) to a run dir",
+    )
+    p.add_argument("--out", required=True, type=path_arg, help="the file or run dir to write")
+    p.set_defaults(handler=cmd_convert)
+
+
+def cmd_convert(args) -> int:
+    from tpulab.errors import TpulabError
+
+    if (args.source is None) == (args.to is None) or (args.source is None) != (
+        args.run_dir is not None
+    ):
+        raise TpulabError("give either --run-dir D --to torch, or --from torch FILE (not both)")
+    from tpulab.bridge import convert
+    from tpulab.bridge.layers import markdown
+
+    if args.source is not None:
+        fmt, file = args.source
+        if fmt != "torch":
+            raise TpulabError(f"--from {fmt}: the format must be torch")
+        r = convert.from_torch_file(checked_path(file, "--from FILE"), args.out)
+        what = f"run dir {args.out} (step {r['step']}, checkpoint {r['checkpoint_digest'][:12]})"
+    else:
+        r = convert.to_torch_file(args.run_dir, args.out)
+        what = f"torch file {args.out}"
+    g = r["greedy"]
+    print(markdown(r))
+    print(
+        f"converted {r['source']} -> {'torch' if r['source'] == 'tpulab' else 'tpulab'}: every "
+        f"layer within its fp32 bound; greedy generations equal on {g['prompts']} held-out "
+        f"prompts x {g['new_tokens']} bytes; {r['seconds']:.2f} s -> {what}"
+    )
+    return ExitCode.OK
 
 
 def cmd_train(args) -> int:

@@ -20,6 +20,9 @@ from flax import nnx
 from tpulab.model.config import ModelConfig, PrecisionConfig
 
 _INIT_STD = 0.02
+# RMSNorm's epsilon, added to the mean square: read by every twin of this model (the PyTorch one,
+# tpulab.bridge.twin), so a converted model normalises by the same number.
+NORM_EPS = 1e-6
 
 
 @functools.lru_cache(maxsize=32)
@@ -78,7 +81,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(self.prec.accum_dtype)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + NORM_EPS)
         return (y * self.scale[...].astype(self.prec.accum_dtype)).astype(self.prec.compute_dtype)
 
 

@@ -50,7 +50,6 @@ def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = 
         raise TpulabError(
             f"{run_dir} is not a LoRA run (objective.lora.rank is 0): nothing to merge"
         )
-    run = RunDir(out)
     t0 = time.perf_counter()
     merged = jax.block_until_ready(folded(src.model))
     merge_s = time.perf_counter() - t0
@@ -67,22 +66,13 @@ def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = 
             f"merged logits differ from the adapter model's by {rel:.3g} (relative), over the "
             f"{MERGE_BOUND:g} bound; nothing written"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    run.write_config(config)
     meta = {
-        "config": to_dict(config),
         "corpus_identity": _meta(src).get("corpus_identity"),
-        "tokenizer": TOKENIZER,
         "identities": {**_meta(src).get("identities", {}), "merged_from": src.checkpoint_digest},
-        "model_only": True,
     }
-    store = CheckpointStore(run.checkpoints, keep=2, async_save=False)
-    try:
-        store.save(src.step, TrainState(src.state.step, merged, (), src.state.rng), None, meta)
-        store.wait()
-        digest = store.digest(src.step)
-    finally:
-        store.close()
+    digest = write_model_run(
+        out, config, src.step, TrainState(src.state.step, merged, (), src.state.rng), meta
+    )
     record = {
         "source_run_dir": str(run_dir),
         "source_checkpoint_digest": src.checkpoint_digest,
@@ -97,6 +87,25 @@ def merge_lora(run_dir: str | Path, out: str | Path, probe: np.ndarray | None = 
     }
     atomic_write_json(out / MERGE_RECORD, record)
     return record
+
+
+def write_model_run(out: Path, config, step: int, state: TrainState, meta: dict) -> str:
+    """``out`` (absent or empty) as a run dir holding one model-only checkpoint ``step`` of
+    ``state`` (no optimizer state, no data position: ``model_only`` in its metadata) with ``meta``
+    beside the config and tokenizer; returns the checkpoint's digest. ``load_model`` reads and
+    verifies it like any other; training refuses to resume it. Shared by merge-lora and
+    ``tpulab convert``."""
+    run = RunDir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    run.write_config(config)
+    meta = {"config": to_dict(config), "tokenizer": TOKENIZER, **meta, "model_only": True}
+    store = CheckpointStore(run.checkpoints, keep=2, async_save=False)
+    try:
+        store.save(step, state, None, meta)
+        store.wait()
+        return store.digest(step)
+    finally:
+        store.close()
 
 
 def folded(model) -> nnx.State:
