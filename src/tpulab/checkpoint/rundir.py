@@ -39,6 +39,7 @@ DOCUMENTS = "documents.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 GOODPUT = "goodput.json"
+AUDITS = "audits.json"  # an objective's audits, run before step 1 (Objective.audits)
 WINDOWS_GLOB = "windows.p*.jsonl"
 MLFLOW_RUN = "mlflow_run.json"
 CHECKPOINTS = "checkpoints"

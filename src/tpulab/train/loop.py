@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from tpulab import compile_cache
-from tpulab.checkpoint.rundir import DOCUMENTS, SUMMARY, RunDir, RunEnv, RunSummary
+from tpulab.checkpoint.rundir import AUDITS, DOCUMENTS, SUMMARY, RunDir, RunEnv, RunSummary
 from tpulab.checkpoint.store import CheckpointStore, read_meta, scan
 from tpulab.config import identity_diff, to_dict
 from tpulab.data.tokenizer import DEFINITION as TOKENIZER
@@ -441,6 +441,7 @@ class StepLoop:
             run.run_dir, jax.process_index(), data.row_ids, data.eval_row_ids
         )
         self.ledger.record_eval(data.eval_batches)
+        self.record_audits()
         self.work = facts["work"]  # the unit of work (tokens, images, env steps) and per step
         self.bar = step_bar(config.train.steps, self.start, progress if self.primary else False)
         self.hooks.on_start(
@@ -455,6 +456,18 @@ class StepLoop:
                 "env": {} if env is None else env.to_dict(),  # a dict: the tracking protocol's
                 "identities": {"data": data.identity, **identities},
             }
+        )
+
+    def record_audits(self) -> None:
+        """The objective's audits (``Objective.audits``), before the first step: audits.json and
+        an ``audits`` event naming each check's verdict."""
+        audits = self.opened.objective.audits(self.steps)
+        if not audits:
+            return
+        if self.primary:
+            RunDir(self.opened.run_dir).write(AUDITS, audits)
+        self.log.event(
+            "audits", step=self.start, passed={k: bool(v["passed"]) for k, v in audits.items()}
         )
 
     def read(self, step: int, m: dict) -> None:

@@ -139,3 +139,12 @@ class Objective:
     def describe(self, steps: Any, state: Any) -> dict:
         """Facts about the model for env.json and the tracker (parameter counts, bytes)."""
         return {}
+
+    def audits(self, steps: Any) -> dict[str, dict]:
+        """Checks of this objective's loss and data that must hold before its curve means
+        anything (mask counts, leakage, the step-1 loss against its closed form): name ->
+        ``{"passed": bool, ...}`` with the numbers behind the verdict. The loop runs them once per
+        start, before the first step, on every process (they may compute on the devices), and
+        writes them to the run dir's audits.json and metrics.jsonl; a failed audit is recorded,
+        not raised, so a negative control's run still trains. None by default."""
+        return {}

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from tpulab.train.objective import DataSource, Objective
+from tpulab.train.objectives.digits_cnn import DigitsCNN
+from tpulab.train.objectives.digits_mae import DigitsMAE
 from tpulab.train.objectives.dpo import DPO
 from tpulab.train.objectives.ppo import PPO
 from tpulab.train.objectives.pretrain import Pretrain
@@ -12,7 +14,19 @@ from tpulab.train.objectives.rl_ppo import PPOEnv
 from tpulab.train.objectives.sft import SFT
 from tpulab.train.registry import objective_class
 
-__all__ = ["DPO", "PPO", "SFT", "PPOEnv", "DataSource", "Objective", "Pretrain", "Reward", "build"]
+__all__ = [
+    "DPO",
+    "DigitsCNN",
+    "DigitsMAE",
+    "PPO",
+    "SFT",
+    "PPOEnv",
+    "DataSource",
+    "Objective",
+    "Pretrain",
+    "Reward",
+    "build",
+]
 
 
 def build(config) -> Objective:
