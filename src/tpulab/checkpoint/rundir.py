@@ -6,6 +6,7 @@ greps ``src/`` for them), so a new objective learns them from one place::
 
     run/
       config.yaml  env.json  documents.json  metrics.jsonl  summary.json  goodput.json
+      audits.json                  the objective's audits, run before its first step
       windows.p<process>.jsonl     the window ledger, one file per process
       mlflow_run.json              which MLflow store and run this run dir logs to
       checkpoints/<step>/tpulab_manifest.json   rejected_checkpoints/
@@ -39,7 +40,7 @@ DOCUMENTS = "documents.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 GOODPUT = "goodput.json"
-AUDITS = "audits.json"  # an objective's audits, run before step 1 (Objective.audits)
+AUDITS = "audits.json"
 WINDOWS_GLOB = "windows.p*.jsonl"
 MLFLOW_RUN = "mlflow_run.json"
 CHECKPOINTS = "checkpoints"
@@ -52,6 +53,7 @@ INTERRUPTED = "interrupted"
 VICTIM = "victim"
 
 __all__ = [
+    "AUDITS",
     "CHAOS",
     "CHECKPOINTS",
     "CONFIG",
@@ -475,6 +477,10 @@ class RunDir:
     @property
     def mlflow_run(self) -> Path:
         return self.root / MLFLOW_RUN
+
+    @property
+    def audits(self) -> Path:
+        return self.root / AUDITS
 
     def windows(self, process_index: int) -> Path:
         return self.root / windows_name(process_index)

@@ -167,6 +167,17 @@ def host_metrics(metrics: dict) -> dict:
     return out
 
 
+def checked_audits(audits: dict, kind: str) -> dict[str, dict]:
+    """An objective's audits as the loop writes them: every entry a dict with a bool ``passed``."""
+    for name, audit in audits.items():
+        if not (isinstance(audit, dict) and isinstance(audit.get("passed"), bool)):
+            raise TpulabError(
+                f"objective {kind}: audit {name!r} is not a dict with a bool 'passed' "
+                f"({audit!r:.80})"
+            )
+    return {name: dict(audit) for name, audit in audits.items()}
+
+
 def write_run_files(
     run_dir: Path, config: RunConfig, description: dict, facts: dict, extra: dict
 ) -> RunEnv:
@@ -354,6 +365,7 @@ def _train(
         store = open_store(run, steps, hooks, force)
         built = build_or_restore(run, steps, store)
         loop = StepLoop(run, steps, store, built, hooks, clock, preempt, progress)
+        loop.before_training()
         loop.run()
         summary = finish(run, loop, frozen_digest)
     except _NonFinite as e:
@@ -441,7 +453,6 @@ class StepLoop:
             run.run_dir, jax.process_index(), data.row_ids, data.eval_row_ids
         )
         self.ledger.record_eval(data.eval_batches)
-        self.record_audits()
         self.work = facts["work"]  # the unit of work (tokens, images, env steps) and per step
         self.bar = step_bar(config.train.steps, self.start, progress if self.primary else False)
         self.hooks.on_start(
@@ -458,17 +469,25 @@ class StepLoop:
             }
         )
 
-    def record_audits(self) -> None:
-        """The objective's audits (``Objective.audits``), before the first step: audits.json and
-        an ``audits`` event naming each check's verdict."""
-        audits = self.opened.objective.audits(self.steps)
-        if not audits:
-            return
-        if self.primary:
-            RunDir(self.opened.run_dir).write(AUDITS, audits)
-        self.log.event(
-            "audits", step=self.start, passed={k: bool(v["passed"]) for k, v in audits.items()}
-        )
+    def before_training(self) -> None:
+        """A fresh run's audits (written, logged; one failed: no step is taken)."""
+        objective, run_dir = self.opened.objective, RunDir(self.opened.run_dir)
+        if self.resume is not None and run_dir.audits.exists():
+            return  # audited when the run started: the resume's identity checks held it to that
+        audits = checked_audits(objective.audits(self.steps, self.state), objective.kind)
+        if audits:
+            if self.primary:
+                run_dir.write(AUDITS, audits)
+            failed = sorted(name for name, a in audits.items() if not a["passed"])
+            self.log.event(
+                "audits", step=self.start, passed=sorted(set(audits) - set(failed)), failed=failed
+            )
+            if failed:
+                raise TpulabError(
+                    f"audit {', '.join(failed)} failed: refusing to train a curve on it "
+                    f"(see {run_dir.audits})",
+                    exit_code=ExitCode.FAILED,
+                )
 
     def read(self, step: int, m: dict) -> None:
         record = host_metrics(m)

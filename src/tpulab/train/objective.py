@@ -21,8 +21,11 @@ sections (PPO's rollouts against data.batch_size). ``tpulab.train.registry`` reg
 This module imports nothing of ``tpulab.train``: the registry and the run config import it.
 
 Every metric a step returns reaches metrics.jsonl, the hooks (MLflow) and the report: there is no
-key list to edit. ``identities()`` names, by digest, every model and dataset the run depends on; the
-loop records them in every checkpoint and refuses a resume when any of them changed.
+key list to edit. Before the first step of a fresh run the loop asks for ``audits(steps, state)``:
+checks of what the objective feeds its loss (mask counts, reduction counts, leakage), written to
+the run's audits.json and logged; a failed one stops the run before any step. ``identities()``
+names, by digest, every model and dataset the run depends on; the loop records them in every
+checkpoint and refuses a resume when any of them changed.
 
 Built for the objectives still to come as well: masked and contrastive losses on the byte model
 (another ``Loss`` through ``gradient_steps``), small image models on a bundled dataset (another
@@ -132,19 +135,16 @@ class Objective:
         """A ``tpulab.train.step.Steps``: the state, its shardings and the jitted steps."""
         raise NotImplementedError
 
+    def audits(self, steps: Any, state: Any) -> dict[str, dict]:
+        """name -> ``{"passed": bool, ...what was measured}``: checks run before a fresh run's first
+        step, on its starting ``state`` (never donated here). The loop writes them to audits.json
+        and refuses to train when one failed. None by default."""
+        return {}
+
     def identities(self) -> dict[str, str]:
         """name -> digest of every model and dataset this run depends on (beyond its config)."""
         return {}
 
     def describe(self, steps: Any, state: Any) -> dict:
         """Facts about the model for env.json and the tracker (parameter counts, bytes)."""
-        return {}
-
-    def audits(self, steps: Any) -> dict[str, dict]:
-        """Checks of this objective's loss and data that must hold before its curve means
-        anything (mask counts, leakage, the step-1 loss against its closed form): name ->
-        ``{"passed": bool, ...}`` with the numbers behind the verdict. The loop runs them once per
-        start, before the first step, on every process (they may compute on the devices), and
-        writes them to the run dir's audits.json and metrics.jsonl; a failed audit is recorded,
-        not raised, so a negative control's run still trains. None by default."""
         return {}

@@ -102,10 +102,10 @@ class DigitsObjective(Objective):
         """The model's own entries in ``run_facts``' shapes."""
         return {}
 
-    def first_step(self, steps: Steps) -> tuple[Any, dict[str, np.ndarray], jax.Array]:
-        """(params, batch, key) step 1's loss is computed from: the initial state's parameters,
-        the first global training batch and the key ``gradient_steps`` hands its loss."""
-        state = steps.init()
+    def first_step(self, state: Any) -> tuple[Any, dict[str, np.ndarray], jax.Array]:
+        """(params, batch, key) step 1's loss is computed from, given the starting ``state``: its
+        parameters, the first global training batch and the key ``gradient_steps`` hands the
+        loss at that state."""
         batch = digits.first_batch(self.partition, self.config.data)
         return state.params, batch, step_keys(state.rng)[1]
 

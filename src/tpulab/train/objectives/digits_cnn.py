@@ -57,8 +57,8 @@ class DigitsCNN(DigitsObjective):
         m = self.config.model
         return {"channels": m.channels, "hidden": m.hidden, "classes": m.classes}
 
-    def audits(self, steps: Steps) -> dict[str, dict]:
-        params, batch, key = self.first_step(steps)
+    def audits(self, steps: Steps, state) -> dict[str, dict]:
+        params, batch, key = self.first_step(state)
         loss = jax.jit(classifier_loss(steps.graphdef))
         value, _ = loss(params, None, steps.put_global(batch), key)
         expected = math.log(self.config.model.classes)

@@ -180,9 +180,9 @@ class DigitsMAE(DigitsObjective):
 
         return jax.jit(run)
 
-    def audits(self, steps: Steps) -> dict[str, dict]:
+    def audits(self, steps: Steps, state) -> dict[str, dict]:
         cfg = self.config.model
-        params, batch, key = self.first_step(steps)
+        params, batch, key = self.first_step(state)
         x = batch["x"]
         b = x.shape[0]
         audit_key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), AUDIT_STREAM)
