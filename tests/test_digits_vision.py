@@ -59,6 +59,8 @@ def test_the_partition_is_seeded_disjoint_and_named_by_its_digest():
     ids = digits.row_ids(digits.batch_of(a.train[:3]))
     assert [i.split(":")[0] for i in ids] == [str(i) for i in a.train[:3]]
     assert len(set(digits.image_ids(np.arange(1797)))) == 1797  # one identity per image
+    first, streamed = digits.first_batch(a, cfg), next(digits.train_stream(a, cfg, 0, 1))
+    assert all((first[k] == streamed[k]).all() for k in ("x", "y", "index"))
 
 
 # --- the MAE's audits and their negative controls (in-process, tiny) -----------------------------
@@ -95,6 +97,23 @@ def test_an_inverted_mask_polarity_is_caught():
     assert audits["loss_reads_masked_patches_only"]["visible_patches_in_loss"] == 4 * 16
     assert not audits["masked_count"]["passed"] and audits["masked_count"]["masked_patches"] == 64
     assert audits["masked_pixels_never_reach_the_model"]["passed"]  # that path is still clean
+    assert not audits["step1_loss"]["passed"]  # scored on other patches than the closed form's
+
+
+def test_the_cnn_step1_audit_is_ln10_and_fails_on_a_head_that_is_not_zero():
+    import jax
+
+    from tpulab.train.objectives.digits_cnn import DigitsCNN
+    from tpulab.train.step import make_mesh
+
+    config = _config(CNN_CONFIG, *TINY_CNN)
+    objective = DigitsCNN(config)
+    steps = objective.steps(make_mesh(config))
+    state = steps.init()
+    good = objective.audits(steps, state)["step1_loss"]
+    assert good["passed"] and good["expected"] == pytest.approx(math.log(10), rel=1e-12)
+    bad = state._replace(params=jax.tree.map(lambda p: p + 0.05, state.params))
+    assert not objective.audits(steps, bad)["step1_loss"]["passed"]  # negative control
 
 
 def _losses(cls_path: str, steps_n: int) -> list[float]:
