@@ -27,6 +27,7 @@ TINY_RUN = (
     "checkpoint.save_every=4",
     "optim.warmup_steps=2",
     "optim.schedule_steps=12",
+    "optim.lr=1e-2",
 )
 TINY_MAE = (*TINY_RUN, "model.d_model=16", "model.n_heads=2", "model.n_layers=1")
 TINY_MAE += ("model.decoder_d_model=16", "model.decoder_heads=2")
@@ -63,93 +64,6 @@ def test_the_partition_is_seeded_disjoint_and_named_by_its_digest():
     assert all((first[k] == streamed[k]).all() for k in ("x", "y", "index"))
 
 
-# --- the MAE's audits and their negative controls (in-process, tiny) -----------------------------
-
-
-def _objective(cls_path: str, *sets: str):
-    import importlib
-
-    from tpulab.train.step import make_mesh
-
-    module, _, name = cls_path.partition(":")
-    config = _config(MAE_CONFIG, *TINY_MAE, *sets)
-    objective = getattr(importlib.import_module(module), name)(config)
-    return objective, objective.steps(make_mesh(config))
-
-
-def _audits(cls_path: str):
-    objective, steps = _objective(cls_path)
-    return objective.audits(steps, steps.init())
-
-
-def test_the_mae_audits_pass_and_count_exactly():
-    audits = _audits("tpulab.train.objectives.digits_mae:DigitsMAE")
-    assert all(a["passed"] for a in audits.values()), audits
-    assert audits["masked_count"]["masked_patches"] == math.floor(0.75 * 16) * 16 == 192
-    assert audits["loss_reads_masked_patches_only"]["visible_patches_in_loss"] == 0
-    assert audits["masked_pixels_never_reach_the_model"]["visible_patches_reaching_the_model"] > 0
-    assert audits["step1_loss"]["relative_error"] < 1e-5
-
-
-def test_an_inverted_mask_polarity_is_caught():
-    audits = _audits("vision_controls:InvertedMask")
-    assert not audits["loss_reads_masked_patches_only"]["passed"]
-    assert audits["loss_reads_masked_patches_only"]["visible_patches_in_loss"] == 4 * 16
-    assert not audits["masked_count"]["passed"] and audits["masked_count"]["masked_patches"] == 64
-    assert audits["masked_pixels_never_reach_the_model"]["passed"]  # that path is still clean
-    assert not audits["step1_loss"]["passed"]  # scored on other patches than the closed form's
-
-
-def test_the_cnn_step1_audit_is_ln10_and_fails_on_a_head_that_is_not_zero():
-    import jax
-
-    from tpulab.train.objectives.digits_cnn import DigitsCNN
-    from tpulab.train.step import make_mesh
-
-    config = _config(CNN_CONFIG, *TINY_CNN)
-    objective = DigitsCNN(config)
-    steps = objective.steps(make_mesh(config))
-    state = steps.init()
-    good = objective.audits(steps, state)["step1_loss"]
-    assert good["passed"] and good["expected"] == pytest.approx(math.log(10), rel=1e-12)
-    bad = state._replace(params=jax.tree.map(lambda p: p + 0.05, state.params))
-    assert not objective.audits(steps, bad)["step1_loss"]["passed"]  # negative control
-
-
-def _losses(cls_path: str, steps_n: int) -> list[float]:
-    """The loss of ``steps_n`` train steps driven directly (outside the loop and its audits)."""
-    sets = (f"optim.schedule_steps={steps_n}", "optim.lr=1e-2")
-    objective, steps = _objective(cls_path, *sets)
-    stream, state, out = objective.data().train(0, 1), steps.init(), []
-    for _ in range(steps_n):
-        state, metrics = steps.train(state, steps.put_batch(next(stream)))
-        out.append(float(metrics["loss"]))
-    return out
-
-
-def test_a_decoder_handed_the_masked_pixels_is_flagged_and_its_loss_collapses(tmp_path):
-    from tpulab.train.loop import train
-    from vision_controls import LeakyDecoder
-
-    audits = _audits("vision_controls:LeakyDecoder")
-    flagged = audits["masked_pixels_never_reach_the_model"]
-    assert not flagged["passed"] and flagged["masked_patches_reaching_the_model"] == 12 * 16
-    assert audits["loss_reads_masked_patches_only"]["passed"] and audits["step1_loss"]["passed"]
-    # the loop refuses to train on it: the audits are written, no step is taken
-    config, run = _config(MAE_CONFIG, *TINY_MAE), tmp_path / "leaky"
-    with pytest.raises(TpulabError, match="audit masked_pixels_never_reach_the_model failed"):
-        train(config, run, progress=False, objective=LeakyDecoder(config))
-    assert not json.loads((run / "audits.json").read_text())["masked_pixels_never_reach_the_model"][
-        "passed"
-    ]
-    assert not any("loss" in r for r in _records(run)) and not (run / "checkpoints").exists()
-    # driven anyway, its loss collapses far below the honest model's in the same steps
-    honest = _losses("tpulab.train.objectives.digits_mae:DigitsMAE", 40)
-    leaky = _losses("vision_controls:LeakyDecoder", 40)
-    assert leaky[0] == pytest.approx(honest[0], rel=1e-6)  # the zero head: the same closed form
-    assert np.mean(leaky[-5:]) < 0.5 * np.mean(honest[-5:]), (honest, leaky)
-
-
 # --- the CLI: kill/resume of both, the run's records, the probe ---------------------------------
 
 
@@ -159,6 +73,7 @@ def proofs(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, config, sets in (("mae", MAE_CONFIG, TINY_MAE), ("cnn", CNN_CONFIG, TINY_CNN)):
         argv = ["prove-resume", "--config", str(config), *_sets(*sets), "--kill-at", "10"]
+        argv += ["--warm-resume-cache"]  # the resumed child reads the others' compiled steps
         res = run_cli(*argv, "--run-dir", str(d / name), "--no-track", timeout=600)
         assert res.returncode == 0, res.stdout + res.stderr
         out[name] = d / name
@@ -219,13 +134,110 @@ def test_the_probe_reads_the_encoder_against_the_cnn_and_the_pixels(proofs, tmp_
         assert all(0.0 <= a <= 1.0 for a in m["accuracies"])
     assert record["held_out_images"] == 360 and record["encoder"]["feature_dim"] == 16
     assert all(Path(r, "summary.json").is_file() for r in record["models"]["cnn"]["runs"])
-    # bad input: one line, non-zero, nothing written
-    bad = tmp_path / "bad"
-    for args in (["--seeds", "1"], ["--encoder", str(proofs["cnn"] / "proof" / "reference")]):
-        argv = ["probe", "--encoder", str(encoder), "--out", str(bad), *args]
-        res = run_cli(*argv)
-        assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-        assert not bad.exists()
+    # bad input: refused before anything is written (the CLI prints it as one line, exit 2)
+    from tpulab.errors import ConfigError
+    from tpulab.posttrain.probe import ProbeConfig, run_probe
+
+    with pytest.raises(ConfigError, match="--seeds=1 must be in"):
+        ProbeConfig(seeds=1)
+    bad, cnn = tmp_path / "bad", _config(CNN_CONFIG, *TINY_CNN)
+    not_an_encoder = proofs["cnn"] / "proof" / "reference"
+    with pytest.raises(TpulabError, match="digits_cnn run: its model has no encoder to probe"):
+        run_probe(not_an_encoder, bad, cnn, ProbeConfig(seeds=2))
+    with pytest.raises(TpulabError, match="not objective.kind=digits_mae"):
+        run_probe(encoder, bad, _config(MAE_CONFIG), ProbeConfig(seeds=2))
+    with pytest.raises(TpulabError, match="already exists and is not empty"):
+        run_probe(encoder, out, cnn, ProbeConfig(seeds=2))
+    assert not bad.exists()
+
+
+# --- the MAE's audits and their negative controls (in-process, tiny) -----------------------------
+
+
+def _objective(cls_path: str, *sets: str):
+    import importlib
+
+    from tpulab.train.step import make_mesh
+
+    module, _, name = cls_path.partition(":")
+    config = _config(MAE_CONFIG, *TINY_MAE, *sets)
+    objective = getattr(importlib.import_module(module), name)(config)
+    return objective, objective.steps(make_mesh(config))
+
+
+def _audits(cls_path: str):
+    objective, steps = _objective(cls_path)
+    return objective.audits(steps, steps.init())
+
+
+def test_the_mae_audits_pass_and_count_exactly():
+    audits = _audits("tpulab.train.objectives.digits_mae:DigitsMAE")
+    assert all(a["passed"] for a in audits.values()), audits
+    assert audits["masked_count"]["masked_patches"] == math.floor(0.75 * 16) * 16 == 192
+    assert audits["loss_reads_masked_patches_only"]["visible_patches_in_loss"] == 0
+    assert audits["masked_pixels_never_reach_the_model"]["visible_patches_reaching_the_model"] > 0
+    assert audits["step1_loss"]["relative_error"] < 1e-5
+
+
+def test_an_inverted_mask_polarity_is_caught():
+    audits = _audits("vision_controls:InvertedMask")
+    assert not audits["loss_reads_masked_patches_only"]["passed"]
+    assert audits["loss_reads_masked_patches_only"]["visible_patches_in_loss"] == 4 * 16
+    assert not audits["masked_count"]["passed"] and audits["masked_count"]["masked_patches"] == 64
+    assert audits["masked_pixels_never_reach_the_model"]["passed"]  # that path is still clean
+    assert not audits["step1_loss"]["passed"]  # scored on other patches than the closed form's
+
+
+def test_the_cnn_step1_audit_is_ln10_and_fails_on_a_head_that_is_not_zero():
+    import jax
+
+    from tpulab.train.objectives.digits_cnn import DigitsCNN
+    from tpulab.train.step import make_mesh
+
+    config = _config(CNN_CONFIG, *TINY_CNN)
+    objective = DigitsCNN(config)
+    steps = objective.steps(make_mesh(config))
+    state = steps.init()
+    good = objective.audits(steps, state)["step1_loss"]
+    assert good["passed"] and good["expected"] == pytest.approx(math.log(10), rel=1e-12)
+    leaves, tree = jax.tree.flatten(state.params)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    noisy = [p + 0.05 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)]
+    bad = state._replace(params=jax.tree.unflatten(tree, noisy))  # (a constant shift keeps ln 10)
+    assert not objective.audits(steps, bad)["step1_loss"]["passed"]  # negative control
+
+
+def _losses(cls_path: str, steps_n: int) -> list[float]:
+    """The loss of ``steps_n`` train steps driven directly (outside the loop and its audits)."""
+    objective, steps = _objective(cls_path)  # the proofs' config: their compiled step, cached
+    stream, state, out = objective.data().train(0, 1), steps.init(), []
+    for _ in range(steps_n):
+        state, metrics = steps.train(state, steps.put_batch(next(stream)))
+        out.append(float(metrics["loss"]))
+    return out
+
+
+def test_a_decoder_handed_the_masked_pixels_is_flagged_and_its_loss_collapses(proofs, tmp_path):
+    from tpulab.train.loop import train
+    from vision_controls import LeakyDecoder
+
+    audits = _audits("vision_controls:LeakyDecoder")
+    flagged = audits["masked_pixels_never_reach_the_model"]
+    assert not flagged["passed"] and flagged["masked_patches_reaching_the_model"] == 12 * 16
+    assert audits["loss_reads_masked_patches_only"]["passed"] and audits["step1_loss"]["passed"]
+    # the loop refuses to train on it: the audits are written, no step is taken
+    config, run = _config(MAE_CONFIG, *TINY_MAE), tmp_path / "leaky"
+    with pytest.raises(TpulabError, match="audit masked_pixels_never_reach_the_model failed"):
+        train(config, run, progress=False, objective=LeakyDecoder(config))
+    assert not json.loads((run / "audits.json").read_text())["masked_pixels_never_reach_the_model"][
+        "passed"
+    ]
+    assert not any("loss" in r for r in _records(run)) and not list(run.glob("checkpoints/*/"))
+    # driven anyway, its loss collapses far below the honest model's in the same steps
+    honest = [r["loss"] for r in _records(proofs["mae"] / "proof" / "reference") if "loss" in r]
+    leaky = _losses("vision_controls:LeakyDecoder", len(honest))
+    assert leaky[0] == pytest.approx(honest[0], rel=1e-6)  # the zero head: the same closed form
+    assert np.mean(leaky[-4:]) < 0.5 * np.mean(honest[-4:]), (honest, leaky)  # about 0.3 here
 
 
 def test_the_probe_interval_is_students_t():

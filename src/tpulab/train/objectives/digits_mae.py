@@ -1,7 +1,8 @@
 """Masked-autoencoder pretraining on scikit-learn's digits (``objective.kind: digits_mae``).
 
 Each image is cut into ``model.patch``-sided patches (L of them); ``floor(mask_ratio * L)`` are
-masked by a keyed permutation per image (the first that many of ``jax.random.permutation``), the
+masked by a keyed permutation per image (the first that many of the argsort of uniform noise drawn
+from the step's key, as MAE draws it), the
 encoder sees only the rest (``tpulab.model.mae``), the decoder predicts every patch and the loss is
 the mean squared error over the masked patches' pixels alone, divided by their count. The key is
 the step's share of the state's key (``step.step_keys``), so a resumed run masks exactly what the
@@ -47,10 +48,11 @@ def masked_count(mask_ratio: float, patches: int) -> int:
     return math.floor(round(mask_ratio * patches, 9))
 
 
-def mask_rows(row_keys, patches: int, n_masked: int):
-    """Each image's keyed permutation of its L patches: the first ``n_masked`` are masked.
-    Returns (visible_bk: the other indices, ascending; masked_bl: bool)."""
-    perms = jax.vmap(lambda k: jax.random.permutation(k, patches))(row_keys)
+def mask_rows(noise_bl, n_masked: int):
+    """Each image's keyed permutation of its L patches (``argsort`` of its uniform noise, as MAE
+    draws it): the first ``n_masked`` are masked. Returns (visible_bk: the other indices,
+    ascending; masked_bl: bool)."""
+    perms = jnp.argsort(noise_bl, axis=1)
     visible = jnp.sort(perms[:, n_masked:], axis=1)
     rows = jnp.arange(perms.shape[0])[:, None]
     return visible, jnp.ones(perms.shape, bool).at[rows, visible].set(False)
@@ -112,12 +114,16 @@ class DigitsMAE(DigitsObjective):
         """The patches the loss scores: the masked ones."""
         return masked_bl
 
-    def forward(self, graphdef, params, images_in, images_target, row_keys, row_weight=None):
+    def noise(self, key, batch: int):
+        """A training batch's mask noise: one uniform draw per patch from the step's key."""
+        return jax.random.uniform(key, (batch, self.config.model.patches))
+
+    def forward(self, graphdef, params, images_in, images_target, noise_bl, row_weight=None):
         """(sum, count, masked_bl): the masked-patch error of the model on ``images_in``, scored
         against ``images_target`` (the same images, but for the audits, which separate the two
         paths to take each one's gradient)."""
         cfg = self.config.model
-        visible, masked = mask_rows(row_keys, cfg.patches, self.n_masked)
+        visible, masked = mask_rows(noise_bl, self.n_masked)
         pred = nnx.merge(graphdef, params)(patchify(images_in, cfg.patch), visible)
         target = patch_targets(patchify(images_target, cfg.patch), self.options.norm_pix)
         scored = self.scored(masked)
@@ -128,8 +134,8 @@ class DigitsMAE(DigitsObjective):
 
     def loss(self, graphdef):
         def loss(params, frozen, batch, key):
-            keys = jax.random.split(key, batch["x"].shape[0])
-            total, count, _ = self.forward(graphdef, params, batch["x"], batch["x"], keys)
+            x = batch["x"]
+            total, count, _ = self.forward(graphdef, params, x, x, self.noise(key, x.shape[0]))
             return total / jnp.maximum(count, 1.0), {"masked_patches": count.astype(jnp.int32)}
 
         return loss
@@ -139,9 +145,12 @@ class DigitsMAE(DigitsObjective):
         root = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), EVAL_STREAM)
 
         def evaluate(params, frozen, batch):
-            keys = jax.vmap(lambda i: jax.random.fold_in(root, i))(batch["index"])
+            n = self.config.model.patches
+            noise = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(root, i), (n,)))(
+                batch["index"]
+            )
             x, w = batch["x"], batch["weight"]
-            total, count, _ = self.forward(graphdef, params, x, x, keys, w)
+            total, count, _ = self.forward(graphdef, params, x, x, noise, w)
             return {"val_loss": (total, count)}
 
         return self.gradient_steps(mesh, self.loss(graphdef), evaluate)
@@ -163,19 +172,23 @@ class DigitsMAE(DigitsObjective):
         targets, the gradients of the loss with respect to the target pixels and to the input
         pixels (each path alone, the other held fixed)."""
 
-        def run(params, jittered, x, random_target, keys):
-            total, count, masked = self.forward(graphdef, params, x, x, keys)
+        def run(params, x, key, audit_key):
+            noise = self.noise(key, x.shape[0])
+            total, count, masked = self.forward(graphdef, params, x, x, noise)
+            target_key, jitter_key = jax.random.split(audit_key)
+            leaves, tree = jax.tree.flatten(params)
+            leaf_keys = jax.random.split(jitter_key, len(leaves))
+            jittered = jax.tree.unflatten(
+                tree,
+                [p + JITTER * jax.random.normal(k, p.shape) for p, k in zip(leaves, leaf_keys)],
+            )
 
-            def through_target(t):
-                s, c, _ = self.forward(graphdef, jittered, x, t, keys)
+            def through(images_in, images_target):
+                s, c, _ = self.forward(graphdef, jittered, images_in, images_target, noise)
                 return s / jnp.maximum(c, 1.0)
 
-            def through_input(i):
-                s, c, _ = self.forward(graphdef, jittered, i, x, keys)
-                return s / jnp.maximum(c, 1.0)
-
-            g_target = jax.grad(through_target)(random_target)
-            g_input = jax.grad(through_input)(x)
+            g_target = jax.grad(through, argnums=1)(x, jax.random.uniform(target_key, x.shape))
+            g_input = jax.grad(through, argnums=0)(x, x)
             return total / jnp.maximum(count, 1.0), count, masked, g_target, g_input
 
         return jax.jit(run)
@@ -186,16 +199,8 @@ class DigitsMAE(DigitsObjective):
         x = batch["x"]
         b = x.shape[0]
         audit_key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), AUDIT_STREAM)
-        target_key, jitter_key = jax.random.split(audit_key)
-        leaves, tree = jax.tree.flatten(params)
-        noise = jax.random.split(jitter_key, len(leaves))
-        jittered = jax.tree.unflatten(
-            tree, [p + JITTER * jax.random.normal(k, p.shape) for p, k in zip(leaves, noise)]
-        )
-        random_target = jax.random.uniform(target_key, x.shape)
-        keys = jax.random.split(key, b)
         loss, count, masked, g_target, g_input = jax.device_get(
-            self.probe_paths(steps.graphdef)(params, jittered, x, random_target, keys)
+            self.probe_paths(steps.graphdef)(params, x, key, audit_key)
         )
         masked = np.asarray(masked)
         per_patch = lambda g: np.abs(np.asarray(patchify(g, cfg.patch))).sum(-1) > 0  # noqa: E731
