@@ -221,17 +221,14 @@ def test_a_decoder_handed_the_masked_pixels_is_flagged_and_its_loss_collapses(pr
     from tpulab.train.loop import train
     from vision_controls import LeakyDecoder
 
-    audits = _audits("vision_controls:LeakyDecoder")
-    flagged = audits["masked_pixels_never_reach_the_model"]
-    assert not flagged["passed"] and flagged["masked_patches_reaching_the_model"] == 12 * 16
-    assert audits["loss_reads_masked_patches_only"]["passed"] and audits["step1_loss"]["passed"]
     # the loop refuses to train on it: the audits are written, no step is taken
     config, run = _config(MAE_CONFIG, *TINY_MAE), tmp_path / "leaky"
     with pytest.raises(TpulabError, match="audit masked_pixels_never_reach_the_model failed"):
         train(config, run, progress=False, objective=LeakyDecoder(config))
-    assert not json.loads((run / "audits.json").read_text())["masked_pixels_never_reach_the_model"][
-        "passed"
-    ]
+    audits = json.loads((run / "audits.json").read_text())
+    flagged = audits["masked_pixels_never_reach_the_model"]
+    assert not flagged["passed"] and flagged["masked_patches_reaching_the_model"] == 12 * 16
+    assert audits["loss_reads_masked_patches_only"]["passed"] and audits["step1_loss"]["passed"]
     assert not any("loss" in r for r in _records(run)) and not list(run.glob("checkpoints/*/"))
     # driven anyway, its loss collapses far below the honest model's in the same steps
     honest = [r["loss"] for r in _records(proofs["mae"] / "proof" / "reference") if "loss" in r]

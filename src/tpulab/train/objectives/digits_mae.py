@@ -25,6 +25,7 @@ import dataclasses
 import math
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -170,25 +171,21 @@ class DigitsMAE(DigitsObjective):
     def probe_paths(self, graphdef):
         """One program: step 1's (loss, count, masked) and, on jittered parameters and random
         targets, the gradients of the loss with respect to the target pixels and to the input
-        pixels (each path alone, the other held fixed)."""
+        pixels (the two paths are separate arguments, so each gradient is its path's alone)."""
 
         def run(params, x, key, audit_key):
             noise = self.noise(key, x.shape[0])
             total, count, masked = self.forward(graphdef, params, x, x, noise)
             target_key, jitter_key = jax.random.split(audit_key)
-            leaves, tree = jax.tree.flatten(params)
-            leaf_keys = jax.random.split(jitter_key, len(leaves))
-            jittered = jax.tree.unflatten(
-                tree,
-                [p + JITTER * jax.random.normal(k, p.shape) for p, k in zip(leaves, leaf_keys)],
-            )
+            flat, unravel = jax.flatten_util.ravel_pytree(params)
+            jittered = unravel(flat + JITTER * jax.random.normal(jitter_key, flat.shape))
 
             def through(images_in, images_target):
                 s, c, _ = self.forward(graphdef, jittered, images_in, images_target, noise)
                 return s / jnp.maximum(c, 1.0)
 
-            g_target = jax.grad(through, argnums=1)(x, jax.random.uniform(target_key, x.shape))
-            g_input = jax.grad(through, argnums=0)(x, x)
+            random_target = jax.random.uniform(target_key, x.shape)
+            g_input, g_target = jax.grad(through, argnums=(0, 1))(x, random_target)
             return total / jnp.maximum(count, 1.0), count, masked, g_target, g_input
 
         return jax.jit(run)
