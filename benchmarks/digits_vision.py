@@ -38,6 +38,30 @@ def values(run: Path, key: str) -> list:
     return [r[key] for r in records if key in r]
 
 
+def render(result: dict) -> str:
+    """results.md from results.json: each experiment's wall, CPU and memory with the load average
+    it started under, then the probe's table."""
+    rows = [
+        [name, f"{m['wall_s']:.1f}", f"{m['cpu_s']:.1f}", f"{m['peak_rss_mib']:.0f}"]
+        + [" / ".join(f"{x:.1f}" for x in m["load_before"])]
+        for name, m in result["measured"].items()
+    ]
+    accs = [
+        [name, f"{m['accuracy_mean']:.4f}"]
+        + [f"[{m['interval_95'][0]:.4f}, {m['interval_95'][1]:.4f}]", str(len(m["accuracies"]))]
+        for name, m in result["probe"].items()
+    ]
+    env = result["environment"]
+    head = f"# Digits experiments ({env['cpu'].get('model_name', '?')}, {env['cpu_count']} cores)"
+    return "\n\n".join(
+        [
+            head,
+            table(["experiment", "wall s", "CPU s", "peak RSS MiB", "load 1/5/15 m before"], rows),
+            table(["model", "held-out accuracy", "95% interval", "seeds"], accs),
+        ]
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=5)
@@ -82,26 +106,7 @@ def main() -> None:
         "environment": benchmark_environment(),
     }
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    rows = [
-        [name, f"{m['wall_s']:.1f}", f"{m['cpu_s']:.1f}", f"{m['peak_rss_mib']:.0f}"]
-        for name, m in measured.items()
-    ]
-    accs = [
-        [
-            name,
-            f"{m['accuracy_mean']:.4f}",
-            f"[{m['interval_95'][0]:.4f}, {m['interval_95'][1]:.4f}]",
-        ]
-        for name, m in result["probe"].items()
-    ]
-    cpu = result["environment"]["cpu"].get("model_name", "?")
-    md = "\n\n".join(
-        [
-            f"# Digits experiments ({cpu}, {os.cpu_count()} cores)",
-            table(["experiment", "wall s", "CPU s", "peak RSS MiB"], rows),
-            table(["model", "held-out accuracy", "95% interval"], accs),
-        ]
-    )
+    md = render(result)
     (args.out / "results.md").write_text(md + "\n")
     print(md)
 
