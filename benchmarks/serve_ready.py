@@ -190,8 +190,8 @@ def render(result: dict) -> str:
         [
             "# tpulab serve: time to ready, cold and warm compilation cache",
             "",
-            f"CPU only ({env['cpu_model']}, {env['cpu_count']} cores shared with four other "
-            f"engineers' work; load average at start {env['load_start']}, at the end "
+            f"CPU only ({env['cpu_model']}, {env['cpu_count']} cores; load average"
+            f" at start {env['load_start']}, at the end "
             f"{env['load_end']}), jax {env['jax']}, commit `{env['commit']}`, {env['time_utc']}. "
             f"Policies served: {', '.join(result['policies'])}; max batch {result['max_batch']}. "
             "Ready = spawn to the first /readyz 200 (polled every 20 ms); verify and first-path "

@@ -25,7 +25,7 @@ MANIFEST_HOME = SRC / "checkpoint" / "files.py"
 # File names: flagged anywhere in a string (f-string holes read as "{}"), docstrings excepted.
 FILE_NAMES = re.compile(
     r"(?<![\w.-])(?:config\.yaml|env\.json|documents\.json|metrics\.jsonl|summary\.json"
-    r"|goodput\.json|mlflow_run\.json|tpulab_manifest\.json|verdict\.json"
+    r"|goodput\.json|audits\.json|mlflow_run\.json|tpulab_manifest\.json|verdict\.json"
     r"|windows\.p(?:\*|\{\}|\d+)\.jsonl)(?![\w.-])"
 )
 # Directory names are common words ("reference" is a dict key in five modules): flagged as a path

@@ -101,10 +101,16 @@ def _staged(args) -> dict | None:
     return read_json(Path(args.dir) / "cloud" / "staged.json", None)
 
 
-def cmd_create(args) -> int:
+def _step(args, step: str, *step_args, **step_kwargs):
+    """One step command's VM step (``session.<step>``), interruptible: SIGTERM acts like Ctrl-C
+    and the one-line error names the VM (``CloudSession.interruptible``)."""
     session = _session(args)
-    with session.interruptible("create"):
-        identity = session.create()
+    with session.interruptible(step):
+        return getattr(session, step)(*step_args, **step_kwargs)
+
+
+def cmd_create(args) -> int:
+    identity = _step(args, "create")
     print(
         f"{identity['name']} is {identity['state']}: {identity['accelerator_type']}, "
         f"{len(identity['network_endpoints'])} worker(s) -> "
@@ -115,18 +121,14 @@ def cmd_create(args) -> int:
 
 def cmd_stage(args) -> int:
     job = _job(args)  # bad input fails before anything is written or called
-    session = _session(args)
-    with session.interruptible("stage"):
-        staged = session.stage(job)
+    staged = _step(args, "stage", job)
     print(f"staged {staged['wheel']} on every worker")
     return ExitCode.OK
 
 
 def cmd_run(args) -> int:
     job = _job(args, _staged(args))
-    session = _session(args)
-    with session.interruptible("run"):
-        session.run(job, preempt_at=args.preempt_at)
+    _step(args, "run", job, preempt_at=args.preempt_at)
     print(
         f"job finished on every worker (run dir {args.run_name}); next: tpulab tpu fetch "
         f"--dir {args.dir}"
@@ -137,9 +139,7 @@ def cmd_run(args) -> int:
 def cmd_fetch(args) -> int:
     from tpulab.cloud.explog import write_experiment_log
 
-    session = _session(args)
-    with session.interruptible("fetch"):
-        report = session.fetch(args.run_name)
+    report = _step(args, "fetch", args.run_name)
     n = sum(len(w["checkpoints"]) for w in report["workers"])
     where = (
         f"the shared run dir and {len(report['worker_dirs'])} worker dir(s)"
@@ -156,9 +156,7 @@ def cmd_fetch(args) -> int:
 def cmd_delete(args) -> int:
     from tpulab.cloud.explog import write_experiment_log
 
-    session = _session(args)
-    with session.interruptible("delete"):
-        cleanup = session.delete()
+    cleanup = _step(args, "delete")
     write_experiment_log(args.dir)
     print(f"{cleanup['name']} deleted; verified gone (describe: NOT_FOUND, list: absent)")
     return ExitCode.OK

@@ -183,11 +183,11 @@ def cmd_sft_eval(args) -> int:
         if value is not None and value < 1:
             raise TpulabError(f"{flag} {value} must be at least 1")
     from tpulab.checkpoint.files import atomic_write_json
-    from tpulab.posttrain import evaluate_sft
+    from tpulab.posttrain.evaluate import TRAINED, evaluate_sft
 
     r = evaluate_sft(args.run_dir, merged=merged, max_new=args.max_new, prompts=args.prompts)
     atomic_write_json(out, r)
-    base, sft, stop = r["models"]["base"], r["models"]["sft"], r["stop"]
+    base, sft, stop = r["models"]["base"], r["models"][TRAINED], r["stop"]
 
     def pct(x):
         return "n/a" if x is None else f"{100 * x:.1f}%"

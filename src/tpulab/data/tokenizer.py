@@ -3,6 +3,10 @@
 BOS (256) starts every document, so a model sees where a work begins; PAD (257) fills the tail of
 a document's last window and is never a target (its mask is 0). The definition is recorded in
 checkpoints and export manifests so a mismatched tokenizer is caught, not silently used.
+
+Masked-byte training (objective ``mlm``) adds a third special, MASK (258), after the two: its runs
+set ``model.vocab_size: 259`` and record ``MASKED_DEFINITION``. Nothing else changes: the other
+objectives' vocabulary, definition and bits stay the 258 ids above.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ PAD = 257
 VOCAB_SIZE = 258
 
 DEFINITION = {"kind": "bytes", "bytes": 256, "bos": BOS, "pad": PAD, "vocab_size": VOCAB_SIZE}
+MASK = 258  # what a masked-byte input shows at a hidden position
+MASKED_VOCAB_SIZE = 259
+MASKED_DEFINITION = {**DEFINITION, "mask": MASK, "vocab_size": MASKED_VOCAB_SIZE}
 
 
 def encode(text: str | bytes) -> np.ndarray:

@@ -31,14 +31,30 @@ from tpulab.evidence.report_kit import table
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    clients: tuple[int, ...] = field((1, 4, 16), "concurrent clients per round")
-    requests_per_client: int = field(8, "requests each client sends, back to back")
-    max_new: int = field(32, "tokens per request")
+class RequestShape:
+    """The requests a serving measurement sends and the batching of the servers it starts: one
+    shape for the serve-bench tables and the capacity run (``tpulab.ops.capacity``)."""
+
+    max_new: int = field(32, "tokens per request (greedy, no stop token: always max_new)")
     prompt: str = field("ROMEO:", "the prompt of every request")
     cache: str = field("fp32", "cache policy")
-    max_batch: int = field(16, "the batching server's max batch")
-    batch_window_ms: float = field(0.0, "the batching server's window")
+    max_batch: int = field(16, "each server's max batch")
+    batch_window_ms: float = field(0.0, "each server's batch window")
+
+    def body(self) -> dict:
+        """The JSON body of every request: greedy, ``max_new`` tokens of ``prompt``."""
+        return {
+            "prompt": self.prompt,
+            "max_new": self.max_new,
+            "temperature": 0.0,
+            "cache": self.cache,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig(RequestShape):
+    clients: tuple[int, ...] = field((1, 4, 16), "concurrent clients per round")
+    requests_per_client: int = field(8, "requests each client sends, back to back")
     startup_timeout_s: float = field(600.0, "how long a server may take to become ready")
 
     def __post_init__(self):
@@ -125,7 +141,7 @@ class _Server:
 def _round(base: str, clients: int, cfg: BenchConfig) -> dict:
     import httpx
 
-    body = {"prompt": cfg.prompt, "max_new": cfg.max_new, "temperature": 0.0, "cache": cfg.cache}
+    body = cfg.body()
 
     def client(_):
         out = []

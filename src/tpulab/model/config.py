@@ -40,7 +40,7 @@ MAX_MLP_RATIO = 64
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only Transformer: pre-norm blocks, RoPE, causal attention, GELU MLP."""
+    """Transformer: pre-norm blocks, RoPE, causal attention (or bidirectional), GELU MLP."""
 
     family: str = field(
         DEFAULT_FAMILY,
@@ -60,6 +60,11 @@ class ModelConfig:
         "none",
         "rematerialization per block: none | block (keep only each block's input, recompute the "
         "rest in the backward pass) | dots_saveable (keep matmul outputs, recompute the rest)",
+    )
+    causal: bool = field(
+        True,
+        "causal self-attention (a decoder: position t sees 0..t); false: every position sees "
+        "every other (an encoder, for masked-byte training; it cannot generate)",
     )
 
     def __post_init__(self):

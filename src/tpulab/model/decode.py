@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tpulab.errors import TpulabError
 from tpulab.model import kvcache as kv
 from tpulab.model.transformer import Transformer, causal_mask
 
@@ -80,6 +81,11 @@ class ModelFns:
     """Pure functions of (params, ...) for one model structure; the structure is static."""
 
     def __init__(self, model: Transformer):
+        if not model.cfg.causal:  # an encoder's position t saw t+1..: it has no next-byte logits
+            raise TpulabError(
+                "model.causal=false: this model attends both ways (a masked-byte encoder) and "
+                "cannot generate"
+            )
         self.cfg, self.prec = model.cfg, model.prec
         self.graphdef, state = nnx.split(model)
         paths, self.treedef = jax.tree_util.tree_flatten_with_path(state)

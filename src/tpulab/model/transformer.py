@@ -1,8 +1,9 @@
-"""A byte-level decoder-only Transformer in Flax NNX.
+"""A byte-level Transformer in Flax NNX: a decoder, or with ``model.causal: false`` an encoder.
 
-Pre-norm blocks with RoPE causal self-attention and a GELU MLP. Attention is split into
-``project_qkv`` (projections + RoPE) and ``attend`` (scores, mask, softmax, values) so that the
-training forward and the KV-cache decode path (``tpulab.model.decode``) share one implementation.
+Pre-norm blocks with RoPE causal self-attention (bidirectional when not causal) and a GELU MLP.
+Attention is split into ``project_qkv`` (projections + RoPE) and ``attend`` (scores, mask,
+softmax, values) so that the training forward and the KV-cache decode path
+(``tpulab.model.decode``) share one implementation.
 Norms, softmax and logits run in the accumulation dtype (fp32) whatever the compute dtype.
 """
 
@@ -142,13 +143,13 @@ class Attention(nnx.Module):
         q_bthd: jax.Array,
         k_bshd: jax.Array,
         v_bshd: jax.Array,
-        mask_bts: jax.Array,
+        mask_bts: jax.Array | None,
         *,
         deterministic: bool,
         rngs: nnx.Rngs | None,
     ) -> jax.Array:
-        """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s. Returns
-        [B, T, D]."""
+        """Softmax attention in fp32; ``mask_bts`` is True where query t may see key s (None: every
+        query sees every key). Returns [B, T, D]."""
         acc = self.prec.accum_dtype
         scores_bhts = jnp.einsum("bthd,bshd->bhts", q_bthd, k_bshd, preferred_element_type=acc)
         e_bhts, sum_bht = self.softmax_parts(scores_bhts, mask_bts)
@@ -160,17 +161,21 @@ class Attention(nnx.Module):
             out_bthd / jnp.swapaxes(sum_bht, 1, 2)[..., None], *out_bthd.shape[:2]
         )
 
-    def softmax_parts(self, scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def softmax_parts(
+        self, scores: jax.Array, mask: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]:
         """Softmax over the last axis of raw q.k products [B, H, ..., S] (accumulation dtype),
         scaled by 1/sqrt(Dh), left unnormalized: ``exp(z - max z)`` and its sum over S. ``mask``
-        [B, ..., S] (no head axis) is True where a key is visible. Callers divide by the sum after
-        the product with the values, on Dh elements per query instead of S (as flash attention
-        does): dividing the probabilities first made XLA:CPU write the sum broadcast to every score,
-        per layer, forward and backward (measured: a default-config step 97 -> 88-90 ms). Shared
-        with the decode loop's attention (``tpulab.model.decode``), which lays its products out
-        differently."""
+        [B, ..., S] (no head axis) is True where a key is visible (None: every key is). Callers
+        divide by the sum after the product with the values, on Dh elements per query instead of
+        S (as flash attention does): dividing the probabilities first made XLA:CPU write the sum
+        broadcast to every score, per layer, forward and backward (measured: a default-config step
+        97 -> 88-90 ms). Shared with the decode loop's attention (``tpulab.model.decode``), which
+        lays its products out differently."""
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
-        z = scores * scale + mask_bias(mask, self.prec.accum_dtype)[:, None]
+        z = scores * scale
+        if mask is not None:
+            z = z + mask_bias(mask, self.prec.accum_dtype)[:, None]
         e = jnp.exp(z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True)))
         return e, jnp.sum(e, axis=-1)
 
@@ -182,7 +187,9 @@ class Attention(nnx.Module):
     def __call__(self, x_btd, positions_bt, *, deterministic: bool, rngs: nnx.Rngs | None):
         q, k, v = self.project_qkv(x_btd, positions_bt)
         t = x_btd.shape[1]
-        mask_bts = jnp.broadcast_to(causal_mask(t, t), (x_btd.shape[0], t, t))
+        mask_bts = (
+            jnp.broadcast_to(causal_mask(t, t), (x_btd.shape[0], t, t)) if self.cfg.causal else None
+        )
         return self.attend(q, k, v, mask_bts, deterministic=deterministic, rngs=rngs)
 
 

@@ -37,6 +37,7 @@ import numpy as np
 from tpulab.config import check, field
 from tpulab.errors import TpulabError
 from tpulab.evidence.report_kit import table
+from tpulab.inference.serve_bench import RequestShape
 
 
 def rows_from(table: dict, server: str = "batching") -> list[dict]:
@@ -138,17 +139,12 @@ def plan_text(p: dict) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class CapacityConfig:
-    """The 2-replica validation run (same request shape as the serve-bench tables)."""
+class CapacityConfig(RequestShape):
+    """The 2-replica validation run (the serve-bench tables' request shape)."""
 
     replicas: int = field(2, "replicas behind the round-robin client, each pinned to a core")
     clients_per_replica: tuple[int, ...] = field((1, 2, 4, 8), "closed-loop clients per replica")
     requests_per_client: int = field(30, "requests each client sends, back to back")
-    max_new: int = field(32, "tokens per request (greedy, no stop token: always max_new)")
-    prompt: str = field("ROMEO:", "the prompt of every request")
-    cache: str = field("fp32", "cache policy")
-    max_batch: int = field(16, "each server's max batch")
-    batch_window_ms: float = field(0.0, "each server's batch window")
     p99_ms: float = field(50.0, "p99 target of the capacity model in the report")
     tolerance: float = field(0.2, "allowed |measured - predicted| / predicted")
     repeats: int = field(
@@ -206,7 +202,7 @@ def _closed_loop(
     host share."""
     import httpx
 
-    body = {"prompt": cfg.prompt, "max_new": cfg.max_new, "temperature": 0.0, "cache": cfg.cache}
+    body = cfg.body()
     # Clients (an httpx.Client builds an SSL context: tens of ms) and threads exist before the
     # clock starts; all start together at the barrier (``start``: this process's threads, then
     # every client process's).

@@ -24,6 +24,8 @@ verified unlocked (``unchanged_since``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 from tpulab.errors import ExitCode, TpulabError
@@ -171,7 +173,6 @@ def promote(
     check_name(name)
     check_alias(alias)
     version = str(version)
-    c = reg.client
     entries, mine, model = consistent_ledger(reg, name)
     if model is None:
         raise TpulabError(f"no model {name} in {reg.db}")
@@ -210,27 +211,73 @@ def promote(
     )
     with locked(reg):
         unchanged_since(reg, name, entries, model, mv)
-        entry = ledger.make_entry(
-            entries,
-            "promote",
-            name,
-            version,
-            alias=alias,
-            from_version=holder,
-            reason=reason or default,
-            evidence=evidence,
-            **({"drift": seen} if seen else {}),
-        )
-        transact(
+        entry = _move_alias(
             reg,
             name,
             entries,
-            entry,
-            apply=lambda: c.set_registered_model_alias(name, alias, version),
-            undo=lambda: _put_alias(c, name, alias, holder),
+            "promote",
+            alias=alias,
+            holder=holder,
+            to=version,
+            seen=seen,
+            reason=reason or default,
+            evidence=evidence,
         )
         log_evaluation(reg, name, version, result, f"promote to {alias}")
     return {"name": name, "version": version, "alias": alias, "from": holder, "entry": entry}
+
+
+def _commit(
+    reg: Registry,
+    name: str,
+    entries: list[dict],
+    action: str,
+    version: str,
+    *,
+    seen,
+    apply: Callable[[], None],
+    undo: Callable[[], None] = lambda: None,
+    **fields,
+) -> dict:
+    """The ledger entry of ``action`` on ``name`` v``version`` (``entries``: the ledger read under
+    the lock; ``seen``: the drift it was made over, recorded), written with the store change
+    ``apply``: the store changes only with the entry written, and ``undo`` puts it back when the
+    entry cannot be. Returns the entry."""
+    entry = ledger.make_entry(
+        entries, action, name, version, **fields, **({"drift": seen} if seen else {})
+    )
+    transact(reg, name, entries, entry, apply=apply, undo=undo)
+    return entry
+
+
+def _move_alias(
+    reg: Registry,
+    name: str,
+    entries: list[dict],
+    action: str,
+    *,
+    alias: str,
+    holder: str | None,
+    to: str,
+    seen,
+    **fields,
+) -> dict:
+    """``_commit`` of ``action`` moving ``name``'s ``alias`` from ``holder`` (None: no holder)
+    to version ``to``."""
+    c = reg.client
+    return _commit(
+        reg,
+        name,
+        entries,
+        action,
+        to,
+        seen=seen,
+        apply=lambda: c.set_registered_model_alias(name, alias, to),
+        undo=lambda: _put_alias(c, name, alias, holder),
+        alias=alias,
+        from_version=holder,
+        **fields,
+    )
 
 
 def _put_alias(client, name: str, alias: str, version: str | None) -> None:
@@ -252,7 +299,6 @@ def rollback(
     deleted versions are skipped (and named)."""
     check_name(name)
     check_alias(alias)
-    c = reg.client
     entries, mine, model = consistent_ledger(reg, name)
     if model is None:
         raise TpulabError(f"no model {name} in {reg.db}")
@@ -281,30 +327,32 @@ def rollback(
     )
     with locked(reg):
         unchanged_since(reg, name, entries, model, mv)
-        entry = ledger.make_entry(
-            entries,
-            "rollback",
-            name,
-            target,
-            alias=alias,
-            from_version=current,
-            skipped=skipped,
-            reason=reason or f"roll {alias} back from v{current} to v{target}",
-            evidence=evidence,
-            **({"drift": seen} if seen else {}),
-        )
-        transact(
+        _move_alias(
             reg,
             name,
             entries,
-            entry,
-            apply=lambda: c.set_registered_model_alias(name, alias, target),
-            undo=lambda: _put_alias(c, name, alias, current),
+            "rollback",
+            alias=alias,
+            holder=current,
+            to=target,
+            seen=seen,
+            skipped=skipped,
+            reason=reason or f"roll {alias} back from v{current} to v{target}",
+            evidence=evidence,
         )
     return {"name": name, "version": target, "alias": alias, "from": current, "skipped": skipped}
 
 
+@contextlib.contextmanager
 def _unaliased(reg: Registry, name: str, version: str, what: str):
+    """Under the store's lock, ``name`` v``version`` refused unless it holds no alias (``what``:
+    the change refused): yields the ledger's entries, the model version and the drift seen."""
+    check_name(name)
+    with locked(reg):
+        yield _read_unaliased(reg, name, version, what)
+
+
+def _read_unaliased(reg: Registry, name: str, version: str, what: str):
     entries, mine, model = consistent_ledger(reg, name)
     if model is None:
         raise TpulabError(f"no model {name} in {reg.db}")
@@ -321,50 +369,42 @@ def _unaliased(reg: Registry, name: str, version: str, what: str):
 
 def retire(reg: Registry, name: str, version: int | str, *, reason: str | None = None) -> dict:
     """Mark ``version`` unservable (RETIRED tag); refused while it holds an alias."""
-    check_name(name)
     version = str(version)
     c = reg.client
-    with locked(reg):
-        entries, mv, seen = _unaliased(reg, name, version, "retire")
+    with _unaliased(reg, name, version, "retire") as (entries, mv, seen):
         if is_retired(mv):
             raise TpulabError(f"{name} v{version} is already retired")
-        entry = ledger.make_entry(
-            entries,
-            "retire",
-            name,
-            version,
-            reason=reason or "retired",
-            evidence={"export_manifest_sha256": mv.tags.get(T.EXPORT_MANIFEST)},
-            **({"drift": seen} if seen else {}),
-        )
-        transact(
+        entry = _commit(
             reg,
             name,
             entries,
-            entry,
+            "retire",
+            version,
+            seen=seen,
             apply=lambda: c.set_model_version_tag(name, version, T.RETIRED, "true"),
             undo=lambda: c.delete_model_version_tag(name, version, T.RETIRED),
+            reason=reason or "retired",
+            evidence={"export_manifest_sha256": mv.tags.get(T.EXPORT_MANIFEST)},
         )
     return {"name": name, "version": version, "entry": entry}
 
 
 def delete(reg: Registry, name: str, version: int | str, *, reason: str | None = None) -> dict:
     """Delete ``version`` from the store (its files stay); refused while it holds an alias."""
-    check_name(name)
     version = str(version)
     c = reg.client
-    with locked(reg):
-        entries, mv, seen = _unaliased(reg, name, version, "delete")
-        entry = ledger.make_entry(
+    with _unaliased(reg, name, version, "delete") as (entries, mv, seen):
+        entry = _commit(
+            reg,
+            name,
             entries,
             "delete",
-            name,
             version,
+            seen=seen,
+            apply=lambda: c.delete_model_version(name, version),
             reason=reason or "deleted",
             evidence={"export_manifest_sha256": mv.tags.get(T.EXPORT_MANIFEST), "tags": mv.tags},
-            **({"drift": seen} if seen else {}),
         )
-        transact(reg, name, entries, entry, apply=lambda: c.delete_model_version(name, version))
     return {"name": name, "version": version, "entry": entry}
 
 

@@ -19,7 +19,7 @@ from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
 from tpulab.checkpoint.rundir import ResumeVerdict, RunDir
 from tpulab.errors import TpulabError
 from tpulab.evidence.report_kit import table
-from tpulab.orchestrate import report
+from tpulab.orchestrate import recipe, report
 from tpulab.orchestrate.stages import Stages, prepare_out
 from tpulab.proofs.driver import run_to_completion
 from tpulab.proofs.transformer import train_child_argv, write_child_config
@@ -117,29 +117,22 @@ def scaleout_section(v: ResumeVerdict, rel: str) -> str:
     )
 
 
-LORA_RANK = 8  # the capstone's LoRA: rank 8, alpha 16, every projection
-
-
-def posttrain_config(config: RunConfig, base: Path, lora_rank: int = 0) -> RunConfig:
-    """The capstone's SFT run (``lora_rank`` 0: full fine-tuning) from the pretrained ``base``:
-    a sixth of the pretraining run's steps (50 at the default size: 100 cost the two children
-    ~30 CPU-s more; 25 saved them nothing measurable, 60.0 against 61.3 CPU-s at 2026-12-05's
-    load: their cost is start-up, compiles and the tracker), the same learning rate with a tenth
-    of them as warm-up, validation every quarter."""
-    from tpulab.config import from_dict, to_dict
-
+def posttrain_configs(config: RunConfig, base: Path) -> dict[str, RunConfig]:
+    """stage name -> run config of the recipe's fine-tuning stages (``recipe.finetune``: full SFT
+    and LoRA) from the pretrained ``base``: a sixth of the pretraining run's steps (50 at the
+    default size: 100 cost the two children ~30 CPU-s more; 25 saved them nothing measurable,
+    60.0 against 61.3 CPU-s at 2026-12-05's load: their cost is start-up, compiles and the
+    tracker), the same learning rate with a tenth of them as warm-up, validation every quarter."""
     steps = max(12, config.train.steps // 6)
-    d = to_dict(config)
-    d["objective"] = {
-        "kind": "sft",
-        "init": str(Path(base).absolute()),
-        "data": None,
-        "lora": {**d["objective"]["lora"], "rank": lora_rank},
+    values = {
+        "base": str(Path(base).absolute()),
+        "steps": steps,
+        "warmup": max(1, steps // 10),
+        "eval_every": max(1, steps // 4),
+        "save_every": max(1, steps // 2),
     }
-    d["optim"].update(warmup_steps=max(1, steps // 10), schedule_steps=steps)
-    d["train"].update(steps=steps, eval_every=max(1, steps // 4), eval_batches=4)
-    d["checkpoint"].update(save_every=max(1, steps // 2), keep=2)
-    return from_dict(RunConfig, d)
+    stages = recipe.finetune()
+    return {name: recipe.stage_config(config, stage, values) for name, stage in stages.items()}
 
 
 def posttrain_stage(
@@ -149,49 +142,42 @@ def posttrain_stage(
     compile_cache: Path | None = None,
     env: dict | None = None,
 ) -> str:
-    """SFT and LoRA from ``base`` (each a tracked `tpulab train` child, ``env`` added to its
-    environment), merge-lora, the evaluation of both against the base (logged to their MLflow
-    runs), the report section. Raises TpulabError when a run fails, the merged model's greedy
-    generations differ from the adapter model's, or the evaluation cannot be logged to a run."""
+    """The recipe's fine-tuning stages from ``base`` (each a tracked `tpulab train` child, ``env``
+    added to its environment), merge-lora of the LoRA ones, the evaluation of each against the
+    base (logged to their MLflow runs; the first measures the base too), the report section.
+    Raises TpulabError when a run fails, a merged model's greedy generations differ from the
+    adapter model's, or the evaluation cannot be logged to a run."""
     from tpulab.posttrain import evaluate_sft, log_to_run
     from tpulab.train.merge import merge_lora
 
     d = Path(out) / "posttrain"
-    runs = {"sft": d / "sft", "lora": d / "lora"}
-    for name, rank in (("sft", 0), ("lora", LORA_RANK)):
-        cfg_path = write_child_config(posttrain_config(config, base, rank), d / f"{name}.yaml")
-        run_to_completion(
-            train_child_argv(cfg_path, runs[name], compile_cache=compile_cache),
-            d / f"{name}.log",
-            {**os.environ, **(env or {})},
-            1800,
-            f"{name} run",
-        )
-    merged = d / "lora-merged"
-    merge = merge_lora(runs["lora"], merged)
-    evals = {
-        "sft": evaluate_sft(runs["sft"], loss_pairs=EVAL_LOSS_PAIRS, prompts=EVAL_PROMPTS),
-        "lora": evaluate_sft(
-            runs["lora"],
+    configs = posttrain_configs(config, base)
+    runs = {name: d / name for name in configs}
+    for name, cfg in configs.items():
+        recipe.train_stage(name, cfg, d, compile_cache, env)
+    merges, evals, problems = {}, {}, []
+    for i, (name, cfg) in enumerate(configs.items()):
+        merged = d / f"{name}-merged" if cfg.objective.lora.rank else None
+        if merged is not None:
+            merges[name] = merge_lora(runs[name], merged)
+        evals[name] = evaluate_sft(
+            runs[name],
             merged=merged,
-            with_base=False,
+            with_base=i == 0,
             loss_pairs=EVAL_LOSS_PAIRS,
             prompts=EVAL_PROMPTS,
-        ),
-    }
-    problems = []
-    for name, record in evals.items():
-        path = d / f"eval_{name}.json"
-        atomic_write_json(path, record)
-        if not log_to_run(runs[name], record, [path]):
-            problems.append(f"the {name} evaluation is not in its MLflow run")
-    m = evals["lora"]["merged"]
-    if m["identical_generations"] != m["generations"]:
-        problems.append(
-            f"the merged model's greedy generations differ from the adapter model's on "
-            f"{m['generations'] - m['identical_generations']} of {m['generations']} prompts"
         )
-    section = report.posttrain_section(d, runs, evals, merge, "posttrain")
+        path = d / f"eval_{name}.json"
+        atomic_write_json(path, evals[name])
+        if not log_to_run(runs[name], evals[name], [path]):
+            problems.append(f"the {name} evaluation is not in its MLflow run")
+        m = evals[name].get("merged", {"generations": 0, "identical_generations": 0})
+        if m["identical_generations"] != m["generations"]:
+            problems.append(
+                f"the merged model's greedy generations differ from the adapter model's on "
+                f"{m['generations'] - m['identical_generations']} of {m['generations']} prompts"
+            )
+    section = report.posttrain_section(d, runs, evals, merges, "posttrain")
     atomic_write_bytes(d / "posttrain.md", section.encode())
     if problems:
         raise TpulabError(f"post-training: {'; '.join(problems)} (see {d})")
@@ -486,10 +472,10 @@ def run_capstone(
     if lone:
         together(*lone, first_here=True)
     last = []
-    if RunDir(out / "posttrain" / "sft").summary.exists():  # SFT ended
+    sft = out / "posttrain" / recipe.chain()["source"]
+    if RunDir(sft).summary.exists():  # the chain's source stage ended
         from tpulab.orchestrate.chain import chain_stage
 
-        sft = out / "posttrain" / "sft"
         last.append(
             ("preference chain", lambda: chain_stage(sft, out, options.compile_cache, tracked))
         )

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from pathlib import Path
 
@@ -33,13 +32,12 @@ from tpulab.checkpoint.files import (
 )
 from tpulab.checkpoint.rundir import RunDir
 from tpulab.checkpoint.store import read_meta
-from tpulab.config import from_dict, load, to_dict
+from tpulab.config import load
 from tpulab.errors import TpulabError
 from tpulab.evidence.metrics import read_records
 from tpulab.evidence.report_kit import table
-from tpulab.orchestrate import default_size, report
-from tpulab.proofs.driver import run_to_completion
-from tpulab.proofs.transformer import prove_transformer_resume, train_child_argv, write_child_config
+from tpulab.orchestrate import default_size, recipe, report
+from tpulab.proofs.transformer import prove_transformer_resume
 from tpulab.train.config import RunConfig
 from tpulab.train.restore import checkpoint_dir
 
@@ -65,7 +63,6 @@ class ChainSizes:
 
 
 DEMO = ChainSizes()
-STAGES = ("reward", "dpo", "ppo")
 # what the demo-size section does prove (``default_size.mechanics_label``)
 PROVES = (
     "pairs, a reward model, DPO and PPO all train from the SFT run through the one loop as real "
@@ -77,47 +74,29 @@ PROVES = (
 
 
 def chain_configs(sft_config: RunConfig, sft: Path, pairs: Path, reward: Path, s: ChainSizes):
-    """name -> RunConfig of the chain's reward, DPO and PPO runs, from the SFT run's config."""
-    lora = {**to_dict(sft_config)["objective"]["lora"], "rank": 0}  # full fine-tuning
-
-    def cfg(objective: dict, steps: int, lr: float, eval_every: int, save_every: int, batch: int):
-        d = to_dict(sft_config)
-        d["objective"] = {"init": str(Path(sft).absolute()), "lora": lora, **objective}
-        d["data"].update(batch_size=batch)
-        d["optim"].update(lr=lr, warmup_steps=max(1, steps // 8), schedule_steps=steps)
-        d["train"].update(steps=steps, eval_every=eval_every, eval_batches=2)
-        # synchronous saves: the proof's kill must find the previous checkpoint committed (an
-        # async save still in flight at load ~20 made a resume start from scratch)
-        d["checkpoint"].update(save_every=save_every, keep=2, async_save=False)
-        return from_dict(RunConfig, d)
-
-    data = str(Path(pairs).absolute())
-    pref = dict(steps=s.steps, eval_every=s.steps // 2, save_every=s.save_every, batch=s.batch)
-    ppo_steps = s.ppo_rounds * 4  # 2 epochs x 2 minibatches a round
-    # a quarter of the context for the reply: 32 bytes at seq 128 (the SFT stop budget), 8 at 32
-    max_new = min(32, sft_config.data.seq_len // 4)
-    return {
-        "reward": cfg({"kind": "reward", "data": data}, lr=s.reward_lr, **pref),
-        "dpo": cfg({"kind": "dpo", "data": data, "dpo": {"beta": s.beta}}, lr=s.dpo_lr, **pref),
-        "ppo": cfg(
-            {
-                "kind": "ppo",
-                "data": None,
-                "reward_model": str(Path(reward).absolute()),
-                "ppo": {
-                    "rollouts": s.ppo_rollouts,
-                    "max_new": max_new,
-                    "epochs": 2,
-                    "minibatches": 2,
-                },
-            },
-            steps=ppo_steps,
-            lr=s.ppo_lr,
-            eval_every=3,
-            save_every=4,
-            batch=s.batch,
-        ),
+    """stage name -> RunConfig of the chain's stages (the recipe's, ``recipe.chain``), each laid
+    over the source run's config; ``reward``: the run dir of the stage that scores."""
+    rl = recipe.chain()["stages"][recipe.chain()["rl"]]["config"]["objective"]
+    rl_steps = s.ppo_rounds * rl[rl["kind"]]["epochs"] * rl[rl["kind"]]["minibatches"]  # a round
+    values = {
+        "source": str(Path(sft).absolute()),
+        "pairs": str(Path(pairs).absolute()),
+        recipe.chain()["scorer"]: str(Path(reward).absolute()),
+        "batch": s.batch,
+        "steps": s.steps,
+        "warmup": max(1, s.steps // 8),
+        "eval_every": s.steps // 2,
+        "save_every": s.save_every,
+        "rl_steps": rl_steps,
+        "rl_warmup": max(1, rl_steps // 8),
+        "rollouts": s.ppo_rollouts,
+        # a quarter of the context for the reply: 32 bytes at seq 128 (the SFT stop budget), 8 at 32
+        "max_new": min(32, sft_config.data.seq_len // 4),
+        **{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name.endswith("_lr")},
+        "beta": s.beta,
     }
+    stages = recipe.chain()["stages"]
+    return {name: recipe.stage_config(sft_config, stage, values) for name, stage in stages.items()}
 
 
 def run_chain(
@@ -140,12 +119,13 @@ def run_chain(
     if not RunDir(sft).config.is_file():
         raise TpulabError(f"{sft} is not a run dir (no {rundir.CONFIG}); give an SFT run's dir")
     sft_config = load(RunConfig, RunDir(sft).config)
-    if sft_config.objective.kind != "sft":
-        raise TpulabError(f"{sft} is a {sft_config.objective.kind} run, not sft")
+    if sft_config.objective.kind != recipe.source_kind():
+        raise TpulabError(f"{sft} is a {sft_config.objective.kind} run, not {recipe.source_kind()}")
     out.mkdir(parents=True, exist_ok=True)
-    runs = {"sft": sft, "pairs": out / "pairs", **{k: out / k for k in STAGES}}
-    runs["dpo_resumed"] = RunDir(out / "dpo-resume").proof.interrupted.root
-    configs = chain_configs(sft_config, sft, runs["pairs"], runs["reward"], sizes)
+    c = recipe.chain()
+    proof = c["resume_proof"]
+    runs = chain_runs(sft, out)
+    configs = chain_configs(sft_config, sft, runs["pairs"], runs[c["scorer"]], sizes)
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args, **kwargs):
@@ -156,24 +136,14 @@ def run_chain(
 
     pairs_cfg = PairsConfig(train_prompts=sizes.train_prompts, eval_prompts=sizes.eval_prompts)
     pairs = timed("pairs", make_pairs, sft, runs["pairs"], pairs_cfg)
-    for name in STAGES:
-        path = write_child_config(configs[name], out / f"{name}.yaml")
-        argv = train_child_argv(path, runs[name], compile_cache=compile_cache)
-        timed(
-            name,
-            run_to_completion,
-            argv,
-            out / f"{name}.log",
-            {**os.environ, **(env or {})},
-            1800,
-            f"{name} run",
-        )
+    for name in c["stages"]:
+        timed(name, recipe.train_stage, name, configs[name], out, compile_cache, env)
     timed(
-        "dpo resume proof",
+        f"{proof} resume proof",
         prove_transformer_resume,
-        configs["dpo"],
-        out / "dpo-resume",
-        reference_dir=runs["dpo"],
+        configs[proof],
+        out / f"{proof}-resume",
+        reference_dir=runs[proof],
         compile_cache=compile_cache,
         env=env,
         # the capstone's own proof resumes on a cold cache; this one shares the chain's, which
@@ -182,7 +152,7 @@ def run_chain(
     )
     wins = {
         name: timed(f"{name} win rate", win_rate, runs[name], sft, sizes.win_prompts)
-        for name in ("dpo", "ppo")
+        for name in c["win_rate"]
     }
     identities = identity_rows(runs, configs)
     record = {
@@ -190,16 +160,16 @@ def run_chain(
         "pairs": {"counts": pairs["counts"], "identity": pairs["identity"]},
         "identities": identities,
         "win_rate": {k: {f: w[f] for f in WIN_FIELDS} for k, w in wins.items()},
-        "resume": {"dpo": str(RunDir(out / "dpo-resume").proof.verdict)},
+        "resume": {proof: str(RunDir(out / f"{proof}-resume").proof.verdict)},
         "seconds": seconds,
     }
     atomic_write_json(out / "chain.json", record)
     section = chain_section(out, runs, pairs, wins, identities, seconds, rel)
     atomic_write_bytes(out / "chain.md", section.encode())
     problems = changed(identities)
-    resume = RunDir(out / "dpo-resume").proof.read_verdict()
+    resume = RunDir(out / f"{proof}-resume").proof.read_verdict()
     if not resume.identical:
-        problems.append(f"the DPO resume is not identical: {resume.summary}")
+        problems.append(f"the {proof.upper()} resume is not identical: {resume.summary}")
     if problems:
         raise TpulabError(f"preference chain: {'; '.join(problems)} (see {out})")
     return section
@@ -218,75 +188,69 @@ def changed(rows: list[dict]) -> list[str]:
 WIN_FIELDS = ("prompts", "wins", "ties", "losses", "win_rate", "gold_mean", "stop_rate")
 
 
-def identity_rows(runs: dict[str, Path], configs: dict[str, RunConfig]) -> list[dict]:
-    """Every identity the SFT, reward, DPO and PPO runs' newest checkpoints recorded, each beside
-    its digest recomputed now from where it came from: a model's, the sha256 of its source run's
-    newest checkpoint manifest; the pairs', ``preference.read_dir`` of the pairs dir (which also
-    re-checks every file's sha256); PPO's prompts', rebuilt from the SFT data."""
+def chain_runs(sft: Path, out: Path) -> dict[str, Path]:
+    """The chain's run dirs by name: its source run, the pairs, each stage's, and the resume
+    proof's killed-and-resumed run (``<stage>_resumed``)."""
+    c = recipe.chain()
+    runs = {c["source"]: Path(sft), "pairs": out / "pairs", **{k: out / k for k in c["stages"]}}
+    proof = c["resume_proof"]
+    runs[f"{proof}_resumed"] = RunDir(out / f"{proof}-resume").proof.interrupted.root
+    return runs
+
+
+def _recompute(how: str, config: RunConfig, src: Path | None, name: str) -> str:
+    """The digest of identity ``name`` of a run of ``config`` made again from ``src`` (the
+    recipe's ``recompute``: how; absent, the sha256 of ``src``'s newest checkpoint manifest)."""
     from tpulab.data import dialogue, preference
     from tpulab.data.contract import load_checked
     from tpulab.train.objectives.ppo_prompts import build_prompts
 
-    sft_config = load(RunConfig, RunDir(runs["sft"]).config)
-    model = lambda run: manifest_digest(checkpoint_dir(run))  # noqa: E731
-    ppo = configs["ppo"]
+    if how is None:
+        return manifest_digest(checkpoint_dir(src))
+    if how == "preference":
+        return preference.read_dir(src, config.data).identity
+    if how == "recorded":
+        return read_meta(checkpoint_dir(src))["identities"][name]
+    source = dialogue.from_plays(load_checked(config.data), config.data)
+    if how == "dialogue":
+        return source.identity
+    if how == "prompts":
+        return build_prompts(source, config.data.seq_len, config.objective.options.max_new).identity
+    raise TpulabError(f"the recipe recomputes {name} by {how!r}, which the chain cannot")
 
-    def ppo_prompts() -> str:
-        source = dialogue.from_plays(load_checked(ppo.data), ppo.data)
-        return build_prompts(source, ppo.data.seq_len, ppo.objective.ppo.max_new).identity
 
-    sft, pairs, reward = runs["sft"], runs["pairs"], runs["reward"]
-    sources = {
-        "sft": {
-            "base": (Path(sft_config.objective.init), "the pretrained run"),
-            "dataset": (None, "the dialogue pairs of the training plays"),
-        },
-        "reward": {"base": (sft, "the SFT run (init)"), "dataset": (pairs, "`tpulab pairs`")},
-        "dpo": {
-            "base": (sft, "the SFT run (init)"),
-            "reference": (sft, "the SFT run, a separate frozen copy"),
-            "dataset": (pairs, "`tpulab pairs`"),
-            "reference_logprobs": (
-                runs["dpo_resumed"],
-                "the reference's log-probs of the pairs, computed at the run's start",
-            ),
-        },
-        "ppo": {
-            "init": (sft, "the SFT run"),
-            "reference": (sft, "the SFT run, a separate frozen copy"),
-            "reward_model": (reward, "the chain's reward run"),
-            "dataset": (None, "PPO's prompts from the SFT dialogue set"),
-        },
-    }
-    recompute = {
-        ("sft", "dataset"): lambda: (
-            dialogue.from_plays(load_checked(sft_config.data), sft_config.data).identity
-        ),
-        ("ppo", "dataset"): ppo_prompts,
-        ("reward", "dataset"): lambda: preference.read_dir(pairs, sft_config.data).identity,
-        ("dpo", "dataset"): lambda: preference.read_dir(pairs, sft_config.data).identity,
-        # recomputed by the resume proof's fresh processes from the reference and the pairs (the
-        # loop refuses a resume whose table differs from the one its checkpoint names)
-        ("dpo", "reference_logprobs"): lambda: read_meta(checkpoint_dir(runs["dpo_resumed"]))[
-            "identities"
-        ]["reference_logprobs"],
-    }
+def identity_rows(runs: dict[str, Path], configs: dict[str, RunConfig]) -> list[dict]:
+    """Every identity the chain's runs' newest checkpoints recorded (``recipe.chain``'s
+    ``identities``: the source run's and each stage's), each beside its digest recomputed now from
+    where it came from: a model's, the sha256 of its source run's newest checkpoint manifest; the
+    pairs', ``preference.read_dir`` of the pairs dir (which also re-checks every file's sha256);
+    a dialogue set's or RL prompts', rebuilt from the run's data."""
+    source = recipe.chain()["source"]
+    configs = {source: load(RunConfig, RunDir(runs[source]).config), **configs}
+
+    def where(name: str | None) -> Path | None:
+        if name is None:
+            return None
+        run, _, field = name.partition(".")
+        return Path(getattr(configs[run].objective, field)) if field else runs[run]
+
     rows = []
-    for run, names in sources.items():
+    for run, names in recipe.chain()["identities"].items():
         recorded = read_meta(checkpoint_dir(runs[run]))["identities"]
         if set(recorded) - {"data"} != set(names):
             raise TpulabError(
                 f"{runs[run]} records identities {sorted(recorded)}; the chain expects "
                 f"{sorted(names)}"
             )
-        for name, (src, what) in names.items():
-            now = recompute[(run, name)]() if (run, name) in recompute else model(src)
+        for name, spec in names.items():
+            src = where(spec.get("from"))
+            now = _recompute(spec.get("recompute"), configs[run], src, name)
             rows.append(
                 {
                     "run": run,
                     "name": name,
                     "recorded": recorded[name],
-                    "source": what,
+                    "source": spec["what"],
                     "source_dir": None if src is None else str(src),
                     "recomputed": now,
                     "unchanged": now == recorded[name],
@@ -310,18 +274,18 @@ def chain_section(
 ) -> str:
     """The Markdown section (``rel``: the path of ``out`` in its links); plots each stage's
     curves."""
-    c = pairs["counts"]
-    rm, dpo = _evals(runs["reward"])[-1], _evals(runs["dpo"])[-1]
-    dpo_first = next(r for r in read_records(runs["dpo"]) if r.get("step") == 1 and "loss" in r)
-    ppo_evals = _evals(runs["ppo"])
-    proof = RunDir(out / "dpo-resume").proof
-    v = proof.read_verdict()
+    c, chain = pairs["counts"], recipe.chain()
+    proved = chain["resume_proof"]
+    rm, dpo = _evals(runs[chain["scorer"]])[-1], _evals(runs[proved])[-1]
+    dpo_first = next(r for r in read_records(runs[proved]) if r.get("step") == 1 and "loss" in r)
+    ppo_evals = _evals(runs[chain["rl"]])
+    v = RunDir(out / f"{proved}-resume").proof.read_verdict()
     curves = []
-    for name, title in (("reward", "reward model"), ("dpo", "DPO"), ("ppo", "PPO")):
+    for name, stage in chain["stages"].items():
         text = report.curves_section(
             runs[name], out / f"{name}-curves.png", f"{rel}/{name}-curves.png"
         )
-        curves += [f"### {title}", "", text.split("\n\n", 1)[1], ""]
+        curves += [f"### {stage['title']}", "", text.split("\n\n", 1)[1], ""]
 
     def win_row(name):
         w = wins[name]
@@ -363,7 +327,7 @@ def chain_section(
             "mean r*: policy / SFT",
             "stop rate: policy / SFT",
         ],
-        [win_row("dpo"), win_row("ppo")],
+        [win_row(name) for name in chain["win_rate"]],
     )
     curve_table = table(
         ["step", "KL to the reference (nats per reply)", "proxy reward", "gold reward r*"]
@@ -398,7 +362,8 @@ def chain_section(
         [
             "## Preference chain: reward model, DPO and PPO from the SFT run",
             "",
-            f"From `{runs['sft'].name}/` (the SFT run): `tpulab pairs` ({c['train']['pairs']} "
+            f"From `{runs[chain['source']].name}/` (the SFT run): `tpulab pairs` "
+            f"({c['train']['pairs']} "
             f"training and {c['eval']['pairs']} held-out pairs sampled from SFT, labelled "
             f"Bradley-Terry on the gold reward r*; dataset `{pairs['identity'][:16]}`), then a "
             "reward model and DPO on those pairs and PPO scored by that reward model, each a "
@@ -435,16 +400,17 @@ def chain_section(
             f"**{'bitwise identical' if v.identical else 'NOT identical'}** "
             f"({v.summary}).",
             "",
-            f"![DPO resume]({rel}/dpo-resume/{rundir.PROOF}/overlay.png)",
+            f"![DPO resume]({rel}/{proved}-resume/{rundir.PROOF}/overlay.png)",
             "",
             "Training curves (train loss per step; validation loss where the objective has one):",
             "",
             *curves,
             "Stage seconds: " + ", ".join(f"{k} {x:g}" for k, x in seconds.items()) + ".",
             "",
-            f"Evidence: `{rel}/chain.json`, the runs `{rel}/reward/`, `{rel}/dpo/`, `{rel}/ppo/` "
-            f"(configs beside them), the pairs `{rel}/pairs/`, the proof "
-            f"`{rel}/dpo-resume/{rundir.PROOF}/{rundir.VERDICT}`.",
+            f"Evidence: `{rel}/chain.json`, the runs "
+            + ", ".join(f"`{rel}/{name}/`" for name in chain["stages"])
+            + f" (configs beside them), the pairs `{rel}/pairs/`, the proof "
+            f"`{rel}/{proved}-resume/{rundir.PROOF}/{rundir.VERDICT}`.",
         ]
     )
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tpulab.evidence.provenance import hardware_label
 from tpulab.evidence.report_kit import table
+from tpulab.orchestrate import recipe
 
 # in a checkout (src/tpulab/orchestrate/ -> the repo root); absent from an installed wheel
 RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "preference_chain.json"
@@ -37,7 +38,7 @@ def headline(reward_accuracy: float, reward_pairs: int, wins: dict[str, dict]) -
     """The chain's headline numbers in one column: the reward model's held-out accuracy, then
     DPO's and PPO's gold win rate against SFT, mean gold reward and stop rate (``wins``: per
     policy, ``posttrain.winrate.win_rate``'s fields)."""
-    d, p = wins["dpo"], wins["ppo"]
+    d, p = (wins[name] for name in recipe.chain()["win_rate"])
 
     def rate(w):
         return f"{w['win_rate']:.3f} ({w['wins']} / {w['ties']} / {w['losses']} of {w['prompts']})"
@@ -69,9 +70,10 @@ def committed_headline(results: dict) -> list[str]:
             "gold_mean": results["gold_mean"][k],
             "stop_rate": results["stop_rate"][k],
         }
-        for k in ("dpo", "ppo")
+        for k in recipe.chain()["win_rate"]
     }
-    return headline(results["reward"]["val_accuracy"], results["pairs"]["eval"]["pairs"], wins)
+    reward = results[recipe.chain()["scorer"]]["val_accuracy"]
+    return headline(reward, results["pairs"]["eval"]["pairs"], wins)
 
 
 def provenance(results: dict) -> str:
@@ -80,9 +82,10 @@ def provenance(results: dict) -> str:
     reused = sorted({r["git_commit"][:7] for r in results.get("reused", {}).values()})
     earlier = f", earlier stages reused from commit `{'`, `'.join(reused)}`" if reused else ""
     hardware = hardware_label(env["backend"], env["device_kind"], env["device_count"])
+    rl = results[recipe.chain()["rl"]]
     return (
         f"Default size: `configs/default.yaml`, {results['steps']} steps a stage, PPO "
-        f"{results['ppo']['rounds']} rounds; run at commit `{env['git_commit'][:7]}` on "
+        f"{rl['rounds']} rounds; run at commit `{env['git_commit'][:7]}` on "
         f"{env['time_utc'][:10]} ({hardware}){earlier}; raw: `{RESULTS_NAME}` (and `.md`)."
     )
 

@@ -19,7 +19,7 @@ from tpulab.evidence import report_kit
 from tpulab.evidence.html import render_html
 from tpulab.evidence.metrics import METRICS, curve, read_records, starts
 from tpulab.evidence.provenance import hardware_label
-from tpulab.orchestrate import default_size
+from tpulab.orchestrate import default_size, recipe
 from tpulab.proofs.checks import table_markdown
 
 
@@ -196,6 +196,27 @@ def curves_section(run_dir: Path, out_png: Path, rel: str) -> str:
     return f"## Training curves\n\n![training and validation loss]({rel})"
 
 
+def audits_section(run_dir: Path) -> tuple[str | None, list[str]]:
+    """The objective's audits (audits.json) as a table, and the names of those that failed (the
+    curves are not shown then); (None, []) for a run without audits."""
+    audits = read_json(RunDir(run_dir).audits, None)
+    if audits is None:
+        return None, []
+    failed = sorted(name for name, a in audits.items() if not a.get("passed"))
+    rows = [
+        [
+            name,
+            "passed" if a.get("passed") else "FAILED",
+            "; ".join(f"{k}: {v}" for k, v in a.items() if k != "passed"),
+        ]
+        for name, a in audits.items()
+    ]
+    title = f"Audits, run before step 1 ({rundir.AUDITS})"
+    return report_kit.section(
+        title, report_kit.table(["audit", "result", "measured"], rows)
+    ), failed
+
+
 def _draw_curves(ax, recs: list[dict], loss: dict, val: dict) -> None:
     xs = sorted(loss)
     ax.plot(xs, [loss[s] for s in xs], lw=1.2, label="train loss (per step)")
@@ -246,7 +267,13 @@ def build_report(d: str | Path) -> str:
             sections.append(
                 f"## The training run\n\nNo {rundir.SUMMARY}: this run has not ended normally yet."
             )
-        sections.append(curves_section(run_dir, d / "plots" / "curves.png", "plots/curves.png"))
+        audits, failed = audits_section(run_dir)
+        sections += [audits] if audits else []
+        sections.append(
+            curves_section(run_dir, d / "plots" / "curves.png", "plots/curves.png")
+            if not failed
+            else f"## Training curves\n\nNot shown: audit {', '.join(failed)} failed."
+        )
         sections.append(goodput_section(run_dir, f"Goodput of `{rel or '.'}`"))
     if proof.verdict.exists():
         sections.append(
@@ -327,15 +354,24 @@ def _draw_posttrain(ax, runs: dict[str, Path], base_val: float) -> None:
     ax.legend(fontsize=8)
 
 
-def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, rel: str) -> str:
-    """The capstone's post-training section: the runs, their evaluation against the base, the
-    merge, curves and sample generations (links relative to ``d.parent``)."""
+def posttrain_section(
+    d: Path, runs: dict[str, Path], evals: dict, merges: dict[str, dict], rel: str
+) -> str:
+    """The capstone's post-training section: the recipe's two fine-tuning runs (full, then LoRA:
+    ``recipe.finetune``), their evaluation against the base, the LoRA run's merge (``merges``:
+    stage name -> ``merge_lora``'s record), curves and sample generations (links relative to
+    ``d.parent``)."""
     from tpulab.evidence.provenance import describe_hardware
+    from tpulab.posttrain.evaluate import TRAINED
 
-    sft, lora = evals["sft"], evals["lora"]
+    (full, sft), (adapted, lora) = evals.items()
+    merge = merges[adapted]
     stop, ds, prov = sft["stop"], sft["dataset"], sft["provenance"]
     posttrain_curves(runs, evals, d / "curves.png")
-    names = {"sft": "full SFT", "lora": f"LoRA r{lora['lora']['rank']}"}
+    names = {
+        name: recipe.finetune()[name]["title"] + (f" r{e['lora']['rank']}" if e["lora"] else "")
+        for name, e in evals.items()
+    }
     train_rows = []
     for name, run_dir in runs.items():
         rd = RunDir(run_dir)
@@ -382,8 +418,8 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
             s["prompt"].rstrip("\n"),
             f"--- reference: {s['reference']}",
             f"--- base:      {s['base']!r} (stop: {s['base_stop_bytes'] or 'none'})",
-            f"--- full SFT:  {s['sft']!r} (stop: {s['sft_stop_bytes'] or 'none'})",
-            f"--- LoRA:      {lo['sft']!r} (stop: {lo['sft_stop_bytes'] or 'none'})",
+            f"--- full SFT:  {s[TRAINED]!r} (stop: {s[f'{TRAINED}_stop_bytes'] or 'none'})",
+            f"--- LoRA:      {lo[TRAINED]!r} (stop: {lo[f'{TRAINED}_stop_bytes'] or 'none'})",
             "```",
             "",
         ]
@@ -451,9 +487,9 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
                 ],
                 [
                     eval_row("base (pretrained, step 0)", sft["models"]["base"]),
-                    eval_row(names["sft"], sft["models"]["sft"]),
-                    eval_row(names["lora"], lora["models"]["sft"]),
-                    eval_row(f"{names['lora']} merged", lora["models"]["merged"]),
+                    eval_row(names[full], sft["models"][TRAINED]),
+                    eval_row(names[adapted], lora["models"][TRAINED]),
+                    eval_row(f"{names[adapted]} merged", lora["models"]["merged"]),
                     ("the reference responses", "-", "-", "-", "-", pct(stop["reference_rate"]))
                     + ("-", "-"),
                 ],
@@ -475,8 +511,8 @@ def posttrain_section(d: Path, runs: dict[str, Path], evals: dict, merge: dict, 
             "Sample generations (greedy; the response is what follows the prompt):",
             "",
             *samples,
-            f"Evidence: `{rel}/eval_sft.json`, `{rel}/eval_lora.json` (also in each run's MLflow "
-            f"run, with its numbers as `eval.*` metrics), `{rel}/lora-merged/merge.json`, the runs "
-            f"`{rel}/sft/` and `{rel}/lora/`.",
+            f"Evidence: `{rel}/eval_{full}.json`, `{rel}/eval_{adapted}.json` (also in each run's "
+            f"MLflow run, with its numbers as `eval.*` metrics), `{rel}/{adapted}-merged/"
+            f"merge.json`, the runs `{rel}/{full}/` and `{rel}/{adapted}/`.",
         ]
     )

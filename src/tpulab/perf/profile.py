@@ -1,5 +1,9 @@
 """`tpulab profile`: a trace of K warmed train steps and a top-ops table computed from it.
 
+The steps are the run's own: its objective (``objective.kind``, through the registry) builds them
+and gives the abstract state its newest checkpoint is restored into, and its first training batch
+is what every step trains on.
+
 The trace (``jax.profiler.trace``, each step inside a ``StepTraceAnnotation``) stays in
 ``DIR/profile/`` as ``*.xplane.pb`` (XProf/TensorBoard: ``xprof --logdir DIR/profile`` with the
 optional ``xprof`` package) and ``*.trace.json.gz`` (drag into https://ui.perfetto.dev). The table
@@ -26,6 +30,7 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from tpulab.errors import TpulabError
 from tpulab.evidence.report_kit import table
@@ -172,15 +177,27 @@ def top_ops(
     }
 
 
-def load_train_state(run_dir: Path):
-    """(config, Steps, TrainState) from a run dir's newest valid checkpoint; one-line error
-    without one."""
+class Loaded(NamedTuple):
+    config: Any  # the run's RunConfig
+    steps: Any  # its objective's Steps
+    state: Any  # restored from the checkpoint
+    abstract_state: Any  # what it was restored into: the objective's abstract_state
+    batch: dict  # the objective's first training batch (empty: the state carries its data)
+    step: int  # the checkpoint's
+
+
+def load_train_state(run_dir: Path) -> Loaded:
+    """A run dir's newest valid checkpoint, ready to train on: the run's own objective
+    (``objective.kind``, through the registry) builds the steps and says the state's shapes
+    (``abstract_state``), which the checkpoint is restored into; one-line error without a
+    checkpoint."""
     from tpulab.checkpoint.rundir import RunDir
     from tpulab.checkpoint.store import CheckpointStore
     from tpulab.config import from_dict
     from tpulab.errors import CheckpointError
     from tpulab.train.config import RunConfig
-    from tpulab.train.step import make_steps
+    from tpulab.train.registry import objective_class
+    from tpulab.train.step import make_mesh
 
     ckpt_dir = RunDir(run_dir).checkpoints
     if not ckpt_dir.is_dir():
@@ -194,27 +211,32 @@ def load_train_state(run_dir: Path):
         if step is None:
             raise CheckpointError(f"{ckpt_dir} holds no valid checkpoint to profile")
         config = from_dict(RunConfig, store.read_meta(step)["config"])
-        steps = make_steps(config)
-        return config, steps, store.restore(step, steps.abstract_state(), None), step
+        objective = objective_class(config.objective.kind)(config)  # reads what the run read
+        mesh = make_mesh(config)
+        steps = objective.steps(mesh)
+        target = type(objective).abstract_state(config, mesh)
+        train = objective.data().train  # None: the state carries its own data
+        batch = {} if train is None else next(train(0, 1))
+        return Loaded(config, steps, store.restore(step, target, None), target, batch, step)
     finally:
         store.close()
 
 
 def profile_run(run_dir: str | Path, *, steps: int = 5, warmup: int = 3, timed: int = 20) -> dict:
-    """Profile K warmed train steps of a trained run (its config, its checkpointed state); write
-    DIR/profile/."""
+    """Profile K warmed train steps of a trained run (its objective's steps on its first training
+    batch, from its checkpointed state); write DIR/profile/."""
     import jax
 
     from tpulab.checkpoint.files import atomic_write_bytes, atomic_write_json
-    from tpulab.perf.bench import synthetic_batch
     from tpulab.perf.timing import benchmark_environment, summarize, time_steps
 
     if steps < 1:
         raise TpulabError(f"--steps {steps}: profile at least one step")
     run_dir = Path(run_dir)
-    config, s, state, ckpt_step = load_train_state(run_dir)
-    batch = s.put_batch(synthetic_batch(config))
-    holder = {"state": state}
+    loaded = load_train_state(run_dir)
+    s, ckpt_step = loaded.steps, loaded.step
+    batch = s.put_batch(loaded.batch)
+    holder = {"state": loaded.state}
 
     def one():
         holder["state"], metrics = s.train(holder["state"], batch)
@@ -249,7 +271,7 @@ def profile_run(run_dir: str | Path, *, steps: int = 5, warmup: int = 3, timed: 
     profiled = statistics.median(step_times)
     hlo = (
         s.train.lower(
-            s.abstract_state(),
+            loaded.abstract_state,
             jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.batch_sharding), batch
             ),

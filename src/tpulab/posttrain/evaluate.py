@@ -39,7 +39,11 @@ from tpulab.checkpoint.store import read_meta
 from tpulab.data import dialogue
 from tpulab.data.tokenizer import BOS
 from tpulab.errors import TpulabError
+from tpulab.train.objectives.sft import SFT
+from tpulab.train.registry import objective_class
 
+# The record's name of the evaluated run's model (beside base and merged): its objective's kind
+TRAINED = SFT.kind
 CACHE_POLICY = "fp32"  # generation's KV cache: the model's own precision, no quantisation
 MAX_BATCH = 64  # prompts per dispatch of the compiled generation loop
 
@@ -180,10 +184,11 @@ def _verified(run_dir: Path):
     from tpulab.train.restore import load_model
 
     restored = load_model(run_dir)
-    if restored.config.objective.kind != "sft":
+    kind = restored.config.objective.kind
+    if not issubclass(objective_class(kind), SFT):
         raise TpulabError(
-            f"{run_dir} is a {restored.config.objective.kind} run, not sft: nothing to compare "
-            "with a base (train one with --set objective.kind=sft --set objective.init=RUN)"
+            f"{run_dir} is a {kind} run, not {SFT.kind}: nothing to compare with a base (train "
+            f"one with --set objective.kind={SFT.kind} --set objective.init=RUN)"
         )
     return restored, read_meta(restored.checkpoint_dir).get("identities", {})
 
@@ -228,13 +233,12 @@ def evaluate_sft(
 
     from tpulab.evidence.provenance import describe_hardware, environment
     from tpulab.train.loop import evaluate
-    from tpulab.train.objectives.sft import SFT
     from tpulab.train.step import make_mesh
 
     run_dir = Path(run_dir)
     restored, trained_ids = _verified(run_dir)
     config = restored.config
-    objective = SFT(config)  # reads the base and rebuilds the dataset, verified
+    objective = objective_class(config.objective.kind)(config)  # reads the base and the data
     for name, digest in objective.identities().items():
         if trained_ids.get(name) != digest:
             raise TpulabError(
@@ -243,7 +247,7 @@ def evaluate_sft(
                 "compare against another model or dataset"
             )
     models = {"base": objective.base.model} if with_base else {}
-    models["sft"] = restored.model
+    models[TRAINED] = restored.model
     merge_record = None
     if merged is not None:
         if restored.base is None:
@@ -262,7 +266,7 @@ def evaluate_sft(
     # its last logged val_loss (same program, parameters and batches).
     steps = objective.steps(make_mesh())  # every device here, whatever mesh trained the run
     run_batches = objective.data().eval_batches
-    trained = {"sft": restored.state.params}
+    trained = {TRAINED: restored.state.params}
     if with_base:
         trained["base"] = steps.init().params
     for name, params in trained.items():
@@ -365,7 +369,7 @@ def evaluate_sft(
         },
     }
     if merge_record is not None:
-        same = [a == b for a, b in zip(generated["merged"], generated["sft"])]
+        same = [a == b for a, b in zip(generated["merged"], generated[TRAINED])]
         record["merged"] = {
             "run_dir": str(merged),
             "digest": merge_record["merged_checkpoint_digest"],

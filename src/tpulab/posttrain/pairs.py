@@ -40,6 +40,8 @@ from tpulab.errors import TpulabError
 from tpulab.evidence.provenance import environment
 from tpulab.inference.generate import Request, SamplingConfig, generate_batch
 from tpulab.model.decode import Decoder
+from tpulab.train.objectives.lm import LANGUAGE_MODEL
+from tpulab.train.registry import objective_class
 from tpulab.train.restore import Restored, load_model
 
 BUILDER = "tpulab-pairs-v1"
@@ -60,9 +62,12 @@ class PairsConfig:
 
 
 def load_policy(run_dir: str | Path) -> Restored:
+    """The newest verified checkpoint of ``run_dir``, a run whose objective produces a language
+    model (a policy that generates; a reward model only scores)."""
     policy = load_model(run_dir)
-    if policy.config.objective.kind == "reward":
-        raise TpulabError(f"{run_dir} is a reward model, not a policy: it cannot generate")
+    produces = objective_class(policy.config.objective.kind).produces
+    if produces != LANGUAGE_MODEL:
+        raise TpulabError(f"{run_dir} is a {produces}, not a policy: it cannot generate")
     return policy
 
 

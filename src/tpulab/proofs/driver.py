@@ -197,17 +197,17 @@ def prove_resume(
         resume_cache = cache.fresh_cache(stats_dir, "resumed")
         resume_env = {**env, **cache.cache_env(resume_cache)}
 
+    def to_completion(role: str, run_dir: Path, env: dict) -> float:
+        """The ``role`` child trained to the end in ``run_dir``, logged to ``<role>.log``: its
+        wall seconds."""
+        t0 = time.monotonic()
+        argv = counted(command(run_dir), role)
+        run_to_completion(argv, proof_dir / f"{role}.log", env, timeout_s, f"{role} run")
+        return time.monotonic() - t0
+
     if reference_dir is None:
         reference_dir = fresh_run_dir(proof.reference.root)
-        t0 = time.monotonic()
-        run_to_completion(
-            counted(command(reference_dir), "reference"),
-            proof_dir / "reference.log",
-            env,
-            timeout_s,
-            "reference run",
-        )
-        timings["reference_s"] = time.monotonic() - t0
+        timings["reference_s"] = to_completion("reference", reference_dir, env)
     reference_dir = Path(reference_dir)
 
     run_dir = fresh_run_dir(proof.interrupted.root, exist_ok=True)
@@ -222,15 +222,7 @@ def prove_resume(
     )
     at_kill = checkpoint_listing(run_dir)
     timings["killed_run_s"] = time.monotonic() - t0
-    t0 = time.monotonic()
-    run_to_completion(
-        counted(command(run_dir), "resumed"),
-        proof_dir / "resumed.log",
-        resume_env,
-        timeout_s,
-        "resumed run",
-    )
-    timings["resumed_run_s"] = time.monotonic() - t0
+    timings["resumed_run_s"] = to_completion("resumed", run_dir, resume_env)
     caches = {
         "resumed_cache": "warm (shared with the reference and killed runs)"
         if warm_resume_cache

@@ -5,11 +5,12 @@ already holds a valid checkpoint the run resumes from the newest one, after chec
 config (all but step count and logging) and the corpus identity match the checkpoint's. Metrics
 are read one step late (dispatch step N, then read step N-1) so the host never waits on the
 device except where a number is logged, and a step's numbers and state are checked finite before it
-is saved, so a non-finite state is never committed. SIGTERM (a preemption notice) finishes the
-current step, saves and exits 0. Proofs, tests and trackers add behaviour through ``hooks``
-(tpulab.train.hooks). With several processes (tpulab.train.distributed) every process runs this
-loop on its own rows of each batch and takes part in every save; process 0 alone writes the run's
-files and checkpoint manifests.
+is saved, so a non-finite state is never committed. Before a fresh run's first step the objective's
+audits are written to audits.json and logged; one failed, and no step is taken. SIGTERM (a
+preemption notice) finishes the current step, saves and exits 0. Proofs, tests and trackers add
+behaviour through ``hooks`` (tpulab.train.hooks). With several processes
+(tpulab.train.distributed) every process runs this loop on its own rows of each batch and takes
+part in every save; process 0 alone writes the run's files and checkpoint manifests.
 """
 
 from __future__ import annotations
@@ -470,7 +471,8 @@ class StepLoop:
         )
 
     def before_training(self) -> None:
-        """A fresh run's audits (written, logged; one failed: no step is taken)."""
+        """A fresh run's audits (written, logged; one failed: no step is taken) and, when the
+        objective asks, the evaluation of its starting parameters at step 0."""
         objective, run_dir = self.opened.objective, RunDir(self.opened.run_dir)
         if self.resume is not None and run_dir.audits.exists():
             return  # audited when the run started: the resume's identity checks held it to that
@@ -488,6 +490,8 @@ class StepLoop:
                     f"(see {run_dir.audits})",
                     exit_code=ExitCode.FAILED,
                 )
+        if objective.eval_before_training and self.resume is None:
+            self.evaluate()
 
     def read(self, step: int, m: dict) -> None:
         record = host_metrics(m)

@@ -20,12 +20,17 @@ sections (PPO's rollouts against data.batch_size). ``tpulab.train.registry`` reg
 
 This module imports nothing of ``tpulab.train``: the registry and the run config import it.
 
+Before the first step of a fresh run the loop asks for ``audits(steps, state)``: checks of what
+the objective feeds its loss (mask counts, reduction counts, leakage),
+``{name: {"passed": bool, ...}}``.
+It writes them to the run's audits.json, logs them as an ``audits`` event and refuses to train when
+one failed, so a curve whose audits failed is never produced. ``eval_before_training`` asks for one
+evaluation of the starting parameters, logged at step 0. Step 1's record is already the loss
+before the first update: ``Update`` takes the loss at the incoming parameters.
+
 Every metric a step returns reaches metrics.jsonl, the hooks (MLflow) and the report: there is no
-key list to edit. Before the first step of a fresh run the loop asks for ``audits(steps, state)``:
-checks of what the objective feeds its loss (mask counts, reduction counts, leakage), written to
-the run's audits.json and logged; a failed one stops the run before any step. ``identities()``
-names, by digest, every model and dataset the run depends on; the loop records them in every
-checkpoint and refuses a resume when any of them changed.
+key list to edit. ``identities()`` names, by digest, every model and dataset the run depends on; the
+loop records them in every checkpoint and refuses a resume when any of them changed.
 
 Built for the objectives still to come as well: masked and contrastive losses on the byte model
 (another ``Loss`` through ``gradient_steps``), small image models on a bundled dataset (another
@@ -88,6 +93,8 @@ class Objective:
     needs: ClassVar[dict[str, str]] = {}  # shared settings it must be given -> what they name
     refuses: ClassVar[dict[str, str]] = {}  # shared settings it refuses -> why (for the error)
 
+    # evaluate the starting parameters (an ``eval`` event at step 0) before a fresh run's first step
+    eval_before_training: ClassVar[bool] = False
     produces: ClassVar[str] = "model"  # what its checkpoints hold, for objectives that read them
     # what a checkpoint's data must have been cut by (compared on resume); None: no tokenizer
     tokenizer: ClassVar[str | None] = None

@@ -187,6 +187,12 @@ def step_keys(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
     return carried, loss_key
 
 
+def input_gradients(fn: Callable[..., jax.Array], *inputs) -> tuple:
+    """The gradient of the scalar ``fn(*inputs)`` with respect to each of its inputs (never the
+    parameters, no optimizer): what an audit reads to see which inputs a loss depends on."""
+    return jax.grad(fn, argnums=tuple(range(len(inputs))))(*inputs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Update:
     """One optimizer step on a loss: the piece every objective's train step is built from.
@@ -293,6 +299,18 @@ def compile_steps(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Carried:
+    """What a one-loss objective's state carries beyond ``TrainState``'s fields (masked bytes: the
+    key its masks are drawn from), for ``gradient_steps``: ``start(state) -> state`` extends the
+    step-0 ``TrainState`` (into a NamedTuple with more fields); ``prepare(state, batch) -> (state,
+    batch)`` runs first in every train step (draws what the step needs, advances what it carries).
+    """
+
+    start: Callable[[TrainState], Any]
+    prepare: Callable[[Any, dict], tuple[Any, dict]]
+
+
 def gradient_steps(
     config: RunConfig,
     mesh: Mesh,
@@ -304,6 +322,7 @@ def gradient_steps(
     merge: Callable[[Any, Any], nnx.Module] | None = None,
     load_params: Callable[[], Any] | None = None,
     frozen: Any = None,
+    carried: Carried | None = None,
 ) -> Steps:
     """The steps of an objective that takes one optimizer step on ``loss`` per batch, with the
     run's optimizer (``config.optim``) and key (``config.seed``).
@@ -316,14 +335,17 @@ def gradient_steps(
     ``merge(params, frozen)`` is the model those parameters run in (default: ``graphdef`` merged
     with both). ``frozen`` is placed with the same sharding rules as the state and passed to every
     step; its bytes never change (checked by the loop at the end of a run). The key is split every
-    step: one half carried, one for dropout.
+    step: one half carried, one for dropout. ``carried``: a state with more fields (``Carried``).
     """
     update = Update.of(loss, config.optim)
 
     def start(params) -> TrainState:
-        return initial_state(update.tx, params, config.seed)
+        state = initial_state(update.tx, params, config.seed)
+        return state if carried is None else carried.start(state)
 
     def train_step(state: TrainState, frozen, batch):
+        if carried is not None:
+            state, batch = carried.prepare(state, batch)
         rng, dropout_key = step_keys(state.rng)
         return update(state._replace(rng=rng), frozen, batch, dropout_key)
 

@@ -7,6 +7,7 @@ from tpulab.train.objective import DataSource, Objective
 from tpulab.train.objectives.digits_cnn import DigitsCNN
 from tpulab.train.objectives.digits_mae import DigitsMAE
 from tpulab.train.objectives.dpo import DPO
+from tpulab.train.objectives.mlm import MLM
 from tpulab.train.objectives.ppo import PPO
 from tpulab.train.objectives.pretrain import Pretrain
 from tpulab.train.objectives.reward import Reward
@@ -18,6 +19,7 @@ __all__ = [
     "DPO",
     "DigitsCNN",
     "DigitsMAE",
+    "MLM",
     "PPO",
     "SFT",
     "PPOEnv",

@@ -34,7 +34,7 @@ from tpulab.config import check, field
 from tpulab.model.mae import MAE, MAEConfig, patchify
 from tpulab.train.objectives.digits import DigitsObjective, closed_form_audit
 from tpulab.train.registry import register_objective
-from tpulab.train.step import Steps
+from tpulab.train.step import Steps, input_gradients
 
 NORM_EPS = 1e-6  # added to a patch's variance before its pixels are standardised (MAE's)
 STEP1_RTOL = 1e-5
@@ -185,7 +185,7 @@ class DigitsMAE(DigitsObjective):
                 return s / jnp.maximum(c, 1.0)
 
             random_target = jax.random.uniform(target_key, x.shape)
-            g_input, g_target = jax.grad(through, argnums=(0, 1))(x, random_target)
+            g_input, g_target = input_gradients(through, x, random_target)
             return total / jnp.maximum(count, 1.0), count, masked, g_target, g_input
 
         return jax.jit(run)
