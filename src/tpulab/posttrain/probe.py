@@ -8,8 +8,8 @@ the digest its checkpoint names: pretraining never saw them), and trained on its
 
 - ``mae_linear_probe``: softmax regression on the frozen features;
 - ``pixels_logistic_regression``: the same trainer on the 64 raw pixels;
-- ``cnn``: a ``digits_cnn`` run (``cnn_config``) per seed, through the one training loop, on the
-  same partition; its held-out accuracy from the restored model.
+- ``cnn``: a ``digits_cnn`` run (``cnn``, its run config) per seed, through the one training
+  loop, on the same partition; its held-out accuracy from the restored model.
 
 Seed ``s`` sets the linear models' initialisation and minibatch order and the CNN run's ``seed``
 and ``data.shuffle_seed``; the partition stays the encoder's. The interval is Student's t over the
@@ -38,10 +38,11 @@ from tpulab.errors import TpulabError
 from tpulab.evidence.provenance import environment
 from tpulab.train.config import RunConfig
 from tpulab.train.loop import train
+from tpulab.train.objectives.digits_cnn import DigitsCNN
+from tpulab.train.registry import objective_class
 from tpulab.train.restore import Restored, load_model
 
 PROBE_JSON = "probe.json"
-SUPERVISED_KIND = "digits_cnn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +155,9 @@ def run_probe(encoder_dir: str | Path, out: str | Path, cnn: RunConfig, cfg: Pro
     """Every model over ``cfg.seeds`` seeds; writes ``out/probe.json`` (and the CNN runs under
     ``out/cnn/seed-<s>``) and returns its record. Nothing is written before every input is
     checked."""
-    if cnn.objective.kind != SUPERVISED_KIND:
+    if not issubclass(objective_class(cnn.objective.kind), DigitsCNN):
         raise TpulabError(
-            f"the supervised reference is a {SUPERVISED_KIND} run config, not "
+            f"the supervised reference is a {DigitsCNN.kind} run config, not "
             f"objective.kind={cnn.objective.kind}"
         )
     out = check_out(out)
