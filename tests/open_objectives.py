@@ -32,6 +32,7 @@ from tpulab import DataSource, Objective, gradient_steps, register_family, regis
 from tpulab.config import check, field
 from tpulab.data.pipeline import READ_OPTIONS, process_batches
 from tpulab.train import sharding
+from tpulab.train.objectives.digits_cnn import classifier_eval, classifier_loss
 from tpulab.train.restore import abstract_train_state
 from tpulab.train.step import Bound, Steps, optimizer, tree_all_finite
 
@@ -154,26 +155,14 @@ class Digits(Objective):
     def steps(self, mesh) -> Steps:
         graphdef, init_params = self._graph(self.config)
 
-        def loss(params, frozen, batch, key):
-            logits = nnx.merge(graphdef, params)(batch["x"])
-            xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-            accuracy = (logits.argmax(-1) == batch["y"]).mean()
-            return xent.mean(), {"accuracy": accuracy}
-
-        def evaluate(params, frozen, batch):
-            logits = nnx.merge(graphdef, params)(batch["x"])
-            xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-            w = batch["weight"]
-            right = (logits.argmax(-1) == batch["y"]) * w
-            return {"val_loss": ((xent * w).sum(), w.sum()), "val_accuracy": (right.sum(), w.sum())}
-
+        # the classifier's loss and evaluation are the platform's (the digits CNN's), reused
         return gradient_steps(
             self.config,
             mesh,
             graphdef=graphdef,
             init_params=init_params,
-            loss=loss,
-            evaluate=evaluate,
+            loss=classifier_loss(graphdef),
+            evaluate=classifier_eval(graphdef),
             merge=lambda params, frozen: nnx.merge(graphdef, params),
         )
 

@@ -75,12 +75,11 @@ def test_ci_runs_make_test_and_installs_nothing_itself():
     assert not any("apt-get" in s or "install" in s for s in lines)
 
 
-TEST_ONLY = {
-    *("pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "gymnasium", "scikit-learn")
-}
-# gymnasium brings Farama-Notifications, scikit-learn three more: pinned beside them (pip would
-# otherwise resolve them).
-TEST_PINNED = TEST_ONLY | {"farama-notifications", "joblib", "threadpoolctl", "narwhals"}
+TEST_ONLY = {*("pytest", "pytest-timeout", "pytest-xdist", "execnet", "ruff", "gymnasium")}
+# gymnasium brings Farama-Notifications: pinned beside it (pip would otherwise resolve it).
+# scikit-learn (tpulab.data.digits) is a main dependency now, with the three it brings.
+TEST_PINNED = TEST_ONLY | {"farama-notifications"}
+MAIN_PINNED = {"scikit-learn", "joblib", "threadpoolctl", "narwhals"}
 
 
 def _names(requirements: list[str]) -> set[str]:
@@ -91,6 +90,7 @@ def test_test_only_packages_are_an_extra_that_setup_installs():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert not _names(project["dependencies"]) & TEST_ONLY
     assert _names(project["optional-dependencies"]["test"]) == TEST_PINNED
+    assert MAIN_PINNED <= _names(project["dependencies"])
     assert "pip install -q -e '.[test]'" in (REPO / "Makefile").read_text()
     # negative control: the check reads a test package among the install requirements
     assert _names(["pytest==9.2.0", "libtpu==1; platform_system == 'Linux'"]) == {

@@ -1,13 +1,14 @@
 """Post-training stages that generate: ``tpulab pairs`` (sampled preference pairs), ``tpulab
 win-rate`` (gold-reward win rate of greedy replies) and ``tpulab posttrain`` (the preference chain
-from an SFT run: pairs, reward model, DPO and PPO, with its report section)."""
+from an SFT run: pairs, reward model, DPO and PPO, with its report section); and ``tpulab probe``
+(a pretrained image encoder read by a linear probe, against a CNN and the raw pixels)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tpulab.cli.args import checked_path, from_flags, path_arg
+from tpulab.cli.args import DEFAULT_CONFIG, add_config_args, checked_path, from_flags, path_arg
 from tpulab.errors import ExitCode
 
 
@@ -49,6 +50,22 @@ def cmd_posttrain(args) -> int:
     cache = compile_cache.enable(args.compile_cache)
     run_chain(checked_path(args.sft, "--sft"), args.out, compile_cache=cache)
     print(f"wrote {args.out}/chain.md and chain.json")
+    return ExitCode.OK
+
+
+def cmd_probe(args) -> int:
+    from tpulab.cli.args import load_run_config
+    from tpulab.posttrain.probe import PROBE_JSON, ProbeConfig, run_probe, summary_lines
+
+    cfg = from_flags(ProbeConfig, args)
+    if args.config is None:
+        args.config = DEFAULT_CONFIG.parent / "digits_cnn.yaml"
+    record = run_probe(
+        checked_path(args.encoder, "--encoder"), args.out, load_run_config(args), cfg
+    )
+    for line in summary_lines(record):
+        print(line)
+    print(f"wrote {args.out}/{PROBE_JSON}")
     return ExitCode.OK
 
 
@@ -96,3 +113,16 @@ def register(sub) -> None:
     p.add_argument("--out", type=path_arg, required=True, help="a new (or empty) directory")
     p.add_argument("--compile-cache", type=Path, help="JAX persistent compilation cache dir")
     p.set_defaults(handler=cmd_posttrain)
+
+    p = sub.add_parser(
+        "probe",
+        help="a linear probe on a pretrained image encoder's frozen features (digits_mae), against "
+        "a CNN (--config, default configs/digits_cnn.yaml) and logistic regression on the raw "
+        "pixels, each over --seeds seeds with a 95%% interval; writes DIR/probe.json",
+    )
+    p.add_argument("--encoder", type=path_arg, required=True, help="the pretraining run dir")
+    p.add_argument("--out", type=path_arg, required=True, help="a new (or empty) directory")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per model (at least 2)")
+    p.add_argument("--epochs", type=int, default=60, help="passes of each linear model")
+    add_config_args(p)
+    p.set_defaults(handler=cmd_probe)

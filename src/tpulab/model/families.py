@@ -4,8 +4,9 @@ reads as it did).
 
 A family is a config dataclass with a ``family`` field, registered with ``register_family`` and a
 ``param_count(config)`` (what the host-memory check sizes the train state by, from the config
-alone). The built-in ``transformer`` registers in ``tpulab.model.config`` (imported on the first
-lookup); a family outside ``tpulab`` is named by its import path, ``model.family:
+alone). The built-ins register in the modules of ``BUILTINS`` (imported on the first lookup): the
+``transformer`` in ``tpulab.model.config``, the image models ``cnn`` and ``mae_vit`` in their own
+files; a family outside ``tpulab`` is named by its import path, ``model.family:
 package.module:Config``, so a proof's fresh child processes import it again from their config.yaml.
 """
 
@@ -19,7 +20,13 @@ from typing import Any
 from tpulab.config import import_named
 from tpulab.errors import ConfigError
 
-BUILTINS = "tpulab.model.config"  # imported on the first lookup: it registers the transformer
+# name -> the module that registers it, imported when the name is first looked up (the image
+# models import flax: a run of another family never pays for them)
+BUILTINS = {
+    "transformer": "tpulab.model.config",
+    "cnn": "tpulab.model.cnn",
+    "mae_vit": "tpulab.model.mae",
+}
 DEFAULT_FAMILY = "transformer"
 
 
@@ -49,12 +56,16 @@ def register_family(name: str, param_count: Callable[[Any], int]) -> Callable[[t
 
 
 def registered() -> dict[str, Family]:
-    importlib.import_module(BUILTINS)
+    for module in BUILTINS.values():
+        importlib.import_module(module)
     return dict(_FAMILIES)
 
 
 def family(name: str) -> Family:
     """The family ``name`` names: registered, or ``package.module:Config``; else one line."""
+    if isinstance(name, str) and name in BUILTINS:
+        importlib.import_module(BUILTINS[name])
+        return _FAMILIES[name]
     known = registered()
     if isinstance(name, str) and name in known:
         return known[name]

@@ -179,6 +179,20 @@ def initial_state(tx: optax.GradientTransformation, params, seed: int) -> TrainS
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng)
 
 
+def step_keys(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the key carried to the next step, the key this step's loss is given): the one split of
+    the state's key per ``gradient_steps`` step, so an audit can recompute step 1's from step 0's
+    state (masks drawn from it, dropout)."""
+    carried, loss_key = jax.random.split(rng)
+    return carried, loss_key
+
+
+def input_gradients(fn: Callable[..., jax.Array], *inputs) -> tuple:
+    """The gradient of the scalar ``fn(*inputs)`` with respect to each of its inputs (never the
+    parameters, no optimizer): what an audit reads to see which inputs a loss depends on."""
+    return jax.grad(fn, argnums=tuple(range(len(inputs))))(*inputs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Update:
     """One optimizer step on a loss: the piece every objective's train step is built from.
@@ -332,7 +346,7 @@ def gradient_steps(
     def train_step(state: TrainState, frozen, batch):
         if carried is not None:
             state, batch = carried.prepare(state, batch)
-        rng, dropout_key = jax.random.split(state.rng)
+        rng, dropout_key = step_keys(state.rng)
         return update(state._replace(rng=rng), frozen, batch, dropout_key)
 
     return compile_steps(

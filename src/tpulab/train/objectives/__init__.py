@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from tpulab.train.objective import DataSource, Objective
+from tpulab.train.objectives.digits_cnn import DigitsCNN
+from tpulab.train.objectives.digits_mae import DigitsMAE
 from tpulab.train.objectives.dpo import DPO
 from tpulab.train.objectives.mlm import MLM
 from tpulab.train.objectives.ppo import PPO
@@ -15,6 +17,8 @@ from tpulab.train.registry import objective_class
 
 __all__ = [
     "DPO",
+    "DigitsCNN",
+    "DigitsMAE",
     "MLM",
     "PPO",
     "SFT",
