@@ -5,6 +5,7 @@ resumes and bad input."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -222,7 +223,8 @@ def test_lr_anneals_linearly_to_zero_as_cleanrl_does():
     for u in (1, 2, 245, 490, 979, 980):
         cleanrl = 2.5e-4 * (1.0 - (u - 1.0) / 980)
         for j in (0, 7, 15):
-            assert np.isclose(float(sched(16 * (u - 1) + j)), cleanrl, rtol=1e-5, atol=1e-12), u
+            # float32: the schedule is exact to about 1e-7 of lr
+            assert np.isclose(float(sched(16 * (u - 1) + j)), cleanrl, rtol=1e-5, atol=1e-10), u
     assert float(sched(15680)) == 0.0
     cosine = lr_schedule(dataclasses.replace(optim, decay="cosine", decay_every=1))
     assert abs(float(cosine(16 * 245)) - 2.5e-4 * 0.75) > 1e-5  # cosine: 0.854 lr, linear 0.75
@@ -265,7 +267,8 @@ def test_cartpole_learns_and_flipped_advantages_do_not(tmp_path):
     }
     flipped_config = tmp_path / "flipped.yaml"
     flipped_config.write_text(yaml.safe_dump(config))
-    env = {"PYTHONPATH": str(REPO / "tests")}
+    paths = (str(REPO / "tests"), os.environ.get("PYTHONPATH"))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     sets = ("--set", "train.steps=30", "--set", "optim.schedule_steps=1920", "--no-track")
     sets += ("--no-progress",)
     runs = {"normal": ["--config", str(CONFIG)], "flipped": ["--config", str(flipped_config)]}

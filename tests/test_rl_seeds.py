@@ -5,6 +5,7 @@ seeds; the key bug (every seed one key) failing the run; bad input refused in on
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from conftest import REPO, run_cli
 from tpulab.evidence import intervals
 
 CONFIG = REPO / "configs" / "cartpole.yaml"
+PYTHONPATH = os.environ.get("PYTHONPATH")
 # tiny: 4 envs x 16 steps, 2 PPO updates a loop step, 4 loop steps (512 env steps a seed)
 TINY = (
     "train.steps=4",
@@ -102,6 +104,37 @@ def test_the_vmapped_run_logs_each_seed_and_the_report_shows_them(seeds_run):
 
 
 @pytest.mark.slow
+def test_in_sequence_the_seeds_are_the_vmapped_lanes(seeds_run, tmp_path):
+    """--sequence: one run a seed (seed + i). Lane i of the vmapped run is that seed: the same
+    held-out score and episode returns; the losses equal to float32 rounding (vmap batches the
+    reductions, so the last bits may differ)."""
+    out = run_cli(
+        "seeds",
+        "--config",
+        str(CONFIG),
+        "--seeds",
+        "2",
+        "--sequence",
+        "--out",
+        str(tmp_path / "out"),
+        *_sets(),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads((tmp_path / "out" / "seeds.json").read_text())
+    vmapped = json.loads((seeds_run / "seeds.json").read_text())
+    assert r["mode"] == "sequence" and r["per_seed"] == vmapped["per_seed"][:2]
+    lanes = [json.loads(x) for x in (seeds_run / "run" / "metrics.jsonl").open()]
+    for i in range(2):
+        own = [json.loads(x) for x in (tmp_path / "out" / f"seed{i}" / "metrics.jsonl").open()]
+        own = [x for x in own if "loss" in x]
+        lane = [x for x in lanes if "loss" in x]
+        assert [x["episode_return"] for x in own] == [x[f"episode_return.seed{i}"] for x in lane]
+        got, want = [x["loss"] for x in own], [x[f"loss.seed{i}"] for x in lane]
+        assert np.allclose(got, want, rtol=1e-5, atol=0), (got, want)
+
+
+@pytest.mark.slow
 def test_identical_curves_across_seeds_fail_the_run(tmp_path):
     """Negative control: every lane given the run's one seed (tests/rl_variants.py) trains the
     same curves; the run fails in one line and says so in seeds.json."""
@@ -116,7 +149,7 @@ def test_identical_curves_across_seeds_fail_the_run(tmp_path):
         "--out",
         str(tmp_path / "out"),
         *sets,
-        env={"PYTHONPATH": str(REPO / "tests")},
+        env={"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO / "tests"), PYTHONPATH)))},
         timeout=600,
     )
     assert out.returncode == 1, out.stdout + out.stderr
