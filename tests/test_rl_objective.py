@@ -1,9 +1,11 @@
-"""PPO on CartPole (``objective.kind: ppo_env``) on the one loop: the truncation rule, a train,
-a bitwise kill/resume proof with its negative control, a refused resume and bad input."""
+"""PPO on CartPole (``objective.kind: ppo_env``) on the one loop: the truncation rule, cleanrl's
+lr annealing, a train, a bitwise kill/resume proof with its negative control, chaos, refused
+resumes and bad input."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -14,9 +16,11 @@ from conftest import REPO, run_cli
 from tpulab.train.objectives.rl_ppo import gae, td_targets
 
 CONFIG = REPO / "configs" / "cartpole.yaml"
-# tiny: 4 envs x 16 steps, 2 PPO updates per loop step, 16 loop steps = 2,048 env steps
+# tiny: 4 envs x 16 steps, 2 PPO updates per loop step, 16 loop steps = 2,048 env steps; the lr
+# anneals over the run's 16 x 2 x 4 x 4 = 512 optimizer steps
 TINY = (
     "train.steps=16",
+    "optim.schedule_steps=512",
     "objective.ppo_env.num_steps=16",
     "objective.ppo_env.updates_per_step=2",
     "train.log_every=1",
@@ -130,10 +134,52 @@ def test_ppo_env_resume_without_the_key_fails_the_verdict(proof, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resume_with_other_total_steps_is_refused_and_changes_nothing(proof):
+    """train.steps may change on resume for other objectives; PPO's lr schedule is sized by it."""
+    run = proof / "proof" / "reference"
+    before = _tree(run)
+    out = run_cli(
+        "train",
+        *_args("train.steps=20", "optim.schedule_steps=640"),
+        "--run-dir",
+        str(run),
+        "--no-track",
+    )
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "train.steps: 16 -> 20 (objective.kind=ppo_env)" in out.stderr, out.stderr
+    assert _tree(run) == before
+
+
+@pytest.mark.slow
+def test_ppo_env_survives_chaos(proof, tmp_path):
+    """`tpulab chaos` on the RL config: SIGKILLs at random moments (start-up, a chunk, a save in
+    flight), a fresh process resuming each time; every logged step and the whole final state
+    (environments, key, episode accumulators) equal the uninterrupted run's, bitwise."""
+    out = run_cli(
+        "chaos",
+        *_args(),
+        "--run-dir",
+        str(tmp_path / "chaos"),
+        "--kills",
+        "2",
+        "--seed",
+        "3",
+        "--reference",
+        str(proof / "proof" / "reference"),
+        "--no-track",
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    v = json.loads((tmp_path / "chaos" / "chaos" / "verdict.json").read_text())
+    assert v["identical"] and v["final_state_identical"] and v["kills"] == 2, v
+    assert "env_state (x" in v["final_state_compared"], v["final_state_compared"]
+
+
+@pytest.mark.slow
 def test_a_resume_with_another_num_envs_is_refused_and_changes_nothing(proof):
     run = proof / "proof" / "reference"
     before = _tree(run)
-    args = _args("objective.ppo_env.num_envs=8", "train.steps=20")
+    args = _args("objective.ppo_env.num_envs=8")
     out = run_cli("train", *args, "--run-dir", str(run), "--no-track")
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert _tree(run) == before
@@ -152,6 +198,9 @@ def test_a_resume_with_another_num_envs_is_refused_and_changes_nothing(proof):
         (["objective.ppo_env.ent_coef=nan"], "ppo_env.ent_coef' must be a finite number"),
         (["objective.ppo_env.vf_coef=inf"], "ppo_env.vf_coef' must be a finite number"),
         (["objective.ppo_env.num_envs=0"], "num_envs=0 must be a positive integer"),
+        (["objective.ppo_env.seeds=0"], "seeds=0 must be a positive integer"),
+        (["optim.schedule_steps=500"], "optim.schedule_steps=500 must be the run's optimizer"),
+        (["optim.decay=step"], "optim.decay"),
     ],
 )
 def test_bad_ppo_env_settings_are_one_line_and_write_nothing(tmp_path, sets, why):
@@ -159,6 +208,26 @@ def test_bad_ppo_env_settings_are_one_line_and_write_nothing(tmp_path, sets, why
     out = run_cli("train", *_args(*sets), "--run-dir", str(run), "--no-track")
     assert out.returncode != 0 and why in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_lr_anneals_linearly_to_zero_as_cleanrl_does():
+    """configs/cartpole.yaml's schedule: update u (1-based, of 980) runs all its 16 minibatch steps
+    at cleanrl's ``lr * (1 - (u - 1) / 980)``; control: the platform's cosine does not."""
+    import dataclasses
+
+    from tpulab import load_config
+    from tpulab.train.step import lr_schedule
+
+    optim = load_config(CONFIG, []).optim
+    sched = lr_schedule(optim)
+    for u in (1, 2, 245, 490, 979, 980):
+        cleanrl = 2.5e-4 * (1.0 - (u - 1.0) / 980)
+        for j in (0, 7, 15):
+            # float32: the schedule is exact to about 1e-7 of lr
+            assert np.isclose(float(sched(16 * (u - 1) + j)), cleanrl, rtol=1e-5, atol=1e-10), u
+    assert float(sched(15680)) == 0.0
+    cosine = lr_schedule(dataclasses.replace(optim, decay="cosine", decay_every=1))
+    assert abs(float(cosine(16 * 245)) - 2.5e-4 * 0.75) > 1e-5  # cosine: 0.854 lr, linear 0.75
 
 
 def test_actor_critic_init_is_orthogonal_with_zero_biases():
@@ -198,8 +267,10 @@ def test_cartpole_learns_and_flipped_advantages_do_not(tmp_path):
     }
     flipped_config = tmp_path / "flipped.yaml"
     flipped_config.write_text(yaml.safe_dump(config))
-    env = {"PYTHONPATH": str(REPO / "tests")}
-    sets = ("--set", "train.steps=30", "--no-track", "--no-progress")
+    paths = (str(REPO / "tests"), os.environ.get("PYTHONPATH"))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    sets = ("--set", "train.steps=30", "--set", "optim.schedule_steps=1920", "--no-track")
+    sets += ("--no-progress",)
     runs = {"normal": ["--config", str(CONFIG)], "flipped": ["--config", str(flipped_config)]}
     last = {}
     for name, config_args in runs.items():

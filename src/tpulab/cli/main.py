@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         perf_cmds,
         posttrain_cmds,
         scale_cmds,
+        seeds_cmds,
         track_cmds,
         train_cmds,
     )
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         ops_cmds,
         ops_image_cmds,
         posttrain_cmds,
+        seeds_cmds,
     ):
         module.register(sub)
     return parser

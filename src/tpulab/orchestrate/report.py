@@ -78,7 +78,9 @@ def run_section(run_dir: Path) -> str:
         ("final train loss", f"{summary.final_loss:.4f}"),
         (
             "final validation loss",
-            f"{summary.final_val_loss:.4f} (held-out whole documents)",
+            f"{summary.final_val_loss:.4f} (held-out whole documents)"
+            if summary.final_val_loss is not None
+            else "n/a (the objective evaluates no val_loss)",
         ),
         (
             "steady-state throughput",
@@ -255,8 +257,11 @@ def build_report(d: str | Path) -> str:
         raise TpulabError(f"{d} is not a directory")
     run_dir = find_run_dir(d)
     proof, chaos = RunDir(d).proof, RunDir(d).chaos
-    if run_dir is None and not proof.verdict.exists() and not chaos.verdict.exists():
-        raise TpulabError(f"{d} holds no run ({rundir.ENV} and {METRICS}), proof or chaos evidence")
+    seeds = d / "seeds.md"  # tpulab seeds: its section, written with its figure
+    if run_dir is None and not any(p.exists() for p in (proof.verdict, chaos.verdict, seeds)):
+        raise TpulabError(
+            f"{d} holds no run ({rundir.ENV} and {METRICS}), proof, chaos or seeds evidence"
+        )
     sections = []
     if run_dir is not None:
         rel = run_dir.relative_to(d).as_posix()
@@ -285,6 +290,8 @@ def build_report(d: str | Path) -> str:
         sections.append(
             chaos_section(chaos.root, rundir.CHAOS) + "\n\n" + chaos_goodput(chaos.root)
         )
+    if seeds.exists():
+        sections.append(seeds.read_text())
     if (d / "checks.json").exists():
         sections.append(checks_section(read_json(d / "checks.json")["rows"]))
     if (d / "inference" / "inference.md").exists():

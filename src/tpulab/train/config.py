@@ -32,14 +32,22 @@ MIN_NORMAL_FLOAT32 = 2.0**-126  # also bfloat16's: the two share an exponent ran
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+    """AdamW with linear warmup, a cosine (or linear) decay and global-norm clipping."""
 
     lr: float = field(3e-3, "peak learning rate")
     warmup_steps: int = field(50, "linear warmup from 0 to lr")
     schedule_steps: int = field(
-        300, "cosine decay horizon (steps); lr stays at its floor afterwards"
+        300, "decay horizon (steps, warmup included); lr stays at its floor afterwards"
     )
-    min_lr_ratio: float = field(0.1, "floor of the cosine decay, as a fraction of lr")
+    min_lr_ratio: float = field(0.1, "floor of the decay, as a fraction of lr")
+    decay: Literal["cosine", "linear"] = field(
+        "cosine", "shape of the decay after warmup: cosine | linear (cleanrl's PPO annealing)"
+    )
+    decay_every: int = field(
+        1,
+        "hold the lr over blocks of this many optimizer steps, the schedule read at each block's "
+        "first step (cleanrl's PPO: one block per update, epochs x minibatches)",
+    )
     b1: float = field(0.9, "Adam first-moment decay")
     b2: float = field(0.99, "Adam second-moment decay")
     eps: float = field(1e-8, "Adam epsilon")
@@ -75,6 +83,7 @@ class OptimConfig:
         check_int(
             self.schedule_steps, "optim.schedule_steps", 1, INT32_MAX, "optax counts steps in int32"
         )
+        check_int(self.decay_every, "optim.decay_every", 1, INT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)

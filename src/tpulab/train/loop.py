@@ -74,17 +74,24 @@ def check_resume_identity(
     force: bool,
     identities: dict[str, str] | None = None,
     tokenizer: str | None = TOKENIZER,
+    fixed: tuple[str, ...] = (),
 ) -> list[str]:
     """Differences that make a resume not the same run; raises unless ``force``.
 
-    The config (all but resume-mutable fields), the data identity, the tokenizer and every identity
-    the objective names (an init checkpoint's digest, a dataset's) must match the checkpoint's.
+    The config (all but resume-mutable fields, and those of them the objective fixes: ``fixed``,
+    dotted keys), the data identity, the tokenizer and every identity the objective names (an init
+    checkpoint's digest, a dataset's) must match the checkpoint's.
     """
     saved = meta.get("config", {})
     for section, cls in (("mesh", MeshConfig), ("objective", ObjectiveConfig)):
         if section not in saved:  # written before the section existed: it used the default
             saved = {**saved, section: to_dict(cls())}
-    diffs = identity_diff(RunConfig, saved, to_dict(config))
+    now = to_dict(config)
+    diffs = identity_diff(RunConfig, saved, now)
+    for key in fixed:
+        old, new = _dotted(saved, key), _dotted(now, key)
+        if old != new:
+            diffs.append(f"{key}: {old!r} -> {new!r} (objective.kind={config.objective.kind})")
     if meta.get("corpus_identity") != corpus_identity:
         diffs.append(
             f"corpus identity: {str(meta.get('corpus_identity'))[:12]}… -> {corpus_identity[:12]}…"
@@ -107,6 +114,12 @@ def check_resume_identity(
             f"(use {hint}--force to resume anyway)"
         )
     return diffs
+
+
+def _dotted(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
 
 
 def check_topology(meta: dict, here: dict, force: bool) -> None:
@@ -269,7 +282,15 @@ def open_run(config: RunConfig, run_dir: Path, force: bool, objective: Objective
                 f"{run_dir} holds a merged model, not a training state (no optimizer state or "
                 f"data position); start a new run from it with objective.init={run_dir}"
             )
-        check_resume_identity(saved, config, data.identity, force, identities, objective.tokenizer)
+        check_resume_identity(
+            saved,
+            config,
+            data.identity,
+            force,
+            identities,
+            objective.tokenizer,
+            objective.fixed_on_resume,
+        )
     return OpenRun(
         config, run_dir, mesh, objective, data, identities, fallbacks, meta, found.latest
     )

@@ -54,6 +54,11 @@ Batch = dict[str, np.ndarray]
 SHARED = ("init", "data", "reference", "reward_model", "init_fallback", "lora")
 
 
+def lane_metric(name: str, lane: int) -> str:
+    """The name seed ``lane`` of a run that trains seeds together logs its ``name`` under."""
+    return f"{name}.seed{lane}"
+
+
 @dataclasses.dataclass(frozen=True)
 class DataSource:
     """Where an objective's batches come from, as the loop sees them."""
@@ -95,6 +100,19 @@ class Objective:
 
     # evaluate the starting parameters (an ``eval`` event at step 0) before a fresh run's first step
     eval_before_training: ClassVar[bool] = False
+
+    # resume-mutable settings whose change this objective's math depends on (dotted keys, e.g.
+    # train.steps when its schedule is sized by the run's length): a resume that changes one is
+    # refused as a changed config is
+    fixed_on_resume: ClassVar[tuple[str, ...]] = ()
+
+    # ``tpulab seeds``: the ``Config`` field that sets how many seeds one run trains together
+    # (None: this objective does not), the per-seed metrics its steps log (``lane_metric``; the
+    # first is the score curve) and the metric they are plotted against
+    seeds_option: ClassVar[str | None] = None
+    seed_curves: ClassVar[tuple[str, ...]] = ()
+    seed_x: ClassVar[str] = "step"
+
     produces: ClassVar[str] = "model"  # what its checkpoints hold, for objectives that read them
     # what a checkpoint's data must have been cut by (compared on resume); None: no tokenizer
     tokenizer: ClassVar[str | None] = None
@@ -128,6 +146,12 @@ class Objective:
         """The parameters of the plain model a restored run computes with (adapters merged, a
         value head left out): the state's params by default."""
         return restored.state.params
+
+    @classmethod
+    def seed_scores(cls, config: Any, state: Any) -> list[float]:
+        """The held-out score of each seed's final policy in ``state`` (``seeds_option`` seeds,
+        in lane order): what ``tpulab seeds`` aggregates."""
+        raise NotImplementedError(f"{cls.__qualname__}.seed_scores")
 
     def run_facts(self, steps: Any, state: Any) -> dict:
         """What a run records in env.json and the tracker: ``param_count`` (the built model's),

@@ -57,9 +57,23 @@ def masked_xent(
 
 
 def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup_steps, cfg.schedule_steps, end_value=cfg.lr * cfg.min_lr_ratio
-    )
+    """Linear warmup from 0, then a cosine or linear decay to ``min_lr_ratio * lr`` at
+    ``schedule_steps``; with ``decay_every`` k > 1, step s reads the schedule at s - s % k
+    (cleanrl's PPO: lr * (1 - (update - 1) / updates), constant over an update's minibatches)."""
+    end = cfg.lr * cfg.min_lr_ratio
+    if cfg.decay == "cosine":
+        base = optax.warmup_cosine_decay_schedule(
+            0.0, cfg.lr, cfg.warmup_steps, cfg.schedule_steps, end_value=end
+        )
+    else:
+        base = optax.linear_schedule(cfg.lr, end, cfg.schedule_steps - cfg.warmup_steps)
+        if cfg.warmup_steps:
+            warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+            base = optax.join_schedules([warmup, base], [cfg.warmup_steps])
+    if cfg.decay_every == 1:
+        return base
+    k = cfg.decay_every
+    return lambda step: base(step - step % k)
 
 
 def optimizer(cfg: OptimConfig) -> optax.GradientTransformation:

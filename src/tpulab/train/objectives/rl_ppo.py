@@ -8,6 +8,11 @@ jitted chunk of ``updates_per_step`` PPO updates, each a rollout of ``num_envs``
 (``tpulab.envs.rollout``: vmap + scan), GAE as a reverse scan, then ``epochs`` x ``minibatches``
 optimizer steps through the one ``step.Update`` (global-norm clipping, Adam, the run's schedule).
 Truncated transitions bootstrap from V(final_obs); terminated ones from nothing (``td_targets``).
+
+``seeds`` > 1 trains that many seeds in one program: every leaf of the state but ``step`` gets
+a leading lane axis (lane i starts from ``seed + i``) and the chunk is ``vmap``ped over it; each
+lane's ``episode_return`` and ``loss`` are logged (``lane_metric``) and ``seed_scores`` scores each
+lane's greedy policy on held-out episodes (``tpulab seeds``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from tpulab.config import check, field
 from tpulab.envs.base import make
 from tpulab.envs.rollout import RolloutState, rollout
 from tpulab.train import sharding
-from tpulab.train.objective import DataSource, Objective
+from tpulab.train.objective import DataSource, Objective, lane_metric
 from tpulab.train.registry import register_objective
 from tpulab.train.step import Update, compile_steps, optimizer
 
@@ -43,6 +48,12 @@ class PPOEnvState(NamedTuple):
     episodes: jax.Array  # int32: episodes finished since step 0
     truncations: jax.Array  # int32: of which cut off by the time limit
     last_return: jax.Array  # float32: mean return of the episodes the latest chunk finished
+
+
+# vmap axes of a state with a lane (seed) axis: the loop's step count is shared
+LANES = PPOEnvState(None, *([0] * (len(PPOEnvState._fields) - 1)))
+# the held-out episodes every seed is scored on: no training key is drawn from this one
+HELD_OUT = 2**31 - 1
 
 
 class _Inner(NamedTuple):
@@ -117,10 +128,13 @@ class PPOEnv(Objective):
         ent_coef: float = field(0.01, "entropy bonus coefficient")
         clip_vloss: bool = field(True, "clip the value loss as cleanrl does")
         norm_adv: bool = field(True, "normalise advantages per minibatch")
+        seeds: int = field(1, "seeds trained together (vmapped): lane i starts from seed + i")
+        eval_episodes: int = field(32, "held-out episodes each seed's greedy policy is scored on")
 
         def __post_init__(self):
             make(self.env)  # an unknown name: one line listing the registered ones
-            for name in ("num_envs", "num_steps", "updates_per_step", "epochs", "minibatches"):
+            names = ("num_envs", "num_steps", "updates_per_step", "epochs", "minibatches")
+            for name in (*names, "seeds", "eval_episodes"):
                 v = getattr(self, name)
                 check(
                     isinstance(v, int) and not isinstance(v, bool) and v >= 1,
@@ -145,6 +159,39 @@ class PPOEnv(Objective):
             for name in ("vf_coef", "ent_coef"):
                 check(getattr(self, name) >= 0, f"objective.ppo_env.{name} must be >= 0")
 
+    # the lr schedule is sized by the run's length (cleanrl anneals to 0 over the run): a resume
+    # that changes it would change the past schedule
+    fixed_on_resume = ("train.steps",)
+    seeds_option = "seeds"
+    seed_curves = ("episode_return", "loss")
+    seed_x = "env_steps"
+
+    @classmethod
+    def check_run(cls, config) -> None:
+        o = config.objective.options
+        per = f"{config.train.steps} x {o.updates_per_step} x {o.epochs} x {o.minibatches}"
+        total = config.train.steps * o.updates_per_step * o.epochs * o.minibatches
+        check(
+            config.optim.schedule_steps == total,
+            f"optim.schedule_steps={config.optim.schedule_steps} must be the run's optimizer "
+            f"steps, train.steps x updates_per_step x epochs x minibatches = {per} = {total}, so "
+            f"the lr anneals over the run (set optim.schedule_steps={total})",
+        )
+
+    @classmethod
+    def lane_seeds(cls, config) -> list[int]:
+        """The seed each lane starts from: ``seed``, ``seed + 1``, ..."""
+        return [config.seed + i for i in range(config.objective.options.seeds)]
+
+    @classmethod
+    def _lanes(cls, config, fn, axes=LANES):
+        """``fn(seed)`` on the one seed, or vmapped over the lanes' seeds."""
+        seeds = cls.lane_seeds(config)
+        if len(seeds) == 1:
+            return lambda *a: fn(*a, seeds[0])
+        lanes = jnp.asarray(seeds, jnp.int32)
+        return lambda *a: jax.vmap(fn, out_axes=axes)(*a, lanes)
+
     @staticmethod
     def surrogate(adv, ratio, clip: float):
         """The policy loss: PPO's clipped surrogate, negated (minimised). A variant of PPO is a
@@ -164,19 +211,20 @@ class PPOEnv(Objective):
         env, _ = cls._env(config)
         obs = int(np.prod(env.obs_shape))
 
-        def build():
-            return ActorCritic(obs, env.num_actions, o.hidden, rngs=nnx.Rngs(config.seed))
+        def build(seed):
+            rngs = nnx.Rngs(jax.random.key(seed))  # what nnx.Rngs(int) makes; a traced seed too
+            return ActorCritic(obs, env.num_actions, o.hidden, rngs=rngs)
 
-        graphdef, _ = nnx.split(nnx.eval_shape(build))
-        return graphdef, lambda: nnx.split(build())[1]
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: build(config.seed)))
+        return graphdef, cls._lanes(config, lambda seed: nnx.split(build(seed))[1], axes=0)
 
     @classmethod
     def _start(cls, config, tx):
         o = config.objective.options
         env, env_params = cls._env(config)
 
-        def start(params) -> PPOEnvState:
-            key = jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+        def start(params, seed) -> PPOEnvState:
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)
             key, env_key = jax.random.split(key)
             keys = jax.random.split(env_key, o.num_envs)
             obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(keys, env_params)
@@ -194,7 +242,7 @@ class PPOEnv(Objective):
                 last_return=jnp.zeros((), jnp.float32),
             )
 
-        return start
+        return cls._lanes(config, start)
 
     @classmethod
     def abstract_state(cls, config, mesh):
@@ -323,21 +371,38 @@ class PPOEnv(Objective):
             )
             return new, metrics
 
-        def train_step(state: PPOEnvState, frozen, _batch):
+        counts = ("episodes_finished", "truncated")
+
+        def chunk(state: PPOEnvState):  # one lane's K updates, summed up
             state, metrics = jax.lax.scan(one_update, state, None, length=o.updates_per_step)
-            counts = ("episodes_finished", "truncated")
             out = {k: (v.sum() if k in counts else v.mean()) for k, v in metrics.items()}
             out["lr"] = metrics["lr"][-1]
             out["episode_return"] = state.last_return
-            out["env_steps"] = (state.step + 1) * o.updates_per_step * batch
+            return state, out
+
+        def train_step(state: PPOEnvState, frozen, _batch):
+            if o.seeds == 1:
+                state, out = chunk(state)
+            else:  # every lane, then their sums (counts) and means, and each lane's curves
+                state, lanes = jax.vmap(chunk, in_axes=(LANES,), out_axes=(LANES, 0))(state)
+                out = {k: (v.sum() if k in counts else v.mean()) for k, v in lanes.items()}
+                for name in self.seed_curves:
+                    out.update({lane_metric(name, i): lanes[name][i] for i in range(o.seeds)})
+            out["env_steps"] = (state.step + 1) * o.updates_per_step * batch  # per seed
             return state._replace(step=state.step + 1), out
 
-        def evaluate(params, frozen, b):
+        def evaluate_lane(params, b):
             logits, value = nnx.merge(graphdef, params)(b["obs"])
             logp = jax.nn.log_softmax(logits)
             ent = -(jnp.exp(logp) * logp).sum(-1)
             n = jnp.float32(b["obs"].shape[0])
             return {"val_value": (value.sum(), n), "val_entropy": (ent.sum(), n)}
+
+        def evaluate(params, frozen, b):
+            if o.seeds == 1:
+                return evaluate_lane(params, b)
+            lanes = jax.vmap(evaluate_lane, in_axes=(0, None))(params, b)
+            return jax.tree.map(jnp.sum, lanes)
 
         return compile_steps(
             mesh=mesh,
@@ -350,10 +415,42 @@ class PPOEnv(Objective):
             init_params=init_params,
         )
 
+    @classmethod
+    def seed_scores(cls, config, state) -> list[float]:
+        """Each lane's greedy policy (argmax) on ``eval_episodes`` held-out episodes (the same for
+        every seed and every config: keys from ``HELD_OUT``, never a training key): the mean
+        return, each episode run to its end (``max_steps`` at most)."""
+        o = config.objective.options
+        env, env_params = cls._env(config)
+        graphdef, _ = cls._graph(config)
+        reset_key, step_key = jax.random.split(jax.random.PRNGKey(HELD_OUT))
+        resets = jax.random.split(reset_key, o.eval_episodes)
+        steps = jax.random.split(step_key, env_params.max_steps)
+        step_envs = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+
+        def score(params, _seed=None):
+            model = nnx.merge(graphdef, params)
+            obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(resets, env_params)
+
+            def one(carry, key):
+                obs, env_state, ret, alive = carry
+                action = jnp.argmax(model(obs)[0], axis=-1)
+                keys = jax.random.split(key, o.eval_episodes)
+                obs, env_state, r, term, trunc, _ = step_envs(keys, env_state, action, env_params)
+                return (obs, env_state, ret + r * alive, alive & ~(term | trunc)), None
+
+            ret = jnp.zeros((o.eval_episodes,), jnp.float32)
+            alive = jnp.ones((o.eval_episodes,), bool)
+            (_, _, ret, _), _ = jax.lax.scan(one, (obs, env_state, ret, alive), steps)
+            return ret.mean()
+
+        scores = jax.jit(cls._lanes(config, score, axes=0))(state.params)
+        return [float(x) for x in np.atleast_1d(np.asarray(scores))]
+
     def run_facts(self, steps, state) -> dict:
         o = self.options
         env, _ = self._env(self.config)
-        per = o.updates_per_step * o.num_envs * o.num_steps
+        per = o.seeds * o.updates_per_step * o.num_envs * o.num_steps
         return {
             "param_count": int(sum(x.size for x in jax.tree.leaves(state.params))),
             "shapes": {
@@ -363,6 +460,7 @@ class PPOEnv(Objective):
                 "obs": int(np.prod(env.obs_shape)),
                 "actions": env.num_actions,
                 "hidden": o.hidden,
+                "seeds": o.seeds,
             },
             "work": {"unit": "env steps", "per_step": per},
         }
