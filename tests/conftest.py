@@ -38,6 +38,9 @@ LONGEST_FIRST = (
     "test_serve",  # 192
     "test_serve_ready",  # new in 77ce712: four real service starts and six signal trials
     "test_export",  # 168
+    "test_rl_objective",  # new: ~125 CPU-s at load 7 (chaos, prove-resume, learning check)
+    "test_digits_vision",  # new: ~100 CPU-s (two prove-resumes, audits, probe)
+    "test_mlm",  # new: ~100 CPU-s (audits' 4-device child, prove-resume)
     "test_image",  # 157
     "test_ppo",  # 147
     "test_kvcache",  # 139
@@ -53,6 +56,7 @@ LONGEST_FIRST = (
     "test_dossier",  # 88
     "test_generate",  # 77
     "test_capstone",  # 74
+    "test_rl_seeds",  # new: ~60 CPU-s
 )
 
 

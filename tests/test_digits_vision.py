@@ -104,8 +104,8 @@ def test_resume_is_bitwise_and_the_run_records_its_audits_and_partition(proofs, 
 
 def test_a_resume_on_another_partition_is_refused(proofs):
     from tpulab.checkpoint.store import read_meta, scan
-    from tpulab.train.loop import check_resume_identity
     from tpulab.train.objectives.digits_mae import DigitsMAE
+    from tpulab.train.resume_checks import check_resume_identity
 
     ckpts = proofs["mae"] / "proof" / "reference" / "checkpoints"
     meta = read_meta(ckpts / str(scan(ckpts).latest))

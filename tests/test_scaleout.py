@@ -151,7 +151,7 @@ def test_processes_draw_disjoint_rows_whose_union_is_the_single_process_batch(pr
 
 
 def test_a_resume_on_another_topology_is_refused_unless_forced():
-    from tpulab.train.loop import check_topology
+    from tpulab.train.resume_checks import check_topology
 
     saved = {"mesh": {"data": 2, "fsdp": 2}, "process_count": 2, "device_count": 4}
     here = {"mesh": {"data": 1, "fsdp": 1}, "process_count": 1, "device_count": 1}
@@ -234,7 +234,7 @@ def test_a_checkpoint_from_before_meshes_counts_as_the_default_mesh():
     from conftest import tiny_config
     from tpulab.config import to_dict
     from tpulab.data.tokenizer import DEFINITION
-    from tpulab.train.loop import check_resume_identity
+    from tpulab.train.resume_checks import check_resume_identity
 
     config = tiny_config()
     old = to_dict(config)

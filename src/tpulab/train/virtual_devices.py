@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tpulab.checkpoint.rundir import CONFIG, write_config
-from tpulab.errors import TpulabError
+from tpulab.errors import ExitCode, TpulabError
 
 ARRAYS, RESULT = "arrays.npz", "result.json"
 TIMEOUT_S = 300
@@ -49,7 +49,7 @@ def on_devices(config, function: str, arrays: dict[str, np.ndarray], devices: in
             raise TpulabError(
                 f"{function} on {devices} virtual devices: no answer in {TIMEOUT_S} s"
             ) from None
-        if proc.returncode != 0:
+        if proc.returncode != ExitCode.OK:
             last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise TpulabError(f"{function} on {devices} virtual devices failed: {last}")
         return json.loads((Path(tmp) / RESULT).read_text())
